@@ -1,0 +1,111 @@
+"""Conversation sources: JSONL (OpenAI `messages` or ShareGPT `conversations`), HF datasets saved
+to disk, parquet; several sources mixed with sampling weights."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import Eagle3Error
+
+BUILTIN_PROMPTS = Path(__file__).resolve().parent / "builtin" / "prompts.jsonl"
+
+
+class DataError(Eagle3Error):
+    """A data source is missing or holds a record eagle3 cannot read."""
+
+
+@dataclass
+class Record:
+    raw: dict
+    origin: str  # "file:line" or "dataset[index]", for error messages
+
+
+@dataclass
+class ReadReport:
+    bad_records: int = 0
+    bad_examples: list = field(default_factory=list)
+
+    def bad(self, origin: str, why: str) -> None:
+        self.bad_records += 1
+        if len(self.bad_examples) < 5:
+            self.bad_examples.append(f"{origin}: {why}")
+
+
+def detect_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if path.is_dir():
+        return "hf_disk"
+    if path.suffix == ".parquet":
+        return "parquet"
+    return "jsonl"
+
+
+def read_jsonl(path: Path, on_bad: str, report: ReadReport) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            origin = f"{path}:{lineno}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                if not isinstance(obj, dict):
+                    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+            except (UnicodeDecodeError, ValueError) as e:
+                why = "bytes that are not UTF-8" if isinstance(e, UnicodeDecodeError) else f"malformed JSON ({e})"
+                if on_bad == "skip":
+                    report.bad(origin, why)
+                    continue
+                raise DataError(f"{origin}: {why}. Fix the line, or pass data.on_bad_record=skip to "
+                                f"count and skip bad records.") from None
+            yield Record(obj, origin)
+
+
+def read_hf(path: Path, fmt: str, split: str) -> Iterator[Record]:
+    import datasets
+
+    if fmt == "parquet":
+        ds = datasets.Dataset.from_parquet(str(path))
+    else:
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"{path} is a DatasetDict without split {split!r} (has {list(ds)}); "
+                                f"set data.sources[].split")
+            ds = ds[split]
+    for i, row in enumerate(ds):
+        yield Record(row, f"{path}[{i}]")
+
+
+def read_source(path: str | Path, fmt: str, split: str, on_bad: str, report: ReadReport) -> list[Record]:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"data source {str(path)!r} does not exist (set data.path=FILE or data.sources)")
+    fmt = detect_format(path, fmt)
+    if fmt in ("jsonl", "messages", "sharegpt"):
+        return list(read_jsonl(path, on_bad, report))
+    return list(read_hf(path, fmt, split))
+
+
+def source_list(data_cfg) -> list[tuple[str, str, float, str]]:
+    """(path, format, weight, split) for every configured source; the built-in set by default."""
+    if data_cfg.sources:
+        return [(s.path, s.format, s.weight, s.split) for s in data_cfg.sources]
+    if data_cfg.path:
+        return [(data_cfg.path, data_cfg.format, 1.0, "train")]
+    if not BUILTIN_PROMPTS.exists():
+        raise DataError(f"the built-in prompt set {BUILTIN_PROMPTS} is missing from this install")
+    return [(str(BUILTIN_PROMPTS), "messages", 1.0, "train")]
+
+
+def apply_weight(items: list, weight: float, rng: random.Random) -> list:
+    """A weight scales a source's share: 2.0 takes each record twice, 0.5 a random half."""
+    whole, frac = int(math.floor(weight)), weight - math.floor(weight)
+    out = items * whole
+    if frac > 0:
+        out += rng.sample(items, int(round(frac * len(items))))
+    return out

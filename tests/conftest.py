@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny real targets (tokenizer + random Llama) built offline, and composed configs.
+
+vLLM in tests runs in-process on the CPU; the environment below must be set before it is imported.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "Explain why the sky is blue. Rayleigh scattering makes shorter wavelengths scatter more.",
+    "Write a short poem about the sea, the waves and the wind at night.",
+    "What is 12 * 7? It is 84. And 100 - 37 = 63.",
+    "import numpy as np\nfor i in range(10):\n    print(i ** 2)\n",
+    "Summarize: the meeting moved to Tuesday; bring the report and the slides.",
+] * 20
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_template: str = CHATML_TEMPLATE):
+    """A byte-level BPE tokenizer (any unicode text encodes) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_llama(out_dir: Path, num_layers: int = 4, hidden: int = 64, seed: int = 0,
+                     tokenizer_vocab: int = 384, **overrides) -> Path:
+    """A random float32 Llama with head_dim 32 (vLLM's CPU attention needs >= 32) and a tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir, vocab_size=tokenizer_vocab)
+    cfg = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+               num_attention_heads=hidden // 32, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def write_jsonl(path: Path, records) -> Path:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
+
+
+def chat_records(n: int, turns: int = 1, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta code python list sum loop print value sky blue sea wind".split()
+    out = []
+    for i in range(n):
+        msgs = []
+        for t in range(turns):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
+            msgs += [{"role": "user", "content": f"{i}.{t} {q}?"}, {"role": "assistant", "content": a}]
+        out.append({"messages": msgs})
+    return out
+
+
+@pytest.fixture
+def compose():
+    """Compose the real Hydra config with overrides, exactly as the command line does."""
+    from eagle3.__main__ import compose_config
+
+    return lambda *overrides: compose_config(list(overrides))

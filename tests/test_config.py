@@ -1,0 +1,87 @@
+"""Config composition through the real Hydra app: every file composes, bad keys/types fail."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from eagle3.config import Config
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _group_options():
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
+        for f in sorted(group.glob("*.yaml")):
+            yield group.name, f.stem
+
+
+@pytest.mark.parametrize("group,option", list(_group_options()))
+def test_every_config_file_composes(compose, group, option):
+    extra = []
+    if group in ("target", "data") and "???" in (CONF / group / f"{option}.yaml").read_text():
+        extra = {"target": ["target.path=/some/model"], "data": ["data.path=/some/file.jsonl"]}[group]
+        if option == "mixture":
+            extra = ["data.sources=[{path: /a.jsonl, weight: 2.0}, {path: /b.jsonl, weight: 0.5}]"]
+    cfg = compose(f"{group}={option}", *extra)
+    assert isinstance(cfg, Config)
+
+
+def test_public_keys(compose):
+    cfg = compose("target.path=/m", "data.path=/d.jsonl", "workspace=/w", "experiment=myexp",
+                  "train.lr=3e-4", "train.ttt_steps=3", "export.from=/x")
+    assert (cfg.target.path, cfg.data.path, cfg.workspace, cfg.name) == ("/m", "/d.jsonl", "/w", "myexp")
+    assert cfg.train.lr == 3e-4 and cfg.train.ttt_steps == 3 and cfg.export.from_ == "/x"
+
+
+def test_experiment_preset_sets_name(compose):
+    assert compose("experiment=smollm2_large").name == "smollm2_large"
+
+
+def test_unknown_key_fails_at_compose(compose):
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        compose("train.bogus=1")
+
+
+def test_bad_type_fails_at_compose(compose):
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose("train.lr=fast")
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("extract.backend=tensorrt", "extract.backend"),
+    ("train.decay=1.5", "train.decay"),
+    ("stage=deploy", "stage"),
+    ("extract.layer_ids=[2,2,3]", "duplicates"),
+])
+def test_invalid_values_name_the_key(compose, override, fragment):
+    with pytest.raises(Exception, match=fragment):
+        compose(override)
+
+
+def _run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "eagle3", *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_help_and_cfg_do_not_import_heavy_modules():
+    code = ("import sys; sys.argv=['eagle3', '--cfg', 'job']\n"
+            "from eagle3.__main__ import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'vllm', 'transformers', 'datasets') if m in sys.modules]\n"
+            "assert not heavy, heavy\nprint('LIGHT')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "LIGHT" in out.stdout, out.stderr
+
+
+def test_cli_bad_key_exits_nonzero_with_hydra_message():
+    out = _run_cli("stage=status", "train.nope=1")
+    assert out.returncode != 0 and "nope" in out.stderr
+
+
+def test_cli_invalid_value_exits_2():
+    out = _run_cli("stage=status", "extract.backend=foo")
+    assert out.returncode == 2 and "extract.backend" in out.stderr

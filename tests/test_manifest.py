@@ -1,0 +1,136 @@
+"""The manifest contract: records, no-op re-runs, staleness, failures, locking."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from eagle3.manifest import Manifest, ManifestError
+
+TARGET = {"path": "/models/a", "hash": "a" * 64, "tokenizer_hash": "t" * 64}
+
+
+def _run(m: Manifest, stage: str, config: dict, inputs=None, target=TARGET, fail=False, payload=b"x"):
+    job = m.start(stage, config=config, target=target, inputs=inputs or {})
+    if job.done:
+        return job, False
+    with job:
+        (job.out_dir / "out.bin").write_bytes(payload)
+        job.add_output(job.out_dir / "out.bin")
+        job.facts["n"] = len(payload)
+        if fail:
+            raise RuntimeError("boom")
+    return job, True
+
+
+def test_complete_record_has_contract_fields(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    job, ran = _run(m, "prepare", {"a": 1})
+    assert ran
+    data = json.loads(m.path.read_text())
+    assert data["schema_version"] == 1
+    rec = data["stages"]["prepare"]["runs"][job.config_hash]
+    assert rec["status"] == "complete" and rec["target"] == TARGET
+    assert rec["facts"] == {"n": 1} and rec["started"] and rec["ended"]
+    (rel, meta), = rec["outputs"].items()
+    assert meta["size"] == 1 and len(meta["sha256"]) == 64 and rel.startswith(f"prepare/{job.config_hash[:12]}/")
+    assert "python" in rec["versions"]
+
+
+def test_same_config_is_noop_and_other_config_reruns(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    j1, ran1 = _run(m, "prepare", {"a": 1})
+    j2, ran2 = _run(m, "prepare", {"a": 1})
+    j3, ran3 = _run(m, "prepare", {"a": 2})
+    assert (ran1, ran2, ran3) == (True, False, True)
+    assert j1.config_hash == j2.config_hash != j3.config_hash
+    assert m.current("prepare").config_hash == j3.config_hash
+
+
+def test_deleted_output_makes_rerun(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    j1, _ = _run(m, "prepare", {"a": 1})
+    (j1.out_dir / "out.bin").unlink()
+    _, ran = _run(m, "prepare", {"a": 1})
+    assert ran
+
+
+def test_downstream_refuses_stale_upstream(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    prep = m.consume("prepare", by="extract", target_hash=TARGET["hash"])
+    _run(m, "extract", {"b": 1}, inputs={"prepare": prep})
+    assert m.consume("extract", by="train").status == "complete"
+    _run(m, "prepare", {"a": 2})  # upstream changes
+    fresh = Manifest(m.exp_dir)
+    with pytest.raises(ManifestError, match="stale.*'prepare' was re-run"):
+        fresh.consume("extract", by="train")
+
+
+def test_missing_upstream_names_the_command(tmp_path):
+    with pytest.raises(ManifestError, match="stage=prepare"):
+        Manifest(tmp_path / "exp").consume("prepare", by="extract")
+
+
+def test_other_target_is_refused(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    with pytest.raises(ManifestError, match="produced for target '/models/a'"):
+        m.consume("prepare", by="extract", target_hash="b" * 64)
+
+
+def test_failed_run_keeps_previous_current(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    good, _ = _run(m, "prepare", {"a": 1})
+    with pytest.raises(RuntimeError):
+        _run(m, "prepare", {"a": 2}, fail=True)
+    data = m.read()["stages"]["prepare"]
+    assert data["current"] == good.config_hash
+    assert data["runs"][data["latest"]]["status"] == "failed"
+    assert "boom" in data["runs"][data["latest"]]["error"]
+    assert m.consume("prepare", by="extract").config_hash == good.config_hash
+
+
+def test_changed_output_size_is_refused(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    job, _ = _run(m, "prepare", {"a": 1})
+    (job.out_dir / "out.bin").write_bytes(b"longer")
+    with pytest.raises(ManifestError, match="missing or changed size"):
+        m.consume("prepare", by="extract")
+
+
+def test_concurrent_identical_run_is_refused(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    job = m.start("prepare", config={"a": 1}, target=TARGET)
+    with job:
+        other = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET)
+        with pytest.raises(ManifestError, match="another process is running"):
+            with other:
+                pass
+
+
+def _hammer(exp_dir, k):
+    m = Manifest(exp_dir)
+    for i in range(25):
+        m.update(lambda d, i=i: d.setdefault("counters", {}).__setitem__(f"{k}-{i}", i))
+
+
+def test_updates_from_processes_do_not_interleave(tmp_path):
+    exp = tmp_path / "exp"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_hammer, args=(exp, k)) for k in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    data = json.loads((exp / "manifest.json").read_text())
+    assert len(data["counters"]) == 75
+
+
+def test_foreign_schema_version_is_refused(tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "manifest.json").write_text(json.dumps({"schema_version": 99, "stages": {}}))
+    with pytest.raises(ManifestError, match="schema_version 99"):
+        Manifest(exp).read()

@@ -69,23 +69,27 @@ def split_of(messages: list[dict], seed: int, eval_fraction: float) -> tuple[str
     return key[:16], u
 
 
-def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool):
+def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, batch: int = 512):
     from tqdm.auto import tqdm
 
-    from eagle3.data.chat_template import tokenize_conversation
+    from eagle3.data.chat_template import tokenize_conversations
 
     rows = []
     truncated = 0
-    for msgs in tqdm(conversations, desc="tokenize", disable=not progress, unit="conv"):
-        ids, mask = tokenize_conversation(tokenizer, msgs)
-        if len(ids) > cfg.prepare.max_length:
-            ids, mask = ids[: cfg.prepare.max_length], mask[: cfg.prepare.max_length]
-            truncated += 1
-        if not any(mask):
-            drops["no_trainable_tokens"] += 1
-            continue
-        sid, u = split_of(msgs, cfg.prepare.seed, cfg.prepare.eval_fraction)
-        rows.append({"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask})
+    max_len = cfg.prepare.max_length
+    with tqdm(total=len(conversations), desc="tokenize", disable=not progress, unit="conv") as bar:
+        for start in range(0, len(conversations), batch):
+            chunk = conversations[start:start + batch]
+            for msgs, (ids, mask) in zip(chunk, tokenize_conversations(tokenizer, chunk)):
+                if len(ids) > max_len:
+                    ids, mask = ids[:max_len], mask[:max_len]
+                    truncated += 1
+                if not any(mask):
+                    drops["no_trainable_tokens"] += 1
+                    continue
+                sid, u = split_of(msgs, cfg.prepare.seed, cfg.prepare.eval_fraction)
+                rows.append({"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask})
+            bar.update(len(chunk))
     return rows, truncated
 
 

@@ -1,0 +1,183 @@
+"""The prepare stage end to end on a tiny real target (tokenizer + random Llama), through the
+composed Hydra config and the manifest."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import chat_records, write_jsonl
+from eagle3.cli import run
+from eagle3.data.vocab import build_vocab_mapping
+from eagle3.manifest import Manifest
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    return tmp_path / "ws"
+
+
+def _prepare(compose, target, workspace, *overrides):
+    cfg = compose("stage=prepare", f"target.path={target}", f"workspace={workspace}", "experiment=e",
+                  "prepare.draft_vocab_size=64", "progress=false", *overrides)
+    run(cfg)
+    m = Manifest(Path(workspace) / "e")
+    return m, m.current("prepare")
+
+
+def _load(rec, split="train"):
+    import datasets
+
+    return datasets.load_from_disk(str(rec.path("dataset")))[split]
+
+
+def test_jsonl_messages_mask_and_outputs(compose, tiny_llama_dir, workspace, tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(60, turns=2))
+    m, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
+    ds = _load(rec)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    row = ds[0]
+    masked = tok.decode([t for t, k in zip(row["input_ids"], row["loss_mask"]) if k])
+    assert masked.count("<|im_end|>") == 2  # two assistant turns, each with its end-of-turn token
+    assert "<|im_start|>" not in masked and "user" not in masked
+    facts = rec.facts
+    assert facts["num_train"] + facts["num_eval"] == 60 and facts["num_eval"] >= 1
+    assert facts["draft_vocab_size"] == 64 and facts["tokenizer_hash"]
+    d2t, t2d = _vocab(rec)
+    kept = np.arange(64) + d2t
+    assert np.all(np.diff(kept) > 0) and t2d.sum() == 64 and np.all(t2d[kept])
+    stats = json.loads(rec.path("stats.json").read_text())
+    assert stats["trainable_tokens"] == sum(sum(r) for r in ds["loss_mask"]) + sum(
+        sum(r) for r in _load(rec, "eval")["loss_mask"])
+
+
+def _vocab(rec):
+    from eagle3.data.vocab import load_vocab
+
+    d2t, t2d = load_vocab(rec.path("vocab.safetensors"))
+    return d2t.numpy(), t2d.numpy()
+
+
+def test_sharegpt_hf_disk_parquet_and_weights(compose, tiny_llama_dir, workspace, tmp_path):
+    import datasets
+
+    share = [{"conversations": [{"from": "human", "value": f"q{i} hello"}, {"from": "gpt", "value": f"a{i} world"}]}
+             for i in range(10)]
+    sg = write_jsonl(tmp_path / "sg.jsonl", share)
+    hf_rows = chat_records(10, seed=1)
+    datasets.Dataset.from_list(hf_rows).save_to_disk(str(tmp_path / "hf"))
+    datasets.Dataset.from_list(chat_records(10, seed=2)).to_parquet(str(tmp_path / "p.parquet"))
+    sources = (f"data.sources=[{{path: {sg}, weight: 2.0}}, {{path: {tmp_path / 'hf'}, weight: 0.5}},"
+               f" {{path: {tmp_path / 'p.parquet'}}}]")
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, sources, "prepare.dedup=true")
+    # 10 ShareGPT x 2 (upsampled copies survive: dedup runs before weighting) + 5 + 10
+    assert rec.facts["num_train"] + rec.facts["num_eval"] == 35
+
+
+def test_dedup_system_prompt_truncation_and_drops(compose, tiny_llama_dir, workspace, tmp_path):
+    recs = chat_records(20)
+    recs += recs[:5]  # duplicates
+    recs.append({"messages": [{"role": "user", "content": "only a question"}]})  # nothing to learn
+    data = write_jsonl(tmp_path / "c.jsonl", recs)
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.system_prompt=Be brief.",
+                      "prepare.max_length=120")
+    assert rec.facts["dropped"] == {"duplicate": 5, "no_trainable_tokens": 1}
+    stats = json.loads(rec.path("stats.json").read_text())
+    assert stats["truncated"] > 0
+    ds = _load(rec)
+    assert max(len(x) for x in ds["input_ids"]) <= 120
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(str(tiny_llama_dir)).decode(ds[0]["input_ids"])
+    assert text.startswith("<|im_start|>system\nBe brief.")
+
+
+def test_split_is_deterministic_and_content_based(compose, tiny_llama_dir, tmp_path):
+    recs = chat_records(80)
+    a = write_jsonl(tmp_path / "a.jsonl", recs)
+    b = write_jsonl(tmp_path / "b.jsonl", list(reversed(recs)) + chat_records(20, seed=9))
+    _, ra = _prepare(compose, tiny_llama_dir, tmp_path / "w1", f"data.path={a}", "prepare.eval_fraction=0.2")
+    _, rb = _prepare(compose, tiny_llama_dir, tmp_path / "w2", f"data.path={b}", "prepare.eval_fraction=0.2")
+    ea, eb = set(_load(ra, "eval")["sample_id"]), set(_load(rb, "eval")["sample_id"])
+    assert ea and ea <= eb  # order does not matter; added samples do not move existing ones
+
+
+def test_vocab_mapping_topk_padding_identity():
+    freq = np.array([0, 5, 1, 5, 0, 9, 0, 0], dtype=np.int64)
+    m = build_vocab_mapping(freq, 3)
+    assert list(m.kept_ids) == [1, 3, 5] and m.coverage == pytest.approx(19 / 20)
+    padded = build_vocab_mapping(freq, 6)  # only 4 seen: padded with the lowest unseen ids
+    assert list(padded.kept_ids) == [0, 1, 2, 3, 4, 5] and padded.num_seen == 4
+    ident = build_vocab_mapping(freq, 8)
+    assert ident.identity and list(ident.d2t) == [0] * 8 and ident.t2d.all()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "eagle3", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_json_line_names_file_and_line(tiny_llama_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    good = json.dumps(chat_records(1)[0])
+    data.write_text(good + "\n" + good.replace("}", "", 1) + "\n")
+    out = _cli("stage=prepare", f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp_path}/w")
+    assert out.returncode == 1 and f"{data}:2" in out.stderr and "on_bad_record=skip" in out.stderr
+
+
+def test_skip_bad_records_counts_them(compose, tiny_llama_dir, workspace, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in chat_records(6)]
+    lines.insert(2, "{not json")
+    lines.insert(4, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
+    data.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe bad bytes\n")
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.on_bad_record=skip")
+    assert rec.facts["bad_records"] == 3 and rec.facts["num_train"] + rec.facts["num_eval"] == 6
+
+
+@pytest.mark.parametrize("record,fragment", [
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "wizard"),
+    ({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]}, "empty"),
+    ({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}, "content"),
+])
+def test_bad_records_fail_clearly_and_keep_earlier_artifacts(tiny_llama_dir, tmp_path, record, fragment):
+    good = write_jsonl(tmp_path / "good.jsonl", chat_records(5))
+    ws = tmp_path / "w"
+    assert _cli("stage=prepare", f"target.path={tiny_llama_dir}", f"data.path={good}", f"workspace={ws}").returncode == 0
+    before = json.loads((ws / "default" / "manifest.json").read_text())["stages"]["prepare"]["current"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", chat_records(3) + [record])
+    out = _cli("stage=prepare", f"target.path={tiny_llama_dir}", f"data.path={bad}", f"workspace={ws}")
+    assert out.returncode == 1 and fragment in out.stderr and "Traceback" not in out.stderr
+    m = Manifest(ws / "default")
+    assert m.current("prepare").config_hash == before and m.consume("prepare", by="extract")
+
+
+def test_missing_target_and_missing_template(tmp_path, tiny_llama_dir):
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(3))
+    out = _cli("stage=prepare", f"target.path={tmp_path}/nope", f"data.path={data}", f"workspace={tmp_path}/w")
+    assert out.returncode == 1 and "does not exist" in out.stderr
+    import shutil
+
+    no_tpl = tmp_path / "notpl"
+    shutil.copytree(tiny_llama_dir, no_tpl)
+    cfg = json.loads((no_tpl / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (no_tpl / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (no_tpl / "chat_template.jinja").unlink(missing_ok=True)
+    out = _cli("stage=prepare", f"target.path={no_tpl}", f"data.path={data}", f"workspace={tmp_path}/w2")
+    assert out.returncode == 1 and "target.chat_template" in out.stderr
+
+
+def test_changed_config_reruns_and_same_is_noop(tiny_llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(5))
+    args = ["stage=prepare", f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp_path}/w"]
+    assert _cli(*args).returncode == 0
+    again = _cli(*args)
+    assert "already complete" in again.stdout
+    changed = _cli(*args, "prepare.max_length=64")
+    assert changed.returncode == 0 and "already complete" not in changed.stdout

@@ -208,6 +208,10 @@ def run(cfg, manifest):
                          tokens=n_tokens, trainable_tokens=n_trainable, dropped=dict(drops),
                          bad_records=report.bad_records, regenerated=bool(cfg.prepare.regenerate),
                          regen=semantic_dict(cfg.prepare.regen) if cfg.prepare.regenerate else None)
+        from eagle3.tracking import stage_run
+
+        with stage_run(cfg, "prepare", job) as wb:
+            wb.log({f"prepare/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
         log.info("prepare: %d train / %d eval samples, %d tokens (%d trainable), coverage %.4f, drops %s",
                  len(train_rows), len(eval_rows), n_tokens, n_trainable, mapping.coverage, dict(drops))
     return job.record

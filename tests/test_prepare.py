@@ -23,7 +23,7 @@ def workspace(tmp_path):
 
 def _prepare(compose, target, workspace, *overrides):
     cfg = compose("stage=prepare", f"target.path={target}", f"workspace={workspace}", "experiment=e",
-                  "prepare.draft_vocab_size=64", "progress=false", *overrides)
+                  "prepare.draft_vocab_size=64", "progress=false", "logger=jsonl", *overrides)
     run(cfg)
     m = Manifest(Path(workspace) / "e")
     return m, m.current("prepare")
@@ -119,7 +119,8 @@ def test_vocab_mapping_topk_padding_identity():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "eagle3", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "eagle3", "logger=jsonl", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_bad_json_line_names_file_and_line(tiny_llama_dir, tmp_path):

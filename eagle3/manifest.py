@@ -215,9 +215,31 @@ class StageJob:
         self._run_lock: Optional[FileLock] = None
         self.record: Optional[StageRecord] = None
 
+    def _acquire_run_lock(self) -> None:
+        """Hold the run lock on out_dir; wait (saying so) while another process runs this config."""
+        if self._run_lock is not None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.out_dir / ".run.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if os.environ.get("EAGLE3_NO_WAIT"):
+                raise ManifestError(f"another process is running stage '{self.stage}' with the same config "
+                                    f"({self.config_hash[:12]}) on {self.out_dir}; wait for it or stop it.") from None
+            log.warning("another process is running stage %s with the same config (%s); waiting for it",
+                        self.stage, self.config_hash[:12])
+            lock.acquire()
+        self._run_lock = lock
+
     @property
     def done(self) -> bool:
-        """True if a complete run with this config exists and its outputs are intact."""
+        """True if a complete run with this config exists and its outputs are intact.
+
+        Takes the run lock first, so two sweep jobs that need the same upstream run compute it once:
+        the second waits for the first and then finds it complete.
+        """
+        self._acquire_run_lock()
         rec = self.manifest.record(self.stage, self.config_hash)
         if rec is None or rec.status != "complete":
             return False
@@ -228,7 +250,14 @@ class StageJob:
         self.record = rec
         self.manifest.update(lambda d: d["stages"][self.stage].__setitem__("current", self.config_hash))
         self.manifest.pins[self.stage] = self.config_hash
+        self._run_lock.release()
+        self._run_lock = None
         return True
+
+    def __del__(self):
+        # A stage that raised between `job.done` and `with job:` must not keep the lock.
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.release()
 
     def add_output(self, path: str | Path, sha256: Optional[str] = None) -> None:
         """Record a file (or every file under a directory) as an output of this run."""
@@ -239,13 +268,7 @@ class StageJob:
             self._outputs[rel] = sha256 if not path.is_dir() else None
 
     def __enter__(self) -> "StageJob":
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = FileLock(str(self.out_dir / ".run.lock"))
-        try:
-            self._run_lock.acquire(timeout=0)
-        except Timeout:
-            raise ManifestError(f"another process is running stage '{self.stage}' with the same config "
-                                f"({self.config_hash[:12]}) on {self.out_dir}; wait for it or stop it.") from None
+        self._acquire_run_lock()
         now = _now()
         rec = {"status": "running", "config_hash": self.config_hash, "config": self.config,
                "upstream": self.upstream, "target": self.target, "out_dir": self.rel_out,
@@ -301,4 +324,5 @@ class StageJob:
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
+                self._run_lock = None
         return False

@@ -100,14 +100,40 @@ def test_changed_output_size_is_refused(tmp_path):
         m.consume("prepare", by="extract")
 
 
-def test_concurrent_identical_run_is_refused(tmp_path):
+def test_concurrent_identical_run_is_refused_without_wait(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_NO_WAIT", "1")
     m = Manifest(tmp_path / "exp")
     job = m.start("prepare", config={"a": 1}, target=TARGET)
     with job:
         other = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET)
         with pytest.raises(ManifestError, match="another process is running"):
-            with other:
-                pass
+            other.done
+
+
+def _slow_job(exp_dir, log_path):
+    import time
+
+    m = Manifest(exp_dir)
+    job = m.start("prepare", config={"a": 1}, target=TARGET)
+    if job.done:
+        open(log_path, "a").write("skipped\n")
+        return
+    with job:
+        time.sleep(1.0)
+        (job.out_dir / "out.bin").write_bytes(b"x")
+        job.add_output(job.out_dir / "out.bin")
+    open(log_path, "a").write("ran\n")
+
+
+def test_two_processes_with_same_config_compute_once(tmp_path):
+    ctx = mp.get_context("spawn")
+    log_path = tmp_path / "log.txt"
+    procs = [ctx.Process(target=_slow_job, args=(tmp_path / "exp", log_path)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert sorted(log_path.read_text().split()) == ["ran", "skipped"]
 
 
 def _hammer(exp_dir, k):

@@ -75,11 +75,20 @@ def run_from_hydra(dcfg: DictConfig):
         print(f"eagle3: invalid config: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        return run(cfg)
+        result = run(cfg)
+        if cfg.objective != "none":
+            from .sweep import objective_value
+
+            value = objective_value(Manifest(experiment_dir(cfg)), cfg.objective)
+            if value is None:
+                raise Eagle3Error(f"objective={cfg.objective} but the run recorded no such value "
+                                  f"(stage={cfg.stage} must include train for eval_loss, export for acceptance_length)")
+            return float(value)
+        return result
     except Eagle3Error as e:
         if _in_multirun():
             log.error("job failed: %s", e)
-            return {"stage": cfg.stage, "error": str(e)}
+            return float("nan") if cfg.objective != "none" else {"stage": cfg.stage, "error": str(e)}
         print(f"eagle3: error: {e}", file=sys.stderr)
         if os.environ.get("EAGLE3_DEBUG"):
             raise
@@ -87,7 +96,7 @@ def run_from_hydra(dcfg: DictConfig):
     except Exception as e:
         if _in_multirun():
             log.exception("job failed: %s", e)
-            return {"stage": cfg.stage, "error": f"{type(e).__name__}: {e}"}
+            return float("nan") if cfg.objective != "none" else {"stage": cfg.stage, "error": f"{type(e).__name__}: {e}"}
         raise
     finally:
         _release_memory()

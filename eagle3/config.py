@@ -269,8 +269,11 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0
     progress: bool = True
+    # What a job returns to a sweeper (Optuna): none | eval_loss | acceptance_length.
+    objective: str = "none"
 
     def __post_init__(self):
+        _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
         _check_choice("stage", self.stage, STAGES + ("all", "status", "eval"))
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")

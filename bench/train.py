@@ -1,0 +1,215 @@
+"""Benchmark of one EAGLE-3 training step (TTT forward + backward + clipping + AdamW).
+
+Random inputs of a configurable shape; default a Llama-3.1-8B-shaped draft (H 4096, 32 heads,
+8 KV heads, MLP 14336, vocab 128256, draft vocab 32000, TTT 7, 2048 tokens, batch 1, bf16).
+What one step computes is exactly the train stage's step: the target head (full-vocab argmax
+mask + draft-vocab softmax, chunked), embeddings, the TTT model (eagle3.train.ttt.TTTModel)
+with its loss over the same positions, backward, grad-norm clipping and fused AdamW.
+
+    python bench/train.py                      # all variants, default shape
+    python bench/train.py --check              # correctness vs CPU float32 first (small shape)
+    python bench/train.py --variants flex_compiled --seq 4096
+
+Prints a table last; writes raw numbers to $OUT/bench_train.json when OUT is set. No hydra needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
+from eagle3.train.metrics import peak_flops, ttt_flops_per_token  # noqa: E402
+from eagle3.train.step import model_inputs  # noqa: E402
+from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.train.ttt import TTTModel  # noqa: E402
+
+VARIANTS = {  # name: (attention backend, torch.compile of layer halves + head/loss)
+    "sdpa_eager": ("sdpa", False),
+    "flex_eager": ("flex", False),
+    "flex_compiled": ("flex", True),
+}
+
+
+def make_config(a, vocab=None, draft_vocab=None) -> Eagle3DraftConfig:
+    return Eagle3DraftConfig(hidden_size=a.hidden, target_hidden_size=a.hidden, num_attention_heads=a.heads,
+                             num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.intermediate,
+                             rms_norm_eps=1e-5, vocab_size=vocab or a.vocab, draft_vocab_size=draft_vocab or a.draft_vocab,
+                             aux_layer_ids=list(range(a.n_aux)), rope_theta=500000.0)
+
+
+def make_head(cfg: Eagle3DraftConfig, device, dtype, gen) -> TargetHead:
+    V, H = cfg.vocab_size, cfg.hidden_size
+    embed = torch.randn(V, H, generator=gen, device=device).mul_(0.02).to(dtype)
+    lm_head = torch.randn(V, H, generator=gen, device=device).mul_(0.02).to(dtype)
+    norm = (1 + 0.1 * torch.randn(H, generator=gen, device=device)).to(dtype)
+    kept = torch.randperm(V, generator=gen, device=device)[: cfg.draft_vocab_size].sort().values
+    return TargetHead(embed, norm, lm_head, cfg.rms_norm_eps, kept)
+
+
+def make_batch(cfg, B, T, device, dtype, gen, docs=1) -> dict:
+    H, n = cfg.hidden_size, cfg.num_aux_hidden_states
+    doc_len = T // docs
+    doc_ids = (torch.arange(T, device=device) // doc_len).clamp(max=docs - 1).expand(B, T).contiguous()
+    pos = torch.arange(T, device=device) - doc_ids[0] * doc_len
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (B, T), generator=gen, device=device),
+        "loss_mask": torch.ones(B, T, dtype=torch.long, device=device),
+        "aux_hidden_states": torch.randn(B, T, n * H, generator=gen, device=device).to(dtype),
+        "last_hidden_state": torch.randn(B, T, H, generator=gen, device=device).mul_(2).to(dtype),
+        "position_ids": pos.expand(B, T).contiguous(),
+        "doc_ids": doc_ids,
+    }
+
+
+def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float):
+    inputs = model_inputs(head, batch, compute_dtype)
+    with torch.autocast(batch["loss_mask"].device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss, stats = model(**inputs)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.detach(), stats, gnorm
+
+
+def run_variant(a, name, device) -> dict:
+    attention, compile_ = VARIANTS[name]
+    torch.cuda.empty_cache()
+    gen = torch.Generator(device=device).manual_seed(0)
+    cfg = make_config(a)
+    draft = Eagle3Draft(cfg).to(device)  # fp32 master weights
+    head = make_head(cfg, device, torch.bfloat16, gen)
+    draft.set_vocab_mapping(head.kept_ids - torch.arange(cfg.draft_vocab_size, device=device),
+                            torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, head.kept_ids, True))
+    model = TTTModel(draft, num_steps=a.ttt, decay=0.8, attention=attention, compile=compile_)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
+                            weight_decay=0.0, fused=True)
+    batches = [make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen) for _ in range(2)]
+    t0 = time.time()
+    for i in range(a.warmup):
+        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+    torch.cuda.synchronize()
+    warm_s = time.time() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(a.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss, _, _ = train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+        losses.append(float(loss))
+    med = statistics.median(times)
+    tokens = a.batch * a.seq
+    flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
+    peak = peak_flops(torch.cuda.get_device_name())
+    res = {"variant": name, "step_ms": med * 1e3, "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+           "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
+           "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "losses": losses}
+    del model, draft, head, opt, batches
+    return res
+
+
+CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),
+          ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
+
+
+def correctness_check(device, checks=CHECKS) -> list:
+    """Small shape: loss, stats and gradients of every GPU variant against CPU float32 (sdpa,
+    eager: the path the CPU tests prove equal to the naive per-step reference)."""
+    class A: pass
+    a = A()
+    a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.n_aux = 256, 4, 2, 64, 512, 3
+    cfg = make_config(a, vocab=1000, draft_vocab=300)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    head_cpu = make_head(cfg, "cpu", torch.float32, gen)
+    batch_cpu = make_batch(cfg, 2, 200, "cpu", torch.float32, gen, docs=3)  # 200: exercises flex padding
+    batch_cpu["loss_mask"] = (torch.rand(2, 200, generator=gen) > 0.3).long()
+    torch.manual_seed(0)
+    draft_cpu = Eagle3Draft(cfg)
+
+    def run(dev, attention, compile_, autocast):
+        draft = Eagle3Draft(cfg).to(dev)
+        draft.load_state_dict(draft_cpu.state_dict())
+        head = TargetHead(*(t.to(dev) for t in (head_cpu.embed_weight, head_cpu.norm_weight, head_cpu.lm_head_weight)),
+                          cfg.rms_norm_eps, head_cpu.kept_ids.to(dev))
+        batch = {k: v.to(dev) for k, v in batch_cpu.items()}
+        model = TTTModel(draft, num_steps=7, attention=attention, compile=compile_)
+        dtype = torch.bfloat16 if autocast else torch.float32
+        loss, stats, _ = train_step(model, head, batch, None, dtype, autocast, 1e9)
+        grad = torch.cat([p.grad.flatten().float().cpu() for p in draft.parameters()])
+        return float(loss), stats.cpu(), grad
+
+    ref_loss, ref_stats, ref_grad = run("cpu", "sdpa", False, False)
+    rows = []
+    for label, args in checks:
+        loss, stats, grad = run(device, *args)
+        rows.append({"check": label, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+                     "grad_rel_err": float((grad - ref_grad).norm() / ref_grad.norm()),
+                     "scored_equal": bool(torch.equal(stats[:, 1], ref_stats[:, 1])),
+                     "acc_step0_diff": float((stats[0, 3] - ref_stats[0, 3]) / ref_stats[0, 1])})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--n-aux", type=int, default=3)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--check", action="store_true", help="correctness vs CPU float32 before timing")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/train.py times a GPU step; no CUDA device is visible")
+    device = torch.device("cuda")
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a)}
+    if a.check:
+        out["check"] = correctness_check(device)
+        for r in out["check"]:
+            print(json.dumps(r), flush=True)
+    out["results"] = []
+    for name in a.variants.split(","):
+        try:
+            r = run_variant(a, name, device)
+        except torch.OutOfMemoryError as e:
+            r = {"variant": name, "error": f"OOM: {str(e)[:200]}"}
+        out["results"].append(r)
+        print(json.dumps(r), flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(out, indent=2))
+    print(f"\n{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
+          f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
+    print(f"{'variant':<16}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}{'warm s':>8}")
+    for r in out["results"]:
+        if "error" in r:
+            print(f"{r['variant']:<16} {r['error'][:80]}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
+              f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['warmup_s']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""The EAGLE-3 draft: parameter names and arithmetic as vLLM's ``LlamaForCausalLMEagle3``.
+
+vLLM (``model_executor/models/llama_eagle3.py``, same in ``qwen3_eagle3.py``) computes, per token:
+
+    h        = fc(concat(aux states))                    # step 0; later steps feed back `out`
+    e        = input_layernorm(embed(next token))
+    norm_before_residual=False: residual = h;               x = hidden_norm(h)
+    norm_before_residual=True:  residual = hidden_norm(h);  x = residual
+    a        = o_proj(attn(q,k,v from concat(e, x)))      # concat order: embeds first
+    residual = a + residual
+    out      = mlp(post_attention_layernorm(residual)) + residual   # pre-norm, fed back
+    logits   = lm_head(norm(out))                         # over the draft vocabulary
+
+The attention is split into ``pre_attention`` / ``post_attention`` so the training-time test can
+run its own attention over the keys of all steps in between (eagle3/train/ttt.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .rope import apply_rope, inv_freq_and_scale, rope_cos_sin, rope_parameters
+
+ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
+
+
+@dataclass
+class Eagle3DraftConfig:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: List[int]
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 8192
+    norm_before_residual: bool = True
+    architecture: str = "llama"
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"draft architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"draft num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not self.aux_layer_ids:
+            raise ValueError("the draft needs the aux layer ids the hidden states were extracted at")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
+
+    @property
+    def num_aux_hidden_states(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3DraftConfig":
+        return cls(**d)
+
+    @classmethod
+    def from_target(cls, target_config: dict, aux_layer_ids, draft_vocab_size: int,
+                    overrides=None) -> "Eagle3DraftConfig":
+        """The draft for a target's config.json (``text_config`` of multimodal configs), with
+        ``overrides`` an :class:`eagle3.config.DraftModelConfig` (0 = take the target's value)."""
+        tc = target_config.get("text_config", target_config)
+        H = int(tc["hidden_size"])
+        heads = getattr(overrides, "num_attention_heads", 0) or int(tc["num_attention_heads"])
+        kv = getattr(overrides, "num_key_value_heads", 0) or int(tc.get("num_key_value_heads") or heads)
+        head_dim = getattr(overrides, "head_dim", 0) or int(tc.get("head_dim") or H // heads)
+        inter = getattr(overrides, "intermediate_size", 0) or int(tc["intermediate_size"])
+        theta, scaling = rope_parameters(tc)
+        return cls(hidden_size=H, target_hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv,
+                   head_dim=head_dim, intermediate_size=inter,
+                   rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)), vocab_size=int(tc["vocab_size"]),
+                   draft_vocab_size=int(draft_vocab_size), aux_layer_ids=[int(i) for i in aux_layer_ids],
+                   rope_theta=theta, rope_scaling=scaling,
+                   max_position_embeddings=int(tc.get("max_position_embeddings", 8192)),
+                   norm_before_residual=bool(getattr(overrides, "norm_before_residual", True)),
+                   architecture=getattr(overrides, "architecture", "llama"))
+
+
+def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> dict:
+    """config.json for vLLM (``LlamaForCausalLMEagle3`` / ``Eagle3Qwen3ForCausalLM``).
+
+    ``norm_before_residual`` and ``num_aux_hidden_states`` are written explicitly: vLLM's defaults
+    differ between config styles, and the Llama draft sizes ``fc`` from ``num_aux_hidden_states``.
+    """
+    d = {
+        "architectures": [ARCHITECTURES[cfg.architecture]],
+        "model_type": cfg.architecture,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "num_aux_hidden_states": cfg.num_aux_hidden_states,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "torch_dtype": torch_dtype,
+    }
+    return d
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as vLLM's and HF's Llama RMSNorm)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(dtype) * weight.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        if cfg.architecture == "qwen3":  # Qwen3 normalises q and k per head before RoPE
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied (one matmul: w['qkv'] packs
+        q_proj, k_proj, v_proj row-wise, as vLLM's qkv_proj)."""
+        B, T, _ = x.shape
+        D, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = F.linear(x, w["qkv"]).split([nq * D, nkv * D, nkv * D], dim=-1)
+        q, k, v = q.view(B, T, nq, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, w: dict):
+        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w["down"])
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+
+    def weights(self, dtype: Optional[torch.dtype] = None) -> dict:
+        """The layer's weights for one forward: q/k/v and gate/up packed for one matmul each,
+        cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters)."""
+        a, m = self.self_attn, self.mlp
+        w = {"input_layernorm": self.input_layernorm.weight, "hidden_norm": self.hidden_norm.weight,
+             "post_attention_layernorm": self.post_attention_layernorm.weight,
+             "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), "o": a.o_proj.weight,
+             "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]), "down": m.down_proj.weight}
+        if a.q_norm is not None:
+            w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
+        return {k: v.to(dtype) for k, v in w.items()} if dtype is not None else w
+
+    def pre_attention(self, hidden: torch.Tensor, embeds: torch.Tensor, cos, sin, w: Optional[dict] = None):
+        """(q, k, v, residual) for one step from its hidden input [B,T,H] and token embeddings."""
+        w = w if w is not None else self.weights()
+        eps = self.hidden_norm.eps
+        e = rms_norm(embeds, w["input_layernorm"], eps)
+        if self.norm_before_residual:
+            x = rms_norm(hidden, w["hidden_norm"], eps)
+            residual = x
+        else:
+            residual = hidden
+            x = rms_norm(hidden, w["hidden_norm"], eps)
+        q, k, v = self.self_attn.qkv(torch.cat([e, x], dim=-1), cos, sin, w)
+        return q, k, v, residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:
+        """The pre-norm output [B,T,H] from the attention output [B,T,Hq*D]."""
+        w = w if w is not None else self.weights()
+        residual = F.linear(attn, w["o"]) + residual
+        x = rms_norm(residual, w["post_attention_layernorm"], self.post_attention_layernorm.eps)
+        return self.mlp(x, w) + residual
+
+
+class Eagle3Draft(nn.Module):
+    """Trainable draft parameters (vLLM names) plus the vocabulary maps ``d2t`` and ``t2d``.
+
+    The target's embedding is not part of this module: it is frozen, lives with the target's
+    final norm and lm_head in :class:`eagle3.train.target_head.TargetHead`, and is not exported.
+    """
+
+    def __init__(self, cfg: Eagle3DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        inv_freq, scale = inv_freq_and_scale(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.hidden_size,
+                                             cfg.num_attention_heads, cfg.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scale = scale
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not fit "
+                             f"the draft (draft vocab {self.d2t.numel()}, target vocab {self.t2d.numel()})")
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    @property
+    def kept_token_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, in draft order (id = draft id + d2t[draft id])."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype)
+
+    def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """fc over the concatenated aux states: [B, T, n_aux*H] (or [B, T, n_aux, H]) -> [B, T, H]."""
+        if aux_hidden_states.dim() == 4:
+            aux_hidden_states = aux_hidden_states.flatten(-2)
+        return self.fc(aux_hidden_states)
+
+    def logits(self, out: torch.Tensor, norm_weight=None, lm_head_weight=None) -> torch.Tensor:
+        norm_weight = self.norm.weight if norm_weight is None else norm_weight
+        lm_head_weight = self.lm_head.weight if lm_head_weight is None else lm_head_weight
+        return F.linear(rms_norm(out, norm_weight, self.norm.eps), lm_head_weight)
+
+    def forward(self, aux_hidden_states: torch.Tensor, input_embeds: torch.Tensor,
+                position_ids: torch.Tensor):
+        """One plain causal pass (TTT step 0, as vLLM's first draft pass): (logits, pre-norm out).
+
+        ``input_embeds[t]`` is the embedding of token t+1; positions are those of the aux states.
+        """
+        dtype = input_embeds.dtype
+        h = self.fuse(aux_hidden_states).to(dtype)
+        cos, sin = self.rope(position_ids, dtype)
+        q, k, v, residual = self.midlayer.pre_attention(h, input_embeds, cos, sin)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+        out = self.midlayer.post_attention(attn.transpose(1, 2).flatten(2), residual)
+        return self.logits(out), out
+
+    def export_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict:
+        """Tensors under vLLM's names (``t2d`` kept: vLLM ignores it, other tools read it)."""
+        out = {}
+        for name, t in self.state_dict().items():
+            t = t.detach().cpu()
+            out[name] = t.to(dtype) if t.is_floating_point() else t
+        return out
+
+
+def count_matmul_params(cfg: Eagle3DraftConfig) -> dict:
+    """Weights multiplied per token, for FLOP estimates (fc once; layer and head per TTT step)."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    attn = 2 * H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * H
+    mlp = 3 * H * cfg.intermediate_size
+    return {"fc": cfg.num_aux_hidden_states * cfg.target_hidden_size * H, "layer": attn + mlp,
+            "lm_head": H * cfg.draft_vocab_size}

@@ -1,0 +1,1 @@
+"""The train stage's library: TTT attention, target head, loss, data, loop and metrics."""

@@ -1,0 +1,175 @@
+"""Attention of the training-time test (TTT).
+
+Step j's query at index t sees the step-0 keys 0..t of its own document (the causal prefix the
+target's features produced) and the keys of steps 1..j at index t (the draft's own earlier
+guesses for that position: the diagonals). This is what vLLM's KV cache holds when the draft runs
+its j-th token at position t+j.
+
+Keys of all steps are laid out along one axis: key index ``i*T + s`` is step i, index s. Two
+implementations over that layout:
+- ``flex``: ``torch.nn.attention.flex_attention`` with a block-sparse mask (blocks outside the
+  prefix and the diagonals are skipped). The key buffer always has ``num_steps*T`` rows (unused
+  steps are zeros and fully masked) so every step has one shape and compiles once.
+- ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean mask over ``(j+1)*T`` keys.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto -> flex on CUDA (fused, compiled kernel), sdpa elsewhere (flex runs unfused on CPU)."""
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if name not in ("flex", "sdpa"):
+        raise ValueError(f"train.attention={name!r} is not one of 'auto', 'flex', 'sdpa'")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_attention(device: torch.device):
+    if device.type == "cuda":
+        return _compiled_flex()
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    return flex_attention
+
+
+class TTTMask:
+    """The TTT attention masks of one batch, for every step.
+
+    ``doc_ids`` [B, T]: document of each position (packed rows hold several; padding has its own
+    id), so queries never see another document's prefix.
+    """
+
+    def __init__(self, doc_ids: torch.Tensor, num_steps: int, backend: str, block_size: int = 128):
+        self.doc_ids = doc_ids
+        self.num_steps = num_steps
+        self.backend = backend
+        self.block_size = block_size
+        self.B, self.T = doc_ids.shape
+        self._cache: dict = {}
+
+    def dense(self, j: int) -> torch.Tensor:
+        """Boolean mask [B, 1, T, (j+1)*T] (True = attend)."""
+        if ("dense", j) not in self._cache:
+            T, dev = self.T, self.doc_ids.device
+            q = torch.arange(T, device=dev)
+            same_doc = self.doc_ids[:, :, None] == self.doc_ids[:, None, :]
+            prefix = same_doc & (q[None, :, None] >= q[None, None, :])
+            diag = torch.eye(T, dtype=torch.bool, device=dev).expand(self.B, T, T)
+            self._cache[("dense", j)] = torch.cat([prefix] + [diag] * j, dim=-1)[:, None]
+        return self._cache[("dense", j)]
+
+    def _prefix_blocks(self):
+        """Block-level (partial, full) maps [B, 1, Qb, Qb] of the step-0 doc-causal prefix."""
+        if "prefix_blocks" not in self._cache:
+            T, bs, dev = self.T, self.block_size, self.doc_ids.device
+            if T % bs:
+                raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
+                                 f"its block size {bs}; pad the batch (TTTModel does)")
+            n = T // bs
+            q = torch.arange(T, device=dev)
+            allowed = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (q[:, None] >= q[None, :])
+            blocks = allowed.view(self.B, n, bs, n, bs)
+            any_ = blocks.any(4).any(2)
+            all_ = blocks.all(4).all(2)
+            self._cache["prefix_blocks"] = ((any_ & ~all_)[:, None], all_[:, None])
+        return self._cache["prefix_blocks"]
+
+    def block(self, j: int):
+        """flex BlockMask over the fixed ``num_steps*T`` key layout for step j.
+
+        Built at block level (the prefix's block map from the doc ids once per batch, plus one
+        diagonal block per later step), so no step evaluates the mask on all T x num_steps*T
+        pairs. The token-level ``mask_mod`` (exact on its own: the unfused CPU path applies it
+        everywhere) reads j from a tensor, so one compiled kernel serves every step.
+        """
+        if ("block", j) not in self._cache:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            T, bs, S, doc = self.T, self.block_size, self.num_steps, self.doc_ids
+            n = T // bs
+            partial0, full0 = self._prefix_blocks()
+            partial = torch.zeros(self.B, 1, n, S * n, dtype=torch.bool, device=doc.device)
+            full = torch.zeros_like(partial)
+            partial[..., :n] = partial0
+            full[..., :n] = full0
+            eye = torch.eye(n, dtype=torch.bool, device=doc.device)
+            for i in range(1, j + 1):
+                partial[..., i * n:(i + 1) * n] = eye
+
+            last = torch.tensor(j, device=doc.device)  # a tensor, not a constant: no recompiles
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                step = kv_idx // T
+                s = kv_idx % T
+                prefix = (step == 0) & (s <= q_idx) & (doc[b, s] == doc[b, q_idx])
+                return prefix | ((step > 0) & (step <= last) & (s == q_idx))
+
+            def ordered(dense):
+                d = dense.to(torch.int32)
+                return (d.sum(-1).to(torch.int32),
+                        torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32))
+
+            kv_num, kv_idx = ordered(partial)
+            full_num, full_idx = ordered(full)
+            self._cache[("block", j)] = BlockMask.from_kv_blocks(
+                kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod,
+                seq_lengths=(T, S * T))
+        return self._cache[("block", j)]
+
+
+def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask: TTTMask,
+                  scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]. -> [B,T,Hq*D]."""
+    j = len(ks) - 1
+    gqa = q.shape[1] != ks[0].shape[1]
+    if mask.backend == "flex":
+        pad = mask.num_steps - len(ks)
+        zeros = [torch.zeros_like(ks[0])] * pad
+        k = torch.cat(list(ks) + zeros, dim=2)
+        v = torch.cat(list(vs) + zeros, dim=2)
+        out = _flex_attention(q.device)(q, k, v, block_mask=mask.block(j), scale=scale, enable_gqa=gqa)
+    else:
+        k = torch.cat(list(ks), dim=2)
+        v = torch.cat(list(vs), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(j), scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).flatten(2)
+
+
+def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> torch.Tensor:
+    """Reference: each query's attention written out key by key (tests only; slow, float64)."""
+    B, Hq, T, D = q.shape
+    j = len(ks) - 1
+    rep = Hq // ks[0].shape[1]
+    scale = scale if scale is not None else D ** -0.5
+    out = torch.zeros(B, T, Hq, D, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        for t in range(T):
+            keys, vals = [], []
+            for s in range(t + 1):
+                if doc_ids[b, s] == doc_ids[b, t]:
+                    keys.append(ks[0][b, :, s])
+                    vals.append(vs[0][b, :, s])
+            for i in range(1, j + 1):
+                keys.append(ks[i][b, :, t])
+                vals.append(vs[i][b, :, t])
+            K = torch.stack(keys, 1).double().repeat_interleave(rep, 0)  # [Hq, n, D]
+            V = torch.stack(vals, 1).double().repeat_interleave(rep, 0)
+            w = torch.softmax((K @ q[b, :, t].double()[:, :, None]).squeeze(-1) * scale, dim=-1)
+            out[b, t] = (w[:, :, None] * V).sum(1)
+    return out.flatten(2)

@@ -1,0 +1,23 @@
+"""Soft cross-entropy of the draft's logits against the target's distribution."""
+from __future__ import annotations
+
+import torch
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum over rows of weight * (-sum_v target_v * log_softmax(logits)_v), in float32.
+
+    Written as logsumexp * sum(target) - <target, logits> so that a target stored in bf16 (whose
+    probabilities sum to 1 only up to rounding) still gives the exact cross-entropy of that
+    target; torch.compile fuses it into one pass that keeps only the bf16 logits for backward.
+    """
+    x = logits.float()
+    p = target.float()
+    ce = torch.logsumexp(x, dim=-1) * p.sum(-1) - (p * x).sum(-1)
+    return (ce * weight).sum()
+
+
+def reference_soft_cross_entropy(logits, target, weight):
+    """The textbook form, float64 (tests)."""
+    logq = torch.log_softmax(logits.double(), dim=-1)
+    return (-(target.double() * logq).sum(-1) * weight.double()).sum()

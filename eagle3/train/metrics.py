@@ -1,0 +1,82 @@
+"""Training metrics: per-TTT-step loss/accuracy, expected acceptance length, FLOPs and MFU."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from ..model.draft import Eagle3DraftConfig, count_matmul_params
+
+# bf16 dense tensor-core peak by device name (datasheet); used for the MFU estimate.
+PEAK_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def peak_flops(device_name: str) -> Optional[float]:
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+def step_summary(stats, stat_names) -> dict:
+    """From summed per-step stats [S, k] (ttt.STAT_NAMES): per-step loss, acc, conditional acc and
+    the expected acceptance length of chains of k = 1..S draft tokens."""
+    rows = [dict(zip(stat_names, map(float, r))) for r in stats.tolist()]
+    out = {"loss": [], "acc": [], "cond_acc": [], "scored": []}
+    for r in rows:
+        out["loss"].append(r["ce_sum"] / r["scored"] if r["scored"] else float("nan"))
+        out["acc"].append(r["correct"] / r["scored"] if r["scored"] else float("nan"))
+        out["cond_acc"].append(r["cond_correct"] / r["cond_total"] if r["cond_total"] else 0.0)
+        out["scored"].append(r["scored"])
+    out["accept_len"] = expected_acceptance_lengths(out["cond_acc"])
+    return out
+
+
+def expected_acceptance_lengths(cond_acc) -> list:
+    """E[tokens per target step] for chains of k=1..len drafts: 1 + sum_m prod_{j<m} cond_acc[j]
+    (the target's own token is always gained; draft m is accepted only if drafts 0..m-1 were)."""
+    out, run, total = [], 1.0, 1.0
+    for a in cond_acc:
+        a = 0.0 if a != a else a  # NaN (no positions) counts as never accepted
+        run *= a
+        total += run
+        out.append(total)
+    return out
+
+
+def ttt_flops_per_token(cfg: Eagle3DraftConfig, seq_len: int, num_steps: int, target_vocab: int) -> float:
+    """Model FLOPs of one training token: forward + backward of fc, the layer and lm_head at
+    every TTT step, attention (causal prefix + diagonals), and the target head's full-vocab
+    forward that makes the targets. Matmuls only (2 FLOPs per multiply-add)."""
+    p = count_matmul_params(cfg)
+    flops = 4 * p["fc"]  # forward + weight gradient (its input needs no gradient)
+    flops += 6 * (p["layer"] + p["lm_head"]) * num_steps
+    qd = cfg.num_attention_heads * cfg.head_dim
+    for j in range(num_steps):
+        keys = (seq_len + 1) / 2 + j  # mean keys per query: causal prefix + j diagonals
+        flops += 3.5 * 4 * qd * keys  # QK^T and PV forward, backward ~2.5x forward
+    flops += 2 * target_vocab * cfg.hidden_size
+    return flops
+
+
+class JsonlLogger:
+    """Append-only JSONL metrics file (one object per logged step), flushed per line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines logged after ``step`` (a resumed run re-logs them)."""
+        if not self.path.exists():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))

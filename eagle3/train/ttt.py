@@ -1,0 +1,155 @@
+"""Training-time test: the draft unrolled over ``num_steps`` of its own predictions.
+
+Indexing (one row of T tokens x_0..x_{T-1}; p_t = target's distribution of x_{t+1}):
+- step 0 at index t: hidden = fc(aux_t), input token x_{t+1}, position t (as vLLM's first pass);
+- step j at index t: hidden = step j-1's pre-norm output at t, input token x_{t+j+1}, position t+j;
+- its target is p_{t+j+1} (the token x_{t+j+2}); it is scored where x_{t+j+2} is a loss token of
+  the same document and the target's full-vocab argmax at t+j+1 is in the draft vocabulary.
+Loss = sum_j decay**j * (sum of scored CE at step j) / denominators[j], where the caller passes
+the number of loss positions of step j in the whole global batch (all ranks, all accumulation
+micro-batches), so any split of a global batch over processes optimises the same objective.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model.draft import Eagle3Draft
+from .attention import TTTMask, resolve_backend, ttt_attention
+from .loss import soft_cross_entropy
+
+# per-step statistics returned by the forward (summed over rows; reduce across ranks by sum)
+STAT_NAMES = ("ce_sum", "scored", "counted", "correct", "cond_correct", "cond_total")
+
+
+FLEX_BLOCK = 128
+
+
+def _pad_right(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    return torch.cat([x, x.new_full((x.shape[0], n) + tuple(x.shape[2:]), fill)], dim=1)
+
+
+def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x[:, t+k] at index t, ``fill`` past the end (dim 1)."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.shape[0], k) + tuple(x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
+
+
+def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, in_vocab: torch.Tensor, num_steps: int):
+    """(counted [S,B,T], scored [S,B,T]) booleans: loss positions of each step, and those of them
+    whose target token the draft vocabulary contains."""
+    counted, scored = [], []
+    lm = loss_mask.bool()
+    for j in range(num_steps):
+        c = shift_left(lm, j + 2, False) & (shift_left(doc_ids, j + 2, -2) == doc_ids)
+        counted.append(c)
+        scored.append(c & shift_left(in_vocab, j + 1, False))
+    return torch.stack(counted), torch.stack(scored)
+
+
+def loss_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Loss positions per step [S] (float) of a batch, from its raw fields only."""
+    dummy = torch.ones_like(loss_mask, dtype=torch.bool)
+    counted, _ = step_masks(loss_mask, doc_ids, dummy, num_steps)
+    return counted.flatten(1).sum(1).float()
+
+
+class TTTModel(nn.Module):
+    """What Accelerate wraps: the draft plus the unrolled TTT forward that returns the loss."""
+
+    def __init__(self, draft: Eagle3Draft, num_steps: int = 7, decay: float = 0.8,
+                 attention: str = "auto", compile: bool = False):
+        super().__init__()
+        self.draft = draft
+        self.num_steps = num_steps
+        self.decay = decay
+        self.attention = attention
+        self.compile = compile
+        self._compiled = None
+
+    def _fns(self):
+        layer = self.draft.midlayer
+        if not self.compile:
+            return layer.pre_attention, layer.post_attention, self._head_loss
+        if self._compiled is None:
+            self._compiled = (torch.compile(layer.pre_attention, dynamic=False),
+                              torch.compile(layer.post_attention, dynamic=False),
+                              torch.compile(self._head_loss, dynamic=False))
+        return self._compiled
+
+    def _head_loss(self, out, norm_w, lm_head_w, target, weight, denom):
+        logits = self.draft.logits(out, norm_w, lm_head_w)
+        loss = soft_cross_entropy(logits, target, weight) / denom
+        with torch.no_grad():
+            lf = logits.detach().float()
+            ce = torch.logsumexp(lf, -1) * target.float().sum(-1) - (target.float() * lf).sum(-1)
+            correct = logits.detach().argmax(-1) == target.argmax(-1)
+        return loss, ce, correct
+
+    def forward(self, aux: torch.Tensor, embeds: torch.Tensor, target_probs: torch.Tensor,
+                in_vocab: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
+                doc_ids: torch.Tensor, denominators: Optional[torch.Tensor] = None):
+        """aux [B,T,n_aux*H]; embeds [B,T,H] of x_0..x_{T-1} (their dtype is the compute dtype);
+        target_probs [B,T,V_draft] = p_t; in_vocab, loss_mask, position_ids, doc_ids [B,T].
+        Returns (loss, stats [S, len(STAT_NAMES)] float64 sums)."""
+        S, (B, T) = self.num_steps, loss_mask.shape
+        dtype = embeds.dtype
+        pre, post, head_loss = self._fns()
+        loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
+        backend = resolve_backend(self.attention, embeds.device)
+        if backend == "flex" and embeds.device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError("train.attention=flex cannot train on CPU (torch's flex_attention has no CPU "
+                             "backward); use train.attention=auto or sdpa there")
+        if backend == "flex" and T % FLEX_BLOCK:
+            # flex's block map needs whole blocks: pad on the right with a padding document
+            # (no loss positions), which changes nothing for the real positions
+            extra = FLEX_BLOCK - T % FLEX_BLOCK
+            aux, embeds, target_probs = (_pad_right(x, extra, 0) for x in (aux, embeds, target_probs))
+            in_vocab, loss_mask, position_ids = (_pad_right(x, extra, 0) for x in (in_vocab, loss_mask, position_ids))
+            doc_ids = _pad_right(doc_ids, extra, int(doc_ids.min()) - 1)
+            T = T + extra
+        mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
+        counted, scored = step_masks(loss_mask, doc_ids, in_vocab, S)
+        if denominators is None:
+            denominators = counted.flatten(1).sum(1).float()
+        denominators = denominators.clamp(min=1.0)
+        # one padded copy of the shifted inputs; each step reads a view (same shape every step)
+        pad = S + 1
+        embeds_pad = torch.cat([embeds, embeds.new_zeros(B, pad, embeds.shape[-1])], dim=1)
+        target_pad = torch.cat([target_probs, target_probs.new_zeros(B, pad, target_probs.shape[-1])], dim=1)
+
+        # weights cast to the compute dtype once per forward (not once per step), q/k/v and
+        # gate/up packed into single matmuls; gradients flow back to the fp32 parameters
+        wl = self.draft.midlayer.weights(dtype)
+        norm_w, lm_head_w = self.draft.norm.weight.to(dtype), self.draft.lm_head.weight.to(dtype)
+        h = F.linear(aux.flatten(2) if aux.dim() == 4 else aux, self.draft.fc.weight.to(dtype))
+        ks, vs = [], []
+        loss = torch.zeros((), device=embeds.device, dtype=torch.float32)
+        stats = torch.zeros(S, len(STAT_NAMES), dtype=torch.float64, device=embeds.device)
+        chain = torch.ones(B, T, dtype=torch.bool, device=embeds.device)
+        for j in range(S):
+            cos, sin = self.draft.rope(position_ids + j, dtype)
+            q, k, v, residual = pre(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
+            ks.append(k)
+            vs.append(v)
+            out = post(ttt_attention(q, ks, vs, mask), residual, wl)
+            w = scored[j].float()
+            step_loss, ce, correct = head_loss(out, norm_w, lm_head_w, target_pad[:, j + 1: j + 1 + T], w, denominators[j])
+            loss = loss + (self.decay ** j) * step_loss
+            with torch.no_grad():
+                sc = scored[j]
+                cond = chain & sc
+                stats[j, 0] = (ce.double() * w.double()).sum()
+                stats[j, 1] = sc.sum()
+                stats[j, 2] = counted[j].sum()
+                stats[j, 3] = (correct & sc).sum()
+                stats[j, 4] = (cond & correct).sum()
+                stats[j, 5] = cond.sum()
+                chain = chain & sc & correct
+            h = out
+        return loss, stats

@@ -134,13 +134,15 @@ class ExtractConfig:
     kv_cache_gb: float = 1.0
     batch_size: int = 8  # HF backend
     device: str = "auto"  # HF backend: auto | cpu | cuda
-    # Scale-out: this process extracts every sample i with i % num_shards == shard_index.
+    # Scale-out over N processes: this process writes the store shards k (each a contiguous range
+    # of samples_per_shard samples) with k % num_shards == shard_index. The store's bytes do not
+    # depend on num_shards (hence not part of the config hash).
     num_shards: int = 1
     shard_index: int = 0
     splits: List[str] = field(default_factory=lambda: ["train", "eval"])
 
     NON_SEMANTIC = ("tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs",
-                    "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "shard_index")
+                    "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index")
 
     def __post_init__(self):
         _check_choice("extract.backend", self.backend, ("vllm", "vllm_connector", "hf"))

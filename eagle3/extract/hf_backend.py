@@ -1,0 +1,114 @@
+"""extract.backend=hf: transformers, batched, CPU or GPU. The reference the vLLM backends are tested
+against, and the fallback where vLLM is not available.
+
+States are taken with hooks on the decoder layers, not ``output_hidden_states``: the input of layer
+k is id k (vLLM's convention) and the output of the last layer is id L, the final state *before*
+the final norm (transformers' last ``hidden_states`` entry is after it). This works for every
+decoder-only family whose base model keeps its decoder layers in ``.layers`` (Llama, Qwen2/3,
+Qwen3-MoE, DeepSeek-V3, ...). The lm_head is never run (we load the base model only).
+"""
+from __future__ import annotations
+
+import logging
+
+from ..store import ShardPlan, StoreLayout
+from .writer import CapturedBatch, HostStager, ShardWriter
+
+log = logging.getLogger("eagle3.extract")
+
+
+class HFExtractor:
+    name = "hf"
+
+    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, store_dir):
+        import torch
+        from transformers import AutoModel
+
+        device = ecfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.layout = layout
+        self.store_dir = store_dir
+        self.batch_size = ecfg.batch_size
+        self.model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype)).to(self.device)
+        self.model.eval()
+        layers = getattr(self.model, "layers", None)
+        if layers is None:
+            raise RuntimeError(f"{type(self.model).__name__} keeps no decoder layers in .layers; the hf backend "
+                               f"cannot hook it")
+        if len(layers) != layout.last_layer_id:
+            raise RuntimeError(f"the model has {len(layers)} decoder layers but the store expects "
+                               f"{layout.last_layer_id}")
+        self._captured: dict = {}
+        self._hooks = []
+        for k in layout.layer_ids:
+            self._hooks.append(layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
+        self._hooks.append(layers[-1].register_forward_hook(self._post_hook(layout.last_layer_id)))
+        self.stager = HostStager()
+        log.info("extract: transformers %s on %s, %s, batch %d", type(self.model).__name__, self.device,
+                 target_dtype, self.batch_size)
+
+    def _pre_hook(self, k):
+        def hook(module, args, kwargs):
+            self._captured[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _post_hook(self, k):
+        def hook(module, args, output):
+            self._captured[k] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def _forward(self, samples: list) -> tuple:
+        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample order)."""
+        import torch
+
+        lengths = [len(ids) for _, ids in samples]
+        width = max(lengths)
+        ids = torch.zeros(len(samples), width, dtype=torch.long)
+        mask = torch.zeros(len(samples), width, dtype=torch.long)
+        for b, (_, x) in enumerate(samples):
+            ids[b, : len(x)] = torch.as_tensor([int(t) for t in x], dtype=torch.long)
+            mask[b, : len(x)] = 1
+        self._captured.clear()
+        with torch.inference_mode():
+            # Right padding: causal attention keeps real tokens independent of the padding.
+            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        keep = mask.to(self.device).bool()
+        dtype = getattr(torch, self.layout.dtype)
+        aux = torch.stack([self._captured[k][keep] for k in self.layout.layer_ids], dim=1).to(dtype)
+        last = self._captured[self.layout.last_layer_id][keep].to(dtype)
+        return aux, last
+
+    def run(self, plans: list[ShardPlan], progress) -> list[dict]:
+        writer = ShardWriter(self.store_dir, self.layout)
+        done = []
+        try:
+            for plan in plans:
+                writer.begin(plan)
+                key = (plan.split, plan.k)
+                # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
+                order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]),
+                               key=lambda j: (-int(plan.lengths[j]), j))
+                for a in range(0, len(order), self.batch_size):
+                    batch = [(j, plan.input_ids[j]) for j in order[a:a + self.batch_size]]
+                    aux, last = self._forward(batch)
+                    segments, row = [], 0
+                    for j, x in batch:
+                        segments.append((key, j, 0, row, row + len(x)))
+                        row += len(x)
+                    aux_h, last_h, event, release = self.stager.stage(aux, last)
+                    writer.write(CapturedBatch(segments, aux_h, last_h, event, release))
+                    progress.update(row)
+                writer.end(key)
+                done += writer.poll()
+            done += writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        return done
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.model = None

@@ -1,0 +1,394 @@
+"""The hidden-state store: what the extract stage writes and the train stage reads.
+
+Layout of a store directory (the extract run's out_dir)::
+
+    store.json                       written last: layer ids, dtype, per-split shard list (+ sha256)
+    <split>/shard-00000-of-00012.safetensors
+    <split>/shard-00000-of-00012.json   sidecar: the shard's size and sha256, written before the shard
+    <split>/index.json               per-split: shards and every sample's length (for batching)
+
+Each shard holds a contiguous range of samples [first, first + n) of one split, concatenated along
+the token axis, with ``offsets`` (n + 1) marking where each sample starts:
+
+    offsets            int64 [n + 1]
+    sample_index       int64 [n]           global index of each sample in its split
+    input_ids          int32 [T]
+    aux_hidden_states  dtype [T, n_aux, H]  layers ``layer_ids`` (ascending, vLLM's convention)
+    last_hidden_state  dtype [T, H]         layer ``last_layer_id`` = L: the final pre-norm state
+    loss_mask          uint8 [T]
+
+A shard's bytes depend only on its samples, the target and the layer ids/dtype (no timestamps, a
+fixed header), so a resumed or scaled-out run writes the same files as one uninterrupted run.
+Shards are written to a temp file, fsync'ed, then renamed: a shard file that exists is complete.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import Eagle3Error
+
+FORMAT = "eagle3.hidden_states/1"
+STORE_JSON = "store.json"
+INDEX_JSON = "index.json"
+_ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+
+
+class StoreError(Eagle3Error):
+    """A store is missing, incomplete, or was written for another target/config."""
+
+
+class StoreWriteError(Eagle3Error):
+    """Writing a shard failed (e.g. the disk is full); no incomplete shard is left claiming completion."""
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """What every shard of a store holds; identical for all shards and all processes."""
+
+    layer_ids: tuple          # aux layer ids, ascending
+    last_layer_id: int        # L (num_hidden_layers): the final pre-norm state
+    hidden_size: int
+    dtype: str                # float32 | bfloat16 | float16
+    target_hash: str = ""     # identity of the target (eagle3.target), "" when unknown
+
+    def __post_init__(self):
+        if self.dtype not in _ST_DTYPES:
+            raise ValueError(f"store dtype {self.dtype!r} is not one of {sorted(_ST_DTYPES)}")
+        if list(self.layer_ids) != sorted(set(self.layer_ids)):
+            raise ValueError(f"layer ids must be distinct and ascending, got {self.layer_ids}")
+
+    @property
+    def itemsize(self) -> int:
+        return _ST_DTYPES[self.dtype][1]
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        return (self.n_aux + 1) * self.hidden_size * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token: hidden states + input id (int32) + loss mask (uint8)."""
+        return self.hidden_bytes_per_token + 5
+
+    def metadata(self) -> dict:
+        return {"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids)),
+                "last_layer_id": str(self.last_layer_id), "hidden_size": str(self.hidden_size),
+                "dtype": self.dtype, "target_hash": self.target_hash}
+
+    def to_json(self) -> dict:
+        return {"layer_ids": list(self.layer_ids), "last_layer_id": self.last_layer_id,
+                "hidden_size": self.hidden_size, "dtype": self.dtype, "target_hash": self.target_hash}
+
+
+# -- shard planning -------------------------------------------------------------------------------
+
+def shard_ranges(num_samples: int, samples_per_shard: int) -> list[tuple[int, int]]:
+    """(first, count) of every shard of a split: contiguous, in sample order."""
+    return [(a, min(samples_per_shard, num_samples - a)) for a in range(0, num_samples, samples_per_shard)]
+
+
+def shard_name(k: int, num: int) -> str:
+    return f"shard-{k:05d}-of-{num:05d}.safetensors"
+
+
+def is_assigned(k: int, num_processes: int, process_index: int) -> bool:
+    """Scale-out: process ``process_index`` of ``num_processes`` writes the shards k with
+    k % num_processes == process_index. Whole shards (not samples) are dealt out, so every shard
+    stays a contiguous sample range written by one process, and the store's bytes do not depend on
+    how many processes wrote it."""
+    return k % num_processes == process_index
+
+
+@dataclass
+class ShardPlan:
+    """One shard to write: which samples, their tokens and loss masks."""
+
+    split: str
+    k: int
+    num: int                  # number of shards in this split
+    first: int                # global index of the first sample
+    input_ids: list           # per sample: sequence of ints
+    loss_mask: list           # per sample: sequence of 0/1
+    lengths: np.ndarray = field(init=False)
+    offsets: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError("input_ids and loss_mask must have one entry per sample")
+        self.lengths = np.array([len(x) for x in self.input_ids], dtype=np.int64)
+        for i, (ids, m) in enumerate(zip(self.input_ids, self.loss_mask)):
+            if len(ids) != len(m):
+                raise ValueError(f"sample {self.first + i}: {len(ids)} input ids but {len(m)} loss-mask entries")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.k, self.num)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+def shard_header(plan: ShardPlan, layout: StoreLayout) -> tuple[bytes, dict]:
+    """The safetensors header of a shard and each tensor's absolute byte offset in the file.
+
+    Tensor order is fixed (8-byte types first, so every tensor is aligned to its item size)."""
+    n, t = plan.num_samples, plan.num_tokens
+    st_dtype = _ST_DTYPES[layout.dtype][0]
+    specs = [("offsets", "I64", [n + 1], 8), ("sample_index", "I64", [n], 8), ("input_ids", "I32", [t], 4),
+             ("aux_hidden_states", st_dtype, [t, layout.n_aux, layout.hidden_size], layout.itemsize),
+             ("last_hidden_state", st_dtype, [t, layout.hidden_size], layout.itemsize),
+             ("loss_mask", "U8", [t], 1)]
+    header, pos, rel = {}, 0, {}
+    for name, dt, shape, size in specs:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * size
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        rel[name] = pos
+        pos += nbytes
+    meta = dict(layout.metadata(), split=plan.split, shard=str(plan.k), num_shards=str(plan.num),
+                first_sample=str(plan.first), num_samples=str(n), num_tokens=str(t))
+    header["__metadata__"] = meta
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)  # pad so the data starts 8-byte aligned
+    data_start = 8 + len(text)
+    blob = len(text).to_bytes(8, "little") + text
+    offsets = {name: data_start + p for name, p in rel.items()}
+    offsets["__end__"] = data_start + pos
+    return blob, offsets
+
+
+# -- shard records (sidecars) ---------------------------------------------------------------------
+
+def sidecar_path(split_dir: Path, name: str) -> Path:
+    return split_dir / (name[: -len(".safetensors")] + ".json")
+
+
+def read_shard_meta(path: Path) -> dict:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)).get("__metadata__", {})
+
+
+def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Optional[dict]:
+    """The record of an already complete shard (for resume), None if it must be (re)written.
+
+    Raises StoreError if a complete shard exists but was written for another target, layer ids or
+    dtype: the directory is named by the config hash, so that means files were copied in by hand."""
+    path = split_dir / plan.name
+    side = sidecar_path(split_dir, plan.name)
+    if not path.exists():
+        return None
+    _, offs = shard_header(plan, layout)
+    meta = read_shard_meta(path)
+    expected = dict(layout.metadata(), split=plan.split, shard=str(plan.k), num_shards=str(plan.num),
+                    first_sample=str(plan.first), num_samples=str(plan.num_samples), num_tokens=str(plan.num_tokens))
+    diff = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
+    if diff:
+        raise StoreError(f"{path} exists but was written for another extraction ({diff}, as (found, expected)). "
+                         f"Remove {split_dir.parent} (or that file) and run extract again.")
+    if path.stat().st_size != offs["__end__"] or not side.exists():
+        raise StoreError(f"{path} has the wrong size or lacks its sidecar {side.name}: it was not written by "
+                         f"eagle3's shard writer. Remove it and run extract again.")
+    return json.loads(side.read_text())
+
+
+# -- finalizing -------------------------------------------------------------------------------------
+
+def _atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def missing_shards(store_dir: Path, split_plans: dict) -> list[str]:
+    """Shard files (split/name) not yet present, given {split: [(first, count), ...]}."""
+    out = []
+    for split, ranges in split_plans.items():
+        for k in range(len(ranges)):
+            name = shard_name(k, len(ranges))
+            if not (store_dir / split / name).exists():
+                out.append(f"{split}/{name}")
+    return out
+
+
+def finalize_store(store_dir: Path, layout: StoreLayout, split_lengths: dict, samples_per_shard: int) -> dict:
+    """Write every split's index.json and then store.json, from the shards' sidecars.
+
+    ``split_lengths``: {split: lengths of all its samples}. Every shard must be complete. Returns
+    store.json's content. The output is a pure function of the shards (no timestamps), so any
+    process of a scale-out run may finalize, and finalizing twice writes the same bytes."""
+    store_dir = Path(store_dir)
+    splits = {}
+    for split, lengths in split_lengths.items():
+        lengths = [int(x) for x in lengths]
+        ranges = shard_ranges(len(lengths), samples_per_shard)
+        missing = missing_shards(store_dir, {split: ranges})
+        if missing:
+            raise StoreError(f"cannot finalize {store_dir}: shards still missing: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+        shards = []
+        for k, (first, count) in enumerate(ranges):
+            rec = json.loads(sidecar_path(store_dir / split, shard_name(k, len(ranges))).read_text())
+            if rec["first_sample"] != first or rec["num_samples"] != count:
+                raise StoreError(f"{split}/{rec['file']} covers samples {rec['first_sample']}+{rec['num_samples']}, "
+                                 f"expected {first}+{count}; remove {store_dir} and extract again")
+            shards.append(rec)
+        index = {"format": FORMAT, "split": split, "num_samples": len(lengths), "num_tokens": sum(lengths),
+                 "samples_per_shard": samples_per_shard, "shards": shards, "lengths": lengths}
+        (store_dir / split).mkdir(parents=True, exist_ok=True)
+        _atomic_write_json(store_dir / split / INDEX_JSON, index)
+        splits[split] = {"num_samples": len(lengths), "num_tokens": sum(lengths), "num_shards": len(shards)}
+    store = {"format": FORMAT, **layout.to_json(), "bytes_per_token": layout.bytes_per_token,
+             "samples_per_shard": samples_per_shard, "splits": splits}
+    _atomic_write_json(store_dir / STORE_JSON, store)
+    return store
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+class HiddenStates(Sequence):
+    """One split of a store as a sequence of samples; item i is a dict of CPU tensors:
+
+    ``input_ids`` int64 [T], ``loss_mask`` bool [T], ``aux_hidden_states`` [T, n_aux, H],
+    ``last_hidden_state`` [T, H] (store dtype), ``sample_index`` int.
+
+    Reads are lazy: each item reads only its own rows from the memory-mapped shard (safetensors
+    ``safe_open``), so stores far larger than RAM work. Safe to use from DataLoader workers (each
+    process opens its own file handles)."""
+
+    _MAX_OPEN = 32
+
+    def __init__(self, store_dir: str | Path, split: str = "train"):
+        self.store_dir = Path(store_dir)
+        meta_path = self.store_dir / STORE_JSON
+        if not meta_path.exists():
+            raise StoreError(f"{self.store_dir} is not a complete hidden-state store (no {STORE_JSON}): the "
+                             f"extraction has not finished. Run `python -m eagle3 stage=extract` (it resumes).")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise StoreError(f"{meta_path} has format {self.meta.get('format')!r}; this eagle3 reads {FORMAT!r}")
+        if split not in self.meta["splits"]:
+            raise StoreError(f"split {split!r} is not in {self.store_dir} (it has {sorted(self.meta['splits'])})")
+        self.split = split
+        self.index = json.loads((self.store_dir / split / INDEX_JSON).read_text())
+        self.lengths = np.asarray(self.index["lengths"], dtype=np.int64)
+        self._firsts = [s["first_sample"] for s in self.index["shards"]]
+        for s in self.index["shards"]:
+            p = self.store_dir / split / s["file"]
+            if not p.exists() or p.stat().st_size != s["size"]:
+                raise StoreError(f"{p} is missing or changed size since the store was written "
+                                 f"(expected {s['size']} bytes); re-run extract")
+        self._handles: OrderedDict = OrderedDict()
+        self._offsets: dict = {}
+        self._pid = os.getpid()
+
+    # facts
+    @property
+    def layer_ids(self) -> tuple:
+        return tuple(self.meta["layer_ids"])
+
+    @property
+    def last_layer_id(self) -> int:
+        return int(self.meta["last_layer_id"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.meta["hidden_size"])
+
+    @property
+    def dtype(self) -> str:
+        return self.meta["dtype"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _handle(self, k: int):
+        from safetensors import safe_open
+
+        if self._pid != os.getpid():  # forked into a DataLoader worker: do not share file handles
+            self._handles.clear()
+            self._pid = os.getpid()
+        h = self._handles.get(k)
+        if h is None:
+            h = safe_open(str(self.store_dir / self.split / self.index["shards"][k]["file"]), framework="pt")
+            self._handles[k] = h
+            if len(self._handles) > self._MAX_OPEN:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(k)
+        if k not in self._offsets:
+            self._offsets[k] = h.get_tensor("offsets").numpy()
+        return h
+
+    def __getitem__(self, i):
+        import torch
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        k = bisect.bisect_right(self._firsts, i) - 1
+        h = self._handle(k)
+        off = self._offsets[k]
+        j = i - self._firsts[k]
+        a, b = int(off[j]), int(off[j + 1])
+        return {"input_ids": h.get_slice("input_ids")[a:b].to(torch.int64),
+                "loss_mask": h.get_slice("loss_mask")[a:b].to(torch.bool),
+                "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],
+                "last_hidden_state": h.get_slice("last_hidden_state")[a:b],
+                "sample_index": i}
+
+    def __repr__(self) -> str:
+        return (f"HiddenStates({self.store_dir}, split={self.split!r}, samples={len(self)}, tokens={self.num_tokens}, "
+                f"layer_ids={self.layer_ids}, last_layer_id={self.last_layer_id}, dtype={self.dtype})")
+
+
+def resolve_store_dir(path: str | Path) -> Path:
+    """A store directory, an extract run's out_dir, or an experiment directory (through its manifest)."""
+    p = Path(path).expanduser().resolve()
+    if (p / STORE_JSON).exists():
+        return p
+    from .manifest import MANIFEST_NAME, Manifest
+
+    if (p / MANIFEST_NAME).exists():
+        rec = Manifest(p).current("extract")
+        if rec is None:
+            raise StoreError(f"experiment {p} has no extract run yet: run `python -m eagle3 stage=extract`")
+        if rec.status != "complete":
+            raise StoreError(f"the current extract run of {p} ({rec.config_hash[:12]}) is {rec.status}: "
+                             f"run `python -m eagle3 stage=extract` again to finish it (it resumes)")
+        return rec.out_dir
+    raise StoreError(f"{p} is neither a hidden-state store (no {STORE_JSON}) nor an experiment directory "
+                     f"(no {MANIFEST_NAME})")
+
+
+def open_hidden_states(path: str | Path, split: str = "train") -> HiddenStates:
+    """The hidden states of ``split`` in a store, an extract run dir or an experiment dir."""
+    return HiddenStates(resolve_store_dir(path), split)

@@ -1,0 +1,126 @@
+"""Stage 2, extract: run the target over every prepared sample and store the aux hidden states of
+``layer_ids`` and the final pre-norm state (id L) per token, as a sharded safetensors store.
+
+Scale-out (``extract.num_shards=N extract.shard_index=p``, e.g. one SLURM array task each through
+Hydra's submitit launcher): every process computes the same config hash, hence the same output
+directory, and writes the shards k with k % N == p. Shard files are atomic and their bytes do not
+depend on which process wrote them, so the parts need no coordination: each process, when done,
+checks whether every shard of every split exists; the one that finds the store complete finalizes
+it (index + store.json) and records the run in the manifest, under a lock. Until then the manifest
+has no complete extract run, so train cannot consume a partial store. A process that died is
+simply re-run (same p, or any N: complete shards are skipped). ``num_shards`` is not part of the
+config hash for that reason.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("eagle3.extract")
+
+
+def _target_dtype(cfg, target) -> str:
+    from eagle3.target import TargetError
+
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise TargetError(f"the target's dtype {dtype!r} (config.json) is not float32, bfloat16 or float16; "
+                          f"set target.dtype explicitly")
+    return dtype
+
+
+def _record_outputs(job, splits) -> None:
+    out = job.out_dir
+    for split in splits:
+        index = json.loads((out / split / "index.json").read_text())
+        for shard in index["shards"]:
+            job.add_output(out / split / shard["file"], sha256=shard["sha256"])
+            job.add_output(out / split / (shard["file"][: -len(".safetensors")] + ".json"))
+        job.add_output(out / split / "index.json")
+    job.add_output(out / "store.json")
+
+
+def run(cfg, manifest):
+    from filelock import FileLock, Timeout
+
+    from eagle3.extract import DatasetSamples, extract_store, resolve_layer_ids, resolve_store_dtype
+    from eagle3.hashing import semantic_dict
+    from eagle3.manifest import ManifestError
+    from eagle3.store import FORMAT, StoreLayout
+    from eagle3.target import resolve
+
+    ecfg = cfg.extract
+    target = resolve(cfg.target, cfg.workspace)
+    prep = manifest.consume("prepare", by="extract", target_hash=target.hash)
+    prep_tok = prep.facts.get("tokenizer_hash")
+    if prep_tok != target.tokenizer_hash:
+        raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer {str(prep_tok)[:12]}, "
+                            f"but the target {target.path} has tokenizer {target.tokenizer_hash[:12]}: its token ids "
+                            f"would be read by another vocabulary. Re-run `python -m eagle3 stage=prepare`.")
+    L, H = target.num_hidden_layers, target.hidden_size
+    layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
+    target_dtype = _target_dtype(cfg, target)
+    store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype)
+    config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
+              "store_dtype": store_dtype, "target_dtype": target_dtype}
+    job = manifest.start("extract", config=config, target=target.identity(), inputs={"prepare": prep})
+    if job.done:
+        log.info("extract: already complete for this config (%s); nothing to do", job.config_hash[:12])
+        print(f"extract: already complete ({job.config_hash[:12]}), nothing to do")
+        return job.record
+    log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
+             layer_ids, L, L, H, store_dtype, target_dtype)
+
+    import datasets
+
+    ds = datasets.load_from_disk(str(prep.path("dataset")))
+    missing = [s for s in ecfg.splits if s not in ds]
+    if missing:
+        raise ManifestError(f"extract.splits={list(ecfg.splits)}: the prepared dataset has no split {missing} "
+                            f"(it has {list(ds.keys())})")
+    splits = {s: DatasetSamples(ds[s]) for s in ecfg.splits}
+    layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
+                         target_hash=target.hash)
+
+    def extract(num_processes=1, process_index=0):
+        return extract_store(job.out_dir, splits, layout, backend=ecfg.backend, target_path=target.path,
+                             target_dtype=target_dtype, ecfg=ecfg, num_processes=num_processes,
+                             process_index=process_index, progress=cfg.progress)
+
+    def record(result):
+        _record_outputs(job, splits)
+        job.facts.update(layer_ids=list(layer_ids), last_layer_id=L, hidden_size=H, store_dtype=store_dtype,
+                         target_dtype=target_dtype, backend=ecfg.backend, store_format=FORMAT,
+                         bytes_per_token=layout.bytes_per_token,
+                         num_samples={s: len(v) for s, v in splits.items()},
+                         num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()})
+
+    if ecfg.num_shards == 1:
+        with job:
+            result = extract()
+            if not result.complete:  # cannot happen with one process; a bug if it does
+                raise RuntimeError(f"extract finished with shards missing: {result.missing[:5]}")
+            record(result)
+        log.info("extract: store complete at %s (%s)", job.out_dir,
+                 ", ".join(f"{s}: {len(v)} samples" for s, v in splits.items()))
+        return job.record
+
+    p, n = ecfg.shard_index, ecfg.num_shards
+    job.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(str(job.out_dir / f".part-{p}-of-{n}.lock"), timeout=0):
+            result = extract(n, p)
+    except Timeout:
+        raise ManifestError(f"another process is already extracting part {p} of {n} into {job.out_dir}") from None
+    if not result.complete:
+        log.info("extract: part %d of %d done; %d shards still missing (other parts), e.g. %s. The last part to "
+                 "finish records the run in the manifest.", p, n, len(result.missing), result.missing[:3])
+        print(f"extract: part {p}/{n} done; waiting for {len(result.missing)} shards from other parts")
+        return None
+    with FileLock(str(job.out_dir / ".finalize.lock")):
+        if job.done:  # another part finished at the same time and recorded the run
+            return job.record
+        with job:
+            record(result)
+    log.info("extract: part %d of %d completed the store at %s", p, n, job.out_dir)
+    return job.record

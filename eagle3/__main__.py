@@ -26,11 +26,20 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
 
     - ``experiment=NAME``: a preset in conf/experiment/ is selected as a config group (the preset
       sets ``name``); any other NAME sets ``name`` directly, so users can name experiments freely.
+    - ``target.path=DIR`` / ``target.gguf=FILE`` / ``data.path=FILE`` / ``data.sources=[...]``
+      select the matching group (hf, gguf, jsonl, mixture) in place of the embedded default.
     - ``export.from=DIR``: ``from`` is a Python keyword and cannot be a dataclass field; the schema
       calls it ``from_``.
     """
     presets = _presets()
-    out = []
+    keys = {a.partition("=")[0].lstrip("+~") for a in overrides}
+    out, groups = [], []
+    # A target or data given by path replaces the embedded default's group (and the stage sizing
+    # that comes with it) unless a group was chosen explicitly.
+    if keys & {"target.path", "target.gguf"} and "target" not in keys:
+        groups.append("target=hf" if "target.path" in keys else "target=gguf")
+    if keys & {"data.path", "data.sources"} and "data" not in keys:
+        groups.append("data=jsonl" if "data.path" in keys else "data=mixture")
     for arg in overrides:
         key, sep, value = arg.partition("=")
         if sep and key == "experiment":
@@ -43,7 +52,7 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
         elif sep and key.lstrip("+") == "export.from":
             arg = f"{key[:len(key) - len(key.lstrip('+'))]}export.from_={value}"
         out.append(arg)
-    return out
+    return out + groups
 
 
 def compose_config(overrides: list[str] = ()):

@@ -85,3 +85,12 @@ def test_cli_bad_key_exits_nonzero_with_hydra_message():
 def test_cli_invalid_value_exits_2():
     out = _run_cli("stage=status", "extract.backend=foo")
     assert out.returncode == 2 and "extract.backend" in out.stderr
+
+
+def test_embedded_default_and_path_overrides(compose):
+    default = compose()
+    assert default.stage == "all" and default.target.path == "" and default.data.path == ""
+    assert default.prepare.regenerate is True  # the built-in prompts have no responses to learn from
+    user = compose("target.path=/m", "data.path=/d.jsonl")
+    assert user.prepare.regenerate is False and user.target.path == "/m"
+    assert compose("target.gguf=/x.gguf").target.gguf == "/x.gguf"

@@ -1,0 +1,90 @@
+"""Reading an experiment back for inspection (the notebooks use this; so can users).
+
+Everything is found through the experiment's manifest, never by guessing paths.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .manifest import Manifest, StageRecord
+
+
+class Experiment:
+    def __init__(self, exp_dir: str | Path):
+        self.dir = Path(exp_dir).expanduser().resolve()
+        if not (self.dir / "manifest.json").exists():
+            raise FileNotFoundError(f"{self.dir} has no manifest.json: run a stage there first "
+                                    f"(python -m eagle3 workspace=... experiment=...)")
+        self.manifest = Manifest(self.dir)
+
+    def record(self, stage: str) -> StageRecord:
+        rec = self.manifest.current(stage)
+        if rec is None or rec.status != "complete":
+            raise LookupError(f"stage {stage} has no complete run in {self.dir}")
+        return rec
+
+    def has(self, stage: str) -> bool:
+        rec = self.manifest.current(stage)
+        return rec is not None and rec.status == "complete"
+
+    # -- prepare --------------------------------------------------------------------------
+    def dataset(self, split: str = "train"):
+        import datasets
+
+        return datasets.load_from_disk(str(self.record("prepare").path("dataset")))[split]
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.record("prepare").data["target"]["path"])
+
+    def prepare_stats(self) -> dict:
+        return json.loads(self.record("prepare").path("stats.json").read_text())
+
+    def token_freq(self):
+        from safetensors.torch import load_file
+
+        return load_file(str(self.record("prepare").path("token_freq.safetensors")))["freq"].numpy()
+
+    # -- train ----------------------------------------------------------------------------
+    def train_metrics(self) -> list[dict]:
+        """Rows of the train stage's JSONL metrics file (one per logged step)."""
+        rec = self.record("train")
+        files = sorted(rec.out_dir.rglob("metrics.jsonl"))
+        if not files:
+            raise FileNotFoundError(f"no metrics.jsonl under {rec.out_dir}")
+        rows = []
+        for line in files[0].read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+        return rows
+
+    def ttt_steps(self) -> int:
+        return int(self.record("train").data["config"]["train"]["ttt_steps"])
+
+    # -- export ---------------------------------------------------------------------------
+    def acceptance(self) -> dict:
+        return dict(self.record("export").facts)
+
+
+def mask_html(tokenizer, input_ids, loss_mask, max_tokens: int = 400) -> str:
+    """The conversation with trained (assistant) tokens highlighted, as HTML."""
+    parts = []
+    for tid, m in list(zip(input_ids, loss_mask))[:max_tokens]:
+        text = html.escape(tokenizer.decode([tid]))
+        text = text.replace("\n", "\u21b5<br>")
+        style = "background:#c6f6c6" if m else "color:#888"
+        parts.append(f'<span style="{style}">{text}</span>')
+    return '<div style="font-family:monospace;white-space:pre-wrap">' + "".join(parts) + "</div>"
+
+
+def coverage_curve(freq, sizes) -> list[tuple[int, float]]:
+    """Share of trainable tokens covered by a draft vocabulary of each size."""
+    import numpy as np
+
+    counts = np.sort(np.asarray(freq))[::-1]
+    total = counts.sum() or 1
+    cum = np.cumsum(counts)
+    return [(int(s), float(cum[min(s, len(cum)) - 1] / total)) for s in sizes if s > 0]

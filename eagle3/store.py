@@ -385,6 +385,8 @@ def resolve_store_dir(path: str | Path) -> Path:
             raise StoreError(f"the current extract run of {p} ({rec.config_hash[:12]}) is {rec.status}: "
                              f"run `python -m eagle3 stage=extract` again to finish it (it resumes)")
         return rec.out_dir
+    if any(p.glob("*/shard-*")):
+        return p  # an unfinished store: HiddenStates says so
     raise StoreError(f"{p} is neither a hidden-state store (no {STORE_JSON}) nor an experiment directory "
                      f"(no {MANIFEST_NAME})")
 

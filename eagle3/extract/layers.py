@@ -23,7 +23,7 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     L = num_layers
     ids = (2, L // 2, L - 3)
     if len(set(ids)) == 3 and all(0 <= i < L for i in ids):
-        return ids
+        return tuple(sorted(ids))
     want = min(3, L)
     spread = sorted({round(1 + (L - 2) * t / 2) for t in (0, 1, 2)} & set(range(L))) if L > 1 else []
     chosen = list(spread)

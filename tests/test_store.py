@@ -1,0 +1,232 @@
+"""The hidden-state store: shard format, writer (any chunk order, coverage, full disk), reader, layer ids."""
+from __future__ import annotations
+
+import errno
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.extract.layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
+from eagle3.extract.writer import CapturedBatch, ShardWriter
+from eagle3.store import (ShardPlan, StoreError, StoreLayout, StoreWriteError, completed_shard, finalize_store,
+                          open_hidden_states, shard_ranges)
+
+H = 16
+LAYOUT = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype="float32", target_hash="t" * 64)
+
+
+def _samples(n=11, seed=0, max_len=40):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, max_len) for _ in range(n)]
+    lengths[3] = 0  # an empty sample is legal in the store
+    ids = [[rng.randrange(1000) for _ in range(t)] for t in lengths]
+    mask = [[rng.randrange(2) for _ in range(t)] for t in lengths]
+    # Deterministic "hidden states" per (sample, position, layer): what any backend would produce.
+    states = [torch.randn(t, LAYOUT.n_aux + 1, H, generator=torch.Generator().manual_seed(100 + i))
+              for i, t in enumerate(lengths)]
+    return ids, mask, states
+
+
+def _write_store(store_dir, ids, mask, states, layout=LAYOUT, sps=4, chunk_seed=0, splits=("train",)):
+    """Write every shard with chunks of random sizes in a random order, like interleaved prefill steps."""
+    rng = random.Random(chunk_seed)
+    writer = ShardWriter(store_dir, layout)
+    for split in splits:
+        ranges = shard_ranges(len(ids), sps)
+        for k, (first, count) in enumerate(ranges):
+            plan = ShardPlan(split, k, len(ranges), first, ids[first:first + count], mask[first:first + count])
+            writer.begin(plan)
+            chunks = []
+            for j in range(count):
+                t, pos = len(ids[first + j]), 0
+                while pos < t:
+                    n = rng.randint(1, 7)
+                    chunks.append((j, pos, min(n, t - pos)))
+                    pos += n
+            # chunks of one sample arrive in order (as prefill does); samples interleave at random
+            by_sample = {}
+            for c in chunks:
+                by_sample.setdefault(c[0], []).append(c)
+            queues = list(by_sample.values())
+            while queues:
+                q = rng.choice(queues)
+                j, pos, n = q.pop(0)
+                if not q:
+                    queues.remove(q)
+                s = states[first + j][pos:pos + n]
+                writer.write(CapturedBatch([((split, k), j, pos, 0, n)], list(s[:, :-1].unbind(1)), s[:, -1]))
+            writer.end((split, k))
+    done = writer.close()
+    finalize_store(store_dir, layout, {s: [len(x) for x in ids] for s in splits}, sps)
+    return done
+
+
+def _files(d):
+    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+
+
+def test_roundtrip_exact_and_lazy_reader(tmp_path):
+    ids, mask, states = _samples()
+    done = _write_store(tmp_path / "s", ids, mask, states, splits=("train", "eval"))
+    assert len(done) == 2 * len(shard_ranges(len(ids), 4))
+    hs = open_hidden_states(tmp_path / "s", "train")
+    assert len(hs) == len(ids) and hs.layer_ids == (1, 2, 4) and hs.last_layer_id == 6 and hs.hidden_size == H
+    assert list(hs.lengths) == [len(x) for x in ids]
+    for i in [*range(len(ids)), -1]:
+        item = hs[i]
+        i = i % len(ids)
+        assert item["input_ids"].dtype == torch.int64 and item["input_ids"].tolist() == ids[i]
+        assert item["loss_mask"].dtype == torch.bool and item["loss_mask"].int().tolist() == mask[i]
+        assert item["aux_hidden_states"].shape == (len(ids[i]), 3, H)
+        assert torch.equal(item["aux_hidden_states"], states[i][:, :-1])
+        assert torch.equal(item["last_hidden_state"], states[i][:, -1])
+    with pytest.raises(IndexError):
+        hs[len(ids)]
+    # the files are ordinary safetensors
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "s" / "train" / "shard-00000-of-00003.safetensors"), "pt") as f:
+        assert f.metadata()["layer_ids"] == "1,2,4"
+        assert f.get_tensor("offsets").tolist() == [0, *np.cumsum([len(x) for x in ids[:4]]).tolist()]
+
+
+def test_bytes_do_not_depend_on_chunking_or_order(tmp_path):
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "a", ids, mask, states, chunk_seed=1)
+    _write_store(tmp_path / "b", ids, mask, states, chunk_seed=2)
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    side = json.loads((tmp_path / "a" / "train" / "shard-00001-of-00003.json").read_text())
+    import hashlib
+
+    assert side["sha256"] == hashlib.sha256(a[side_path := next(k for k in a if k.name == side["file"])]).hexdigest()
+    assert side_path.name == "shard-00001-of-00003.safetensors"
+
+
+def test_bfloat16_store(tmp_path):
+    layout = StoreLayout(layer_ids=(0, 3), last_layer_id=6, hidden_size=H, dtype="bfloat16")
+    ids, mask = [[1, 2, 3], [4]], [[0, 1, 1], [1]]
+    states = [torch.randn(3, 3, H), torch.randn(1, 3, H)]
+    w = ShardWriter(tmp_path, layout)
+    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    w.write(CapturedBatch([(("train", 0), 0, 0, 0, 3), (("train", 0), 1, 0, 3, 4)],
+                          torch.cat(states)[:, :2], torch.cat(states)[:, 2]))
+    w.end(("train", 0))
+    w.close()
+    finalize_store(tmp_path, layout, {"train": [3, 1]}, 256)
+    hs = open_hidden_states(tmp_path)
+    assert hs[0]["aux_hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(hs[1]["last_hidden_state"], states[1][:, 2].to(torch.bfloat16))
+    assert layout.bytes_per_token == 3 * H * 2 + 5
+
+
+def test_incomplete_capture_leaves_no_shard(tmp_path):
+    ids, mask = [[1, 2, 3, 4], [5, 6]], [[1] * 4, [1] * 2]
+    w = ShardWriter(tmp_path, LAYOUT)
+    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    x = torch.zeros(2, 4, H)
+    w.write(CapturedBatch([(("train", 0), 0, 0, 0, 2)], x[:, :3], x[:, 3]))  # sample 0: 2 of 4 tokens
+    w.end(("train", 0))
+    with pytest.raises(StoreWriteError, match="incomplete"):
+        w.close()
+    assert not list((tmp_path / "train").glob("*"))  # neither shard, sidecar nor temp file
+
+
+def test_gap_in_positions_is_refused(tmp_path):
+    w = ShardWriter(tmp_path, LAYOUT)
+    w.begin(ShardPlan("train", 0, 1, 0, [[1] * 8], [[1] * 8]))
+    x = torch.zeros(2, 4, H)
+    w.write(CapturedBatch([(("train", 0), 0, 3, 0, 2)], x[:, :3], x[:, 3]))  # starts at 3, nothing before
+    with pytest.raises(StoreWriteError, match="gap"):
+        w.close()
+
+
+def test_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import eagle3.extract.writer as writer_mod
+
+    real = writer_mod.os.pwrite
+    budget = {"n": 0}
+
+    def pwrite(fd, data, offset):  # the disk fills up after a few writes
+        budget["n"] += 1
+        if budget["n"] > 8:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer_mod.os, "pwrite", pwrite)
+    ids, mask, states = _samples()
+    with pytest.raises(StoreWriteError, match="disk full"):
+        _write_store(tmp_path / "s", ids, mask, states)
+    left = [p for p in (tmp_path / "s").rglob("*") if p.is_file()]
+    assert all(p.suffix == ".json" or p.name.endswith(".safetensors") for p in left)
+    # whatever shard exists is complete (written before the disk filled); no store.json claims completion
+    assert not (tmp_path / "s" / "store.json").exists()
+    for p in left:
+        if p.name.endswith(".safetensors"):
+            side = json.loads(p.with_suffix(".json").read_text())
+            import hashlib
+
+            assert hashlib.sha256(p.read_bytes()).hexdigest() == side["sha256"]
+
+
+def test_resume_check_refuses_foreign_shards(tmp_path):
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "s", ids, mask, states)
+    plan = ShardPlan("train", 0, 3, 0, ids[:4], mask[:4])
+    assert completed_shard(tmp_path / "s" / "train", plan, LAYOUT)["sha256"]
+    other = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype="float32", target_hash="u" * 64)
+    with pytest.raises(StoreError, match="another extraction"):
+        completed_shard(tmp_path / "s" / "train", plan, other)
+
+
+def test_reader_errors(tmp_path):
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "s", ids, mask, states)
+    with pytest.raises(StoreError, match="split 'eval'"):
+        open_hidden_states(tmp_path / "s", "eval")
+    shard = tmp_path / "s" / "train" / "shard-00002-of-00003.safetensors"
+    with open(shard, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(StoreError, match="changed size"):
+        open_hidden_states(tmp_path / "s")
+    (tmp_path / "s" / "store.json").unlink()
+    with pytest.raises(StoreError, match="not a complete"):
+        open_hidden_states(tmp_path / "s")
+    with pytest.raises(StoreError, match="neither"):
+        open_hidden_states(tmp_path / "nothing")
+
+
+def test_finalize_refuses_missing_shards_and_is_deterministic(tmp_path):
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "s", ids, mask, states)
+    before = _files(tmp_path / "s")
+    finalize_store(tmp_path / "s", LAYOUT, {"train": [len(x) for x in ids]}, 4)
+    assert _files(tmp_path / "s") == before
+    (tmp_path / "s" / "train" / "shard-00001-of-00003.safetensors").unlink()
+    with pytest.raises(StoreError, match="missing"):
+        finalize_store(tmp_path / "s", LAYOUT, {"train": [len(x) for x in ids]}, 4)
+
+
+@pytest.mark.parametrize("L", range(1, 40))
+def test_default_layer_ids_are_distinct_and_in_range(L):
+    ids = default_layer_ids(L)
+    assert len(ids) == min(3, L) and len(set(ids)) == len(ids) and all(0 <= i < L for i in ids)
+    assert list(ids) == sorted(ids)
+    if L >= 7:
+        assert ids == (2, L // 2, L - 3)
+
+
+def test_layer_id_validation():
+    assert default_layer_ids(4) == (1, 2, 3)
+    assert resolve_layer_ids([], 30) == (2, 15, 27)
+    assert resolve_layer_ids([10, 2, 5], 30) == (2, 5, 10)
+    with pytest.raises(LayerIdError, match="last_hidden_state"):
+        resolve_layer_ids([2, 30], 30)
+    with pytest.raises(LayerIdError, match=r"\[-1\] out of range"):
+        resolve_layer_ids([-1, 3], 30)
+    assert resolve_store_dtype("auto", "float32") == "float32"
+    assert resolve_store_dtype("auto", "bfloat16") == "bfloat16"
+    assert resolve_store_dtype("float16", "float32") == "float16"

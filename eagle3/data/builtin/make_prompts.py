@@ -1,0 +1,558 @@
+"""Generate eagle3's built-in prompt set (prompts.jsonl next to this file), deterministically.
+
+    python eagle3/data/builtin/make_prompts.py          # rewrites prompts.jsonl
+    python eagle3/data/builtin/make_prompts.py --check  # fails if prompts.jsonl is out of date
+
+Prompts come from hand-written templates and word lists, expanded with a seeded RNG. They are kept
+short and concrete: the default target (SmolLM2-135M-Instruct) is tiny and most coherent on code
+and simple questions. Every conversation ends on a user turn; multi-turn items carry earlier
+assistant turns written here (short, plausible), which the default pipeline regenerates anyway.
+The file is shuffled so that any prefix (CI uses the first few dozen) mixes all categories.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+SEED = 20250101
+OUT = Path(__file__).resolve().parent / "prompts.jsonl"
+
+# ----------------------------------------------------------------------------- code
+
+# (name, what it does, a short correct implementation used as an earlier assistant turn)
+FUNCTIONS = [
+    ("sum_list", "returns the sum of a list of numbers",
+     "def sum_list(numbers):\n    total = 0\n    for n in numbers:\n        total += n\n    return total"),
+    ("is_palindrome", "checks whether a string is a palindrome",
+     "def is_palindrome(s):\n    s = s.lower()\n    return s == s[::-1]"),
+    ("count_vowels", "counts the vowels in a string",
+     "def count_vowels(s):\n    return sum(1 for c in s.lower() if c in 'aeiou')"),
+    ("factorial", "returns the factorial of a non-negative integer n",
+     "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result"),
+    ("reverse_list", "reverses a list without using the built-in reverse method",
+     "def reverse_list(items):\n    return items[::-1]"),
+    ("find_max", "finds the largest number in a list",
+     "def find_max(numbers):\n    best = numbers[0]\n    for n in numbers[1:]:\n        if n > best:\n"
+     "            best = n\n    return best"),
+    ("dedupe", "removes duplicates from a list while keeping the original order",
+     "def dedupe(items):\n    seen = set()\n    out = []\n    for x in items:\n        if x not in seen:\n"
+     "            seen.add(x)\n            out.append(x)\n    return out"),
+    ("celsius_to_fahrenheit", "converts a temperature from Celsius to Fahrenheit",
+     "def celsius_to_fahrenheit(c):\n    return c * 9 / 5 + 32"),
+    ("fibonacci", "returns the n-th Fibonacci number",
+     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"),
+    ("is_prime", "checks whether a number is prime",
+     "def is_prime(n):\n    if n < 2:\n        return False\n    i = 2\n    while i * i <= n:\n"
+     "        if n % i == 0:\n            return False\n        i += 1\n    return True"),
+    ("merge_sorted", "merges two sorted lists into one sorted list",
+     "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+     "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+     "            out.append(b[j])\n            j += 1\n    return out + a[i:] + b[j:]"),
+    ("word_counts", "counts how often each word appears in a sentence",
+     "def word_counts(sentence):\n    counts = {}\n    for word in sentence.lower().split():\n"
+     "        counts[word] = counts.get(word, 0) + 1\n    return counts"),
+    ("flatten", "flattens a nested list of lists into a single list",
+     "def flatten(nested):\n    return [x for sub in nested for x in sub]"),
+    ("second_largest", "returns the second largest distinct number in a list",
+     "def second_largest(numbers):\n    distinct = sorted(set(numbers))\n    return distinct[-2]"),
+    ("title_case", "capitalizes the first letter of every word in a sentence",
+     "def title_case(sentence):\n    return ' '.join(w[:1].upper() + w[1:] for w in sentence.split())"),
+    ("average", "computes the average of a list of numbers",
+     "def average(numbers):\n    return sum(numbers) / len(numbers)"),
+    ("gcd", "returns the greatest common divisor of two integers",
+     "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a"),
+    ("are_anagrams", "checks whether two strings are anagrams of each other",
+     "def are_anagrams(a, b):\n    return sorted(a.lower()) == sorted(b.lower())"),
+    ("binary_search", "finds the index of a value in a sorted list using binary search",
+     "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"
+     "        mid = (lo + hi) // 2\n        if items[mid] == target:\n            return mid\n"
+     "        if items[mid] < target:\n            lo = mid + 1\n        else:\n            hi = mid - 1\n"
+     "    return -1"),
+    ("chunks", "splits a list into chunks of size n",
+     "def chunks(items, n):\n    return [items[i:i + n] for i in range(0, len(items), n)]"),
+    ("count_lines", "reads a text file and returns the number of lines in it",
+     "def count_lines(path):\n    with open(path) as f:\n        return sum(1 for _ in f)"),
+    ("evens", "returns all even numbers from a list",
+     "def evens(numbers):\n    return [n for n in numbers if n % 2 == 0]"),
+    ("dot", "computes the dot product of two vectors given as lists",
+     "def dot(a, b):\n    return sum(x * y for x, y in zip(a, b))"),
+    ("binary_to_int", "converts a string of 0s and 1s to an integer",
+     "def binary_to_int(bits):\n    value = 0\n    for b in bits:\n        value = value * 2 + int(b)\n"
+     "    return value"),
+    ("longest_word", "returns the longest word in a sentence",
+     "def longest_word(sentence):\n    return max(sentence.split(), key=len)"),
+    ("is_leap_year", "checks whether a year is a leap year",
+     "def is_leap_year(year):\n    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)"),
+    ("sort_by_key", "sorts a list of dictionaries by a given key",
+     "def sort_by_key(records, key):\n    return sorted(records, key=lambda r: r[key])"),
+    ("transpose", "transposes a matrix given as a list of lists",
+     "def transpose(matrix):\n    return [list(row) for row in zip(*matrix)]"),
+    ("digits", "returns the digits of a non-negative integer as a list",
+     "def digits(n):\n    return [int(d) for d in str(n)]"),
+    ("running_total", "returns the running totals of a list of numbers",
+     "def running_total(numbers):\n    out, total = [], 0\n    for n in numbers:\n        total += n\n"
+     "        out.append(total)\n    return out"),
+    ("count_char", "counts how many times a character appears in a string",
+     "def count_char(s, ch):\n    return sum(1 for c in s if c == ch)"),
+    ("square_all", "returns a new list with every number squared",
+     "def square_all(numbers):\n    return [n * n for n in numbers]"),
+    ("min_max", "returns both the smallest and the largest value of a list",
+     "def min_max(numbers):\n    return min(numbers), max(numbers)"),
+    ("remove_spaces", "removes all spaces from a string",
+     "def remove_spaces(s):\n    return s.replace(' ', '')"),
+    ("is_sorted", "checks whether a list is sorted in ascending order",
+     "def is_sorted(items):\n    return all(a <= b for a, b in zip(items, items[1:]))"),
+    ("invert_dict", "swaps the keys and values of a dictionary",
+     "def invert_dict(d):\n    return {v: k for k, v in d.items()}"),
+    ("fizzbuzz", "prints the numbers from 1 to n, but Fizz for multiples of 3, Buzz for multiples of 5 "
+     "and FizzBuzz for multiples of both",
+     "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+     "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
+     "        else:\n            print(i)"),
+    ("power_set", "returns all subsets of a small list",
+     "def power_set(items):\n    subsets = [[]]\n    for x in items:\n        subsets += [s + [x] for s in subsets]\n"
+     "    return subsets"),
+    ("char_frequency", "returns the most common character in a string",
+     "def char_frequency(s):\n    return max(set(s), key=s.count)"),
+    ("clamp", "limits a number to a given minimum and maximum",
+     "def clamp(x, low, high):\n    return max(low, min(x, high))"),
+]
+
+FUNCTION_ASKS = [
+    "Write a Python function that {what}.",
+    "Write a Python function `{name}` that {what}.",
+    "Implement `{name}` in Python: it {what}. Include a docstring.",
+    "Can you write a short Python function that {what}?",
+    "Write a Python function that {what}, and show one example call.",
+    "I need a Python function called {name} that {what}. Keep it simple.",
+    "Show me how to write a function in Python that {what}.",
+]
+
+# (buggy code, what it should do)
+BUGS = [
+    ("def average(numbers):\n    return sum(numbers) / len(numbers) + 1", "return the average of a list"),
+    ("def is_even(n):\n    return n % 2 == 1", "return True for even numbers"),
+    ("def factorial(n):\n    result = 0\n    for i in range(1, n + 1):\n        result *= i\n    return result",
+     "return n factorial"),
+    ("def last_item(items):\n    return items[len(items)]", "return the last element of a list"),
+    ("def greet(name):\n    print('Hello, ' + name)\n\nmessage = greet('Ann')\nprint(message.upper())",
+     "print a greeting in upper case"),
+    ("def count_up(n):\n    i = 0\n    while i < n:\n        print(i)", "print the numbers from 0 to n - 1"),
+    ("def add_item(item, items=[]):\n    items.append(item)\n    return items",
+     "return a new list with the item each time it is called without a list"),
+    ("def max_of(a, b):\n    if a > b:\n        return b\n    return a", "return the larger of two numbers"),
+    ("def total_price(prices):\n    total = 0\n    for p in prices:\n        total = p\n    return total",
+     "add up all prices"),
+    ("def read_number():\n    value = input('Number: ')\n    return value * 2", "return twice the number the user types"),
+    ("def contains(items, x):\n    for item in items:\n        if item == x:\n            return True\n        else:\n"
+     "            return False", "tell whether x is anywhere in the list"),
+    ("numbers = [1, 2, 3]\nfor i in range(len(numbers) + 1):\n    print(numbers[i])", "print every number in the list"),
+    ("def celsius(f):\n    return f - 32 * 5 / 9", "convert Fahrenheit to Celsius"),
+    ("def reverse(s):\n    for c in s:\n        out = c + out\n    return out", "reverse a string"),
+    ("def squares(n):\n    result = []\n    for i in range(n):\n        result.append(i ** 2)\n        return result",
+     "return the squares of 0 to n - 1"),
+]
+BUG_ASKS = [
+    "This Python function should {goal}, but it does not work. Fix it:\n\n```python\n{code}\n```",
+    "Find the bug in this code. It is supposed to {goal}.\n\n```python\n{code}\n```",
+    "What is wrong with this function? It should {goal}.\n\n```python\n{code}\n```",
+]
+
+SNIPPETS = [
+    "squares = [x * x for x in range(10)]",
+    "words = sentence.split()\ncounts = {w: words.count(w) for w in set(words)}",
+    "with open('data.txt') as f:\n    lines = [line.strip() for line in f]",
+    "try:\n    value = int(text)\nexcept ValueError:\n    value = 0",
+    "names = sorted(people, key=lambda p: p['age'])",
+    "for i, name in enumerate(names, start=1):\n    print(i, name)",
+    "pairs = list(zip(keys, values))\nlookup = dict(pairs)",
+    "evens = list(filter(lambda n: n % 2 == 0, numbers))",
+    "def greet(name='world'):\n    return f'Hello, {name}!'",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n        self.count += 1",
+    "import random\nroll = random.randint(1, 6)\nprint('You rolled', roll)",
+    "total = sum(price * qty for price, qty in cart)",
+    "if __name__ == '__main__':\n    main()",
+    "text = ' '.join(reversed(sentence.split()))",
+    "import json\nwith open('config.json') as f:\n    config = json.load(f)",
+]
+SNIPPET_ASKS = [
+    "Explain what this Python code does:\n\n```python\n{code}\n```",
+    "What does this code do? Explain it line by line.\n\n```python\n{code}\n```",
+    "I am new to Python. Can you explain this snippet?\n\n```python\n{code}\n```",
+]
+
+CODE_QUESTIONS = [
+    "What is the difference between a list and a tuple in Python?",
+    "How do I read a CSV file in Python?",
+    "What does the `yield` keyword do in Python?",
+    "How do I reverse a string in Python?",
+    "What is a dictionary in Python? Give a small example.",
+    "How do I remove an item from a list in Python?",
+    "What is the difference between `==` and `is` in Python?",
+    "How do I write a for loop that counts down from 10 to 1 in Python?",
+    "What is a list comprehension? Show an example.",
+    "How do I check if a key exists in a Python dictionary?",
+    "What is recursion? Show a simple example in Python.",
+    "How do I sort a list of numbers in descending order in Python?",
+    "What does `*args` mean in a Python function definition?",
+    "How do I convert a string to an integer in Python?",
+    "What is an exception in Python and how do I catch one?",
+    "Write a SQL query that selects all users older than 30 from a table called users.",
+    "Write a SQL query that counts the orders per customer in a table called orders.",
+    "Write a bash command that counts the lines in every .txt file in a folder.",
+    "Write a JavaScript function that returns the largest number in an array.",
+    "How do I create a virtual environment in Python?",
+    "What is the time complexity of binary search, and why?",
+    "Write a Python class `Stack` with push, pop and is_empty methods.",
+    "Write a Python class `BankAccount` with deposit and withdraw methods.",
+    "Write a Python script that prints the multiplication table from 1 to 10.",
+    "Write a Python program that asks for the user's name and greets them.",
+    "Write a unit test with pytest for a function `add(a, b)` that adds two numbers.",
+]
+
+# ----------------------------------------------------------------------------- math
+
+NAMES = ["Tom", "Anna", "Sam", "Maria", "Leo", "Priya", "Omar", "Lena", "Ken", "Sofia", "Ivan", "Mei"]
+ITEMS = ["apples", "marbles", "books", "stickers", "pencils", "cookies", "coins", "stamps"]
+
+
+def _word_problem(rng: random.Random) -> tuple[str, str]:
+    """A word problem and its worked answer (the answer is used as an earlier assistant turn)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b, c = rng.randint(3, 40), rng.randint(2, 25), rng.randint(2, 9)
+    kind = rng.randrange(9)
+    if kind == 0:
+        return (f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+                f"{name} has {a} + {b} = {a + b} {item}.")
+    if kind == 1:
+        a = a + b
+        return (f"{name} had {a} {item} and gave {b} to a friend. How many are left?",
+                f"{a} - {b} = {a - b}, so {name} has {a - b} {item} left.")
+    if kind == 2:
+        return (f"A box holds {c} {item}. How many {item} are in {b} boxes?",
+                f"{b} boxes x {c} {item} = {b * c} {item}.")
+    if kind == 3:
+        total = b * c
+        return (f"{name} shares {total} {item} equally among {c} friends. How many does each friend get?",
+                f"{total} / {c} = {b}, so each friend gets {b} {item}.")
+    if kind == 4:
+        price = rng.randint(2, 12)
+        return (f"One notebook costs ${price}. How much do {c} notebooks cost?",
+                f"{c} x ${price} = ${c * price}.")
+    if kind == 5:
+        speed, hours = rng.randint(30, 90), rng.randint(2, 6)
+        return (f"A train travels at {speed} km per hour for {hours} hours. How far does it go?",
+                f"Distance = speed x time = {speed} x {hours} = {speed * hours} km.")
+    if kind == 6:
+        start, dur = rng.randint(6, 10), rng.randint(2, 5)
+        end = start + dur
+        when = f"{end} pm" if end < 12 else "midnight" if end == 12 else f"{end - 12} am"
+        return (f"A movie starts at {start} pm and lasts {dur} hours. When does it end?",
+                f"{start} pm + {dur} hours = {when}.")
+    if kind == 7:
+        w, h = rng.randint(3, 15), rng.randint(3, 15)
+        return (f"A rectangle is {w} cm wide and {h} cm tall. What are its area and perimeter?",
+                f"Area = {w} x {h} = {w * h} square cm; perimeter = 2 x ({w} + {h}) = {2 * (w + h)} cm.")
+    x, y, z = rng.randint(50, 99), rng.randint(50, 99), rng.randint(50, 99)
+    return (f"{name} scored {x}, {y} and {z} on three tests. What is the average score?",
+            f"({x} + {y} + {z}) / 3 = {x + y + z} / 3 = {round((x + y + z) / 3, 2)}.")
+
+
+def _algebra(rng: random.Random) -> tuple[str, str]:
+    x, a, b = rng.randint(-9, 12), rng.randint(2, 9), rng.randint(1, 30)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return (f"Solve for x: {a}x + {b} = {a * x + b}",
+                f"Subtract {b}: {a}x = {a * x}. Divide by {a}: x = {x}.")
+    if kind == 1:
+        return (f"Solve the equation {a}x - {b} = {a * x - b}.",
+                f"Add {b}: {a}x = {a * x}. Divide by {a}: x = {x}.")
+    if kind == 2:
+        r1, r2 = rng.randint(-6, 6), rng.randint(-6, 6)
+        s, p = -(r1 + r2), r1 * r2
+        poly = "x^2" + (f" + {s}x" if s > 0 else f" - {-s}x" if s < 0 else "") + \
+            (f" + {p}" if p > 0 else f" - {-p}" if p < 0 else "")
+        return (f"Solve {poly} = 0.", f"It factors as (x - {r1})(x - {r2}) = 0, so x = {r1} or x = {r2}.")
+    return (f"If y = {a}x + {b}, what is y when x = {x}?", f"y = {a} x {x} + {b} = {a * x + b}.")
+
+
+def _arithmetic(rng: random.Random) -> str:
+    kind = rng.randrange(7)
+    a, b = rng.randint(12, 999), rng.randint(2, 99)
+    if kind == 0:
+        return f"What is {a} + {b} * {rng.randint(2, 9)}?"
+    if kind == 1:
+        return f"What is {rng.choice([10, 15, 20, 25, 30, 40, 50, 75])}% of {rng.randint(2, 40) * 10}?"
+    if kind == 2:
+        p, q = rng.randint(1, 5), rng.randint(2, 7)
+        return f"Add the fractions {p}/{q} and 1/{rng.randint(2, 6)}."
+    if kind == 3:
+        return f"How many minutes are there in {rng.randint(2, 12)} hours and {rng.randint(5, 55)} minutes?"
+    if kind == 4:
+        return f"Is {rng.randint(20, 200)} a prime number? Explain how you check."
+    if kind == 5:
+        return f"Round {rng.randint(100, 9999)}.{rng.randint(10, 99)} to the nearest ten."
+    return f"What is the square root of {rng.randint(2, 30) ** 2}?"
+
+
+MATH_CONCEPTS = [
+    "What is a prime number?", "Explain what a fraction is with an example.",
+    "What is the Pythagorean theorem?", "How do you calculate the area of a circle?",
+    "What is the difference between mean, median and mode?", "What is a percentage?",
+    "Explain what a negative number is.", "How do you convert a fraction to a decimal?",
+    "What is an equation?", "Why can't you divide by zero?",
+]
+
+# ----------------------------------------------------------------------------- writing
+
+RECIPIENTS = ["my manager", "a teacher", "a coworker", "my landlord", "a customer", "a friend", "the team"]
+EMAIL_PURPOSES = [
+    "asking for a day off next Friday", "thanking them for their help with a project",
+    "saying I will be late to the meeting", "asking to reschedule our call to Thursday",
+    "announcing that the office will be closed on Monday", "asking about the status of my order",
+    "inviting them to a small birthday party", "apologizing for a missed deadline",
+    "reporting that the heating in my apartment is broken", "welcoming a new member to the team",
+]
+CHARACTERS = ["a small robot", "a curious cat", "an old fisherman", "a young wizard", "a lost dog",
+              "a girl who loves maths", "a dragon afraid of fire", "a lighthouse keeper", "two friends",
+              "a baker"]
+EVENTS = ["finds a mysterious map", "learns to swim", "gets lost in a big city", "makes a new friend",
+          "discovers a hidden door", "wins a contest", "has to fix a broken machine", "travels to the moon"]
+POEM_TOPICS = ["the sea", "autumn leaves", "a rainy morning", "the moon", "coffee", "a city at night",
+               "friendship", "a mountain", "spring", "learning to code"]
+PARAGRAPHS = [
+    "The city council voted on Tuesday to build a new public library downtown. The library will have "
+    "a children's section, study rooms and a small cafe. Construction starts next spring and should "
+    "take two years.",
+    "Honeybees communicate through a 'waggle dance'. By moving in a figure-eight pattern, a bee tells "
+    "others the direction and distance of flowers. The angle of the dance shows the direction relative "
+    "to the sun.",
+    "Our team finished the first version of the app last week. Users can now create accounts and save "
+    "notes. Next month we will add search and a dark mode, and fix the slow start-up on older phones.",
+    "Regular walking has many health benefits. It strengthens the heart, improves mood and helps with "
+    "sleep. Experts suggest about thirty minutes of walking on most days of the week.",
+    "The Great Wall of China was built over many centuries to protect against invasions. It is not a "
+    "single wall but a series of walls and forts. Much of what stands today was built during the Ming "
+    "dynasty.",
+    "Python is a popular programming language known for its readable syntax. It is used for web "
+    "development, data analysis, automation and machine learning, and has a large community.",
+    "The meeting has been moved from Monday to Wednesday at 10 am because several people are traveling. "
+    "Please bring the sales report and your ideas for the summer campaign.",
+    "Volcanoes form where molten rock from inside the Earth reaches the surface. Some erupt explosively, "
+    "while others release lava slowly. Volcanic soil is often very fertile.",
+    "Recycling reduces the amount of waste sent to landfills and saves raw materials. Paper, glass and "
+    "many plastics can be recycled, but they must be clean and sorted correctly.",
+    "The new phone has a larger screen, a better camera and a battery that lasts two days. It costs "
+    "slightly more than last year's model and comes in three colors.",
+]
+PRODUCTS = ["a reusable water bottle", "noise-cancelling headphones", "a small desk lamp", "a hiking backpack",
+            "a coffee grinder", "a kids' science kit", "a plant-based cookbook", "a folding bicycle"]
+WRITING_ASKS = [
+    lambda r: f"Write a short email to {r.choice(RECIPIENTS)} {r.choice(EMAIL_PURPOSES)}.",
+    lambda r: f"Write a polite, brief email to {r.choice(RECIPIENTS)} {r.choice(EMAIL_PURPOSES)}.",
+    lambda r: f"Write a short story about {r.choice(CHARACTERS)} who {r.choice(EVENTS)}.",
+    lambda r: f"Tell me a five-sentence story about {r.choice(CHARACTERS)} who {r.choice(EVENTS)}.",
+    lambda r: f"Write a four-line poem about {r.choice(POEM_TOPICS)}.",
+    lambda r: f"Write a haiku about {r.choice(POEM_TOPICS)}.",
+    lambda r: f"Summarize the following text in one sentence:\n\n{r.choice(PARAGRAPHS)}",
+    lambda r: f"Give me three bullet points that summarize this:\n\n{r.choice(PARAGRAPHS)}",
+    lambda r: f"Write a short product description for {r.choice(PRODUCTS)}.",
+    lambda r: f"Write a catchy slogan for {r.choice(PRODUCTS)}.",
+    lambda r: f"Write a thank-you note to {r.choice(RECIPIENTS)} for a thoughtful gift.",
+    lambda r: f"Rewrite this sentence to sound more formal: \"{r.choice(INFORMAL)}\"",
+    lambda r: f"Write a short, friendly text message {r.choice(EMAIL_PURPOSES)}.",
+]
+INFORMAL = ["hey, can u send me the file asap?", "sorry, gonna be late, traffic is crazy",
+            "the meeting was kinda pointless tbh", "thx for the help, u saved me", "can we move our chat to tmrw?"]
+
+# ----------------------------------------------------------------------------- explanations
+
+SCIENCE = ["why the sky is blue", "how rainbows form", "why we have seasons", "how plants make food",
+           "what gravity is", "how vaccines work", "why ice floats on water", "what causes thunder",
+           "how the heart pumps blood", "what DNA is", "why the moon has phases", "how magnets work",
+           "what an atom is", "how sound travels", "why leaves change color in autumn", "what a black hole is",
+           "how clouds form", "what evaporation is", "why the ocean is salty", "how earthquakes happen"]
+THINGS = ["a refrigerator", "the internet", "a microwave oven", "a bicycle's gears", "a solar panel",
+          "a GPS receiver", "an electric motor", "a computer's memory", "a compass", "a camera",
+          "a search engine", "a battery", "an airplane wing", "a thermostat", "a password manager"]
+HISTORY = ["the printing press", "the Roman Empire", "the Industrial Revolution", "the first Moon landing",
+           "ancient Egypt's pyramids", "the invention of the telephone", "the Renaissance",
+           "the fall of the Berlin Wall", "the Silk Road", "the invention of writing"]
+PEOPLE = ["Marie Curie", "Isaac Newton", "Ada Lovelace", "Leonardo da Vinci", "Albert Einstein",
+          "Charles Darwin", "Nelson Mandela", "Galileo Galilei", "Alan Turing", "Cleopatra"]
+PAIRS = [("weather", "climate"), ("a virus", "a bacterium"), ("speed", "velocity"), ("RAM", "storage"),
+         ("a meteor", "a comet"), ("mass", "weight"), ("a democracy", "a monarchy"), ("an alloy", "a compound"),
+         ("HTTP", "HTTPS"), ("a lake", "a sea")]
+EXPLAIN_ASKS = [
+    lambda r: f"Explain {r.choice(SCIENCE)} in simple terms.",
+    lambda r: f"Can you explain {r.choice(SCIENCE)} to a ten-year-old?",
+    lambda r: f"In a few sentences, explain {r.choice(SCIENCE)}.",
+    lambda r: f"How does {r.choice(THINGS)} work?",
+    lambda r: f"Explain briefly how {r.choice(THINGS)} works.",
+    lambda r: f"Why was {r.choice(HISTORY)} important?",
+    lambda r: f"Give a short overview of {r.choice(HISTORY)}.",
+    lambda r: f"Who was {r.choice(PEOPLE)} and why are they famous?",
+    lambda r: "What is the difference between {} and {}?".format(*r.choice(PAIRS)),
+]
+
+# ----------------------------------------------------------------------------- multi-turn
+
+CODE_FOLLOWUPS = ["Now add type hints to it.", "Can you make it handle an empty list or empty input?",
+                  "Write a pytest test for it.", "Explain how it works line by line.",
+                  "Can you make it shorter?", "What is its time complexity?",
+                  "Add a docstring with an example.", "How would I call it from the command line?"]
+EXPLAIN_PAIRS = [
+    ("Why is the sky blue?",
+     "Sunlight contains all colors. Air molecules scatter short blue wavelengths much more than red ones, "
+     "so blue light reaches our eyes from every direction of the sky."),
+    ("What is photosynthesis?",
+     "Photosynthesis is how plants make food. They use sunlight to turn water and carbon dioxide into "
+     "sugar, and release oxygen."),
+    ("How does a refrigerator keep food cold?",
+     "A refrigerator pumps a refrigerant through pipes. It evaporates inside, absorbing heat from the food, "
+     "and releases that heat outside through the coils at the back."),
+    ("What is gravity?",
+     "Gravity is the force that pulls objects with mass toward each other. It keeps us on the ground and "
+     "keeps the Moon in orbit around the Earth."),
+    ("What causes the seasons?",
+     "The Earth's axis is tilted. As the Earth orbits the Sun, each hemisphere is tilted toward the Sun for "
+     "part of the year (summer) and away from it for another part (winter)."),
+    ("What is an API?",
+     "An API (application programming interface) is a set of rules that lets one program ask another for "
+     "data or actions, like a menu of requests it understands."),
+    ("What is a variable in programming?",
+     "A variable is a name that refers to a value stored in memory, such as `age = 12`. You can read it and "
+     "change it later in the program."),
+    ("How do vaccines work?",
+     "A vaccine shows the immune system a harmless piece or copy of a germ. The body learns to recognize it, "
+     "so it can fight the real germ quickly later."),
+    ("Who invented the printing press?",
+     "Johannes Gutenberg built a printing press with movable metal type around 1440 in Mainz, Germany."),
+    ("What is the water cycle?",
+     "Water evaporates from oceans and lakes, condenses into clouds, falls as rain or snow, and flows back "
+     "to the sea in rivers and underground."),
+]
+EXPLAIN_FOLLOWUPS = ["Can you explain it to a five-year-old?", "Give me an example.",
+                     "Can you say that in one sentence?", "Why does that matter in everyday life?",
+                     "What is a common misconception about this?"]
+MATH_FOLLOWUPS = ["Can you explain each step?", "How can I check that the answer is right?",
+                  "Can you write a similar problem for me to practice?", "Now do the same with bigger numbers."]
+# (request, reply, a follow-up request, a reply to it)
+WRITING_PAIRS = [
+    ("Write a one-sentence email asking my manager for Friday off.",
+     "Hi Sarah, could I please take this Friday off for a personal appointment? Thank you!",
+     "Make it more formal.",
+     "Dear Ms. Lee, I would like to request leave this Friday for a personal appointment. Kind regards, Tom"),
+    ("Write a two-line poem about the sea.",
+     "The sea keeps time with silver waves,\nand sings the moon to sleep.",
+     "Make it about a storm instead.",
+     "The sea throws thunder at the shore,\nand the gulls go quiet."),
+    ("Suggest a name for a small coffee shop.", "How about \"The Daily Grind\"?",
+     "Give me two other options.", "1. \"Bean There\"\n2. \"The Corner Cup\""),
+    ("Write a short tweet announcing our new app.",
+     "Our new app is here! Take notes, set reminders and stay organized. Download it today.",
+     "Make it shorter.", "Our new app is here: notes and reminders in one place. Try it today!"),
+    ("Give me a title for a story about a lost robot.", "\"Finding Home: The Journey of Bolt\"",
+     "Make it sound scarier.", "\"Bolt Alone in the Dark\""),
+]
+WRITING_FOLLOWUPS = ["Make it more formal.", "Make it shorter.", "Make it funnier.",
+                     "Give me two other versions.", "Can you make it sound more friendly?"]
+
+
+# ----------------------------------------------------------------------------- assembly
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def build(seed: int = SEED) -> list[dict]:
+    rng = random.Random(seed)
+    items: list[tuple[str, list[dict]]] = []
+    seen: set[str] = set()
+
+    def add(category, messages):
+        key = json.dumps(messages)
+        if key not in seen:
+            seen.add(key)
+            items.append((category, messages))
+
+    for name, what, _ in FUNCTIONS:  # every function at least twice, in different words
+        for ask in rng.sample(FUNCTION_ASKS, 2):
+            add("code", [_user(ask.format(name=name, what=what))])
+    for code, goal in BUGS:
+        add("code", [_user(rng.choice(BUG_ASKS).format(code=code, goal=goal))])
+    for code in SNIPPETS:
+        add("code", [_user(rng.choice(SNIPPET_ASKS).format(code=code))])
+    for q in CODE_QUESTIONS:
+        add("code", [_user(q)])
+
+    while sum(c == "math" for c, _ in items) < 100:
+        kind = rng.randrange(3)
+        q = _word_problem(rng)[0] if kind == 0 else _algebra(rng)[0] if kind == 1 else _arithmetic(rng)
+        add("math", [_user(q)])
+    for q in MATH_CONCEPTS:
+        add("math", [_user(q)])
+
+    while sum(c == "writing" for c, _ in items) < 90:
+        add("writing", [_user(rng.choice(WRITING_ASKS)(rng))])
+    while sum(c == "explanation" for c, _ in items) < 100:
+        add("explanation", [_user(rng.choice(EXPLAIN_ASKS)(rng))])
+
+    for name, what, code in rng.sample(FUNCTIONS, 24):
+        first = rng.choice(FUNCTION_ASKS).format(name=name, what=what)
+        answer = f"Here is a simple version:\n\n```python\n{code}\n```"
+        add("multi_turn", [_user(first), _assistant(answer), _user(rng.choice(CODE_FOLLOWUPS))])
+    for q, a in EXPLAIN_PAIRS:
+        for follow in rng.sample(EXPLAIN_FOLLOWUPS, 2):
+            add("multi_turn", [_user(q), _assistant(a), _user(follow)])
+    for _ in range(14):
+        q, a = _word_problem(rng) if rng.random() < 0.6 else _algebra(rng)
+        add("multi_turn", [_user(q), _assistant(a), _user(rng.choice(MATH_FOLLOWUPS))])
+    for q, a, follow, rewrite in WRITING_PAIRS:
+        add("multi_turn", [_user(q), _assistant(a), _user(rng.choice(WRITING_FOLLOWUPS))])
+        add("multi_turn", [_user(q), _assistant(a), _user(follow), _assistant(rewrite),
+                           _user(rng.choice(["Thanks! One more version, please.", "Perfect. Now translate it "
+                                             "into simple English for a child.", "Can you explain why you "
+                                             "chose those words?"]))])
+
+    rng.shuffle(items)
+    counters: dict[str, int] = {}
+    out = []
+    for category, messages in items:
+        counters[category] = counters.get(category, 0) + 1
+        out.append({"id": f"{category}-{counters[category]:03d}", "category": category, "messages": messages})
+    return out
+
+
+def render(records: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if prompts.jsonl differs from a fresh build")
+    args = ap.parse_args()
+    text = render(build())
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            sys.exit(f"{OUT} is out of date: run python {Path(__file__).name}")
+        print(f"{OUT.name} is up to date")
+        return
+    OUT.write_text(text)
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        category = json.loads(line)["category"]
+        counts[category] = counts.get(category, 0) + 1
+    print(f"wrote {sum(counts.values())} prompts to {OUT}: {counts}")
+
+
+if __name__ == "__main__":
+    main()

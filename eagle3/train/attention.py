@@ -38,6 +38,10 @@ def _compiled_flex():
 
 
 def _flex_attention(device: torch.device):
+    if torch.compiler.is_compiling():  # inside a compiled graph: traced (and fused) there
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
     if device.type == "cuda":
         return _compiled_flex()
     import warnings
@@ -112,7 +116,8 @@ class TTTMask:
             for i in range(1, j + 1):
                 partial[..., i * n:(i + 1) * n] = eye
 
-            last = torch.tensor(j, device=doc.device)  # a tensor, not a constant: no recompiles
+            # j as a tensor (not a constant: no recompiles), made on the device (no host sync)
+            last = torch.full((), j, dtype=torch.long, device=doc.device)
 
             def mask_mod(b, h, q_idx, kv_idx):
                 step = kv_idx // T
@@ -133,21 +138,21 @@ class TTTMask:
         return self._cache[("block", j)]
 
 
-def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask: TTTMask,
+def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask,
                   scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]. -> [B,T,Hq*D]."""
-    j = len(ks) - 1
+    """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]; ``mask`` is
+    step j's flex BlockMask (keys padded to num_steps*T) or dense bool mask. -> [B,T,Hq*D]."""
     gqa = q.shape[1] != ks[0].shape[1]
-    if mask.backend == "flex":
-        pad = mask.num_steps - len(ks)
+    if isinstance(mask, torch.Tensor):
+        k = torch.cat(list(ks), dim=2)
+        v = torch.cat(list(vs), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:
+        pad = mask.shape[-1] // ks[0].shape[2] - len(ks)
         zeros = [torch.zeros_like(ks[0])] * pad
         k = torch.cat(list(ks) + zeros, dim=2)
         v = torch.cat(list(vs) + zeros, dim=2)
-        out = _flex_attention(q.device)(q, k, v, block_mask=mask.block(j), scale=scale, enable_gqa=gqa)
-    else:
-        k = torch.cat(list(ks), dim=2)
-        v = torch.cat(list(vs), dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(j), scale=scale, enable_gqa=gqa)
+        out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
 

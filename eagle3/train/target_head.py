@@ -48,6 +48,15 @@ class TargetHead(nn.Module):
         """The target's lm_head rows of the draft vocabulary (to initialise the draft's)."""
         return self.lm_head_weight[self.kept_ids]
 
+    def _chunk_bounds(self) -> list:
+        """Where each vocab chunk's kept ids start in ``kept_ids`` (sorted ids: one slice per
+        chunk). Computed once: reading it back from the device each step would stall the GPU."""
+        if getattr(self, "_bounds", None) is None:
+            V, c = self.vocab_size, self.vocab_chunk
+            edges = torch.arange(0, V + c, c, device=self.kept_ids.device).clamp(max=V)
+            self._bounds = torch.searchsorted(self.kept_ids, edges).tolist()
+        return self._bounds
+
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         e = F.embedding(input_ids, self.embed_weight)
@@ -71,10 +80,7 @@ class TargetHead(nn.Module):
         N, V, Vd = x.shape[0], self.vocab_size, self.draft_vocab_size
         probs = torch.empty(N, Vd, dtype=out_dtype, device=x.device)
         in_vocab = torch.empty(N, dtype=torch.bool, device=x.device)
-        kept = self.kept_ids
-        # kept ids per vocab chunk (ids are sorted, so each chunk's kept ids are one slice)
-        bounds = torch.searchsorted(kept, torch.arange(0, V + self.vocab_chunk, self.vocab_chunk,
-                                                       device=kept.device).clamp(max=V)).tolist()
+        kept, bounds = self.kept_ids, self._chunk_bounds()
         for r0 in range(0, N, self.row_chunk):
             h = self._norm(x[r0:r0 + self.row_chunk])
             n = h.shape[0]

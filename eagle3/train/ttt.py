@@ -60,7 +60,12 @@ def loss_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_steps:
 
 
 class TTTModel(nn.Module):
-    """What Accelerate wraps: the draft plus the unrolled TTT forward that returns the loss."""
+    """What Accelerate wraps: the draft plus the unrolled TTT forward that returns the loss.
+
+    ``compile=True`` compiles the whole unrolled forward (weight casts, all steps, attention,
+    loss and statistics) as one graph: per-op launch overhead on the host was what kept the
+    GPU idle between steps, not the arithmetic.
+    """
 
     def __init__(self, draft: Eagle3Draft, num_steps: int = 7, decay: float = 0.8,
                  attention: str = "auto", compile: bool = False):
@@ -70,26 +75,7 @@ class TTTModel(nn.Module):
         self.decay = decay
         self.attention = attention
         self.compile = compile
-        self._compiled = None
-
-    def _fns(self):
-        layer = self.draft.midlayer
-        if not self.compile:
-            return layer.pre_attention, layer.post_attention, self._head_loss
-        if self._compiled is None:
-            self._compiled = (torch.compile(layer.pre_attention, dynamic=False),
-                              torch.compile(layer.post_attention, dynamic=False),
-                              torch.compile(self._head_loss, dynamic=False))
-        return self._compiled
-
-    def _head_loss(self, out, norm_w, lm_head_w, target, weight, denom):
-        logits = self.draft.logits(out, norm_w, lm_head_w)
-        loss = soft_cross_entropy(logits, target, weight) / denom
-        with torch.no_grad():
-            lf = logits.detach().float()
-            ce = torch.logsumexp(lf, -1) * target.float().sum(-1) - (target.float() * lf).sum(-1)
-            correct = logits.detach().argmax(-1) == target.argmax(-1)
-        return loss, ce, correct
+        self._compiled_core = None
 
     def forward(self, aux: torch.Tensor, embeds: torch.Tensor, target_probs: torch.Tensor,
                 in_vocab: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -99,7 +85,6 @@ class TTTModel(nn.Module):
         Returns (loss, stats [S, len(STAT_NAMES)] float64 sums)."""
         S, (B, T) = self.num_steps, loss_mask.shape
         dtype = embeds.dtype
-        pre, post, head_loss = self._fns()
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
         if backend == "flex" and embeds.device.type == "cpu" and torch.is_grad_enabled():
@@ -113,43 +98,59 @@ class TTTModel(nn.Module):
             in_vocab, loss_mask, position_ids = (_pad_right(x, extra, 0) for x in (in_vocab, loss_mask, position_ids))
             doc_ids = _pad_right(doc_ids, extra, int(doc_ids.min()) - 1)
             T = T + extra
-        mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
-        counted, scored = step_masks(loss_mask, doc_ids, in_vocab, S)
-        if denominators is None:
-            denominators = counted.flatten(1).sum(1).float()
-        denominators = denominators.clamp(min=1.0)
-        # one padded copy of the shifted inputs; each step reads a view (same shape every step)
-        pad = S + 1
-        embeds_pad = torch.cat([embeds, embeds.new_zeros(B, pad, embeds.shape[-1])], dim=1)
-        target_pad = torch.cat([target_probs, target_probs.new_zeros(B, pad, target_probs.shape[-1])], dim=1)
+        with torch.no_grad():
+            mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
+            masks = [mask.block(j) if backend == "flex" else mask.dense(j) for j in range(S)]
+            counted, scored = step_masks(loss_mask, doc_ids, in_vocab, S)
+            if denominators is None:
+                denominators = counted.flatten(1).sum(1).float()
+            denominators = denominators.clamp(min=1.0)
+            rope = [self.draft.rope(position_ids + j, dtype) for j in range(S)]
+            # one padded copy of the shifted inputs; each step reads a view (same shape every step)
+            pad = S + 1
+            embeds_pad = torch.cat([embeds, embeds.new_zeros(B, pad, embeds.shape[-1])], dim=1)
+            target_pad = torch.cat([target_probs, target_probs.new_zeros(B, pad, target_probs.shape[-1])], dim=1)
+            target_arg = target_pad.argmax(-1)
+        core = self._core
+        if self.compile:
+            if self._compiled_core is None:
+                self._compiled_core = torch.compile(self._core, dynamic=False)
+            core = self._compiled_core
+        return core(aux, embeds_pad, target_pad, target_arg, counted, scored, denominators, rope, masks)
 
+    def _core(self, aux, embeds_pad, target_pad, target_arg, counted, scored, denominators, rope, masks):
+        S, B, T = counted.shape
+        dtype = embeds_pad.dtype
+        draft, layer = self.draft, self.draft.midlayer
         # weights cast to the compute dtype once per forward (not once per step), q/k/v and
         # gate/up packed into single matmuls; gradients flow back to the fp32 parameters
-        wl = self.draft.midlayer.weights(dtype)
-        norm_w, lm_head_w = self.draft.norm.weight.to(dtype), self.draft.lm_head.weight.to(dtype)
-        h = F.linear(aux.flatten(2) if aux.dim() == 4 else aux, self.draft.fc.weight.to(dtype))
+        wl = layer.weights(dtype)
+        norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
+        h = F.linear(aux, draft.fc.weight.to(dtype))
         ks, vs = [], []
-        loss = torch.zeros((), device=embeds.device, dtype=torch.float32)
-        stats = torch.zeros(S, len(STAT_NAMES), dtype=torch.float64, device=embeds.device)
-        chain = torch.ones(B, T, dtype=torch.bool, device=embeds.device)
+        loss = torch.zeros((), device=aux.device, dtype=torch.float32)
+        rows = []
+        chain = torch.ones(B, T, dtype=torch.bool, device=aux.device)
         for j in range(S):
-            cos, sin = self.draft.rope(position_ids + j, dtype)
-            q, k, v, residual = pre(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
+            cos, sin = rope[j]
+            q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
             ks.append(k)
             vs.append(v)
-            out = post(ttt_attention(q, ks, vs, mask), residual, wl)
-            w = scored[j].float()
-            step_loss, ce, correct = head_loss(out, norm_w, lm_head_w, target_pad[:, j + 1: j + 1 + T], w, denominators[j])
-            loss = loss + (self.decay ** j) * step_loss
+            out = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
+            target = target_pad[:, j + 1: j + 1 + T]
+            w = scored[j].to(torch.float32)
+            logits = draft.logits(out, norm_w, lm_head_w)
+            loss = loss + (self.decay ** j) * (soft_cross_entropy(logits, target, w) / denominators[j])
             with torch.no_grad():
+                lf = logits.detach().float()
+                tf = target.float()
+                ce = torch.logsumexp(lf, -1) * tf.sum(-1) - (tf * lf).sum(-1)
+                correct = lf.argmax(-1) == target_arg[:, j + 1: j + 1 + T]
                 sc = scored[j]
                 cond = chain & sc
-                stats[j, 0] = (ce.double() * w.double()).sum()
-                stats[j, 1] = sc.sum()
-                stats[j, 2] = counted[j].sum()
-                stats[j, 3] = (correct & sc).sum()
-                stats[j, 4] = (cond & correct).sum()
-                stats[j, 5] = cond.sum()
+                rows.append(torch.stack([(ce.double() * w.double()).sum(), sc.sum().double(),
+                                         counted[j].sum().double(), (correct & sc).sum().double(),
+                                         (cond & correct).sum().double(), cond.sum().double()]))
                 chain = chain & sc & correct
             h = out
-        return loss, stats
+        return loss, torch.stack(rows)

@@ -318,6 +318,18 @@ def test_batch_equals_single_and_truncation(tokenizers):
     assert (ids, mask) == (batch[1][0][:7], batch[1][1][:7])
 
 
+def test_batch_can_collect_errors_instead_of_raising(tokenizers):
+    tok = tokenizers["chatml"]
+    bad = [SIMPLE[0], {"role": "assistant", "content": "4<|im_end|>ha"}]
+    with pytest.raises(ChatTemplateError):
+        tokenize_conversations(tok, [SIMPLE, bad, MULTI])
+    errors = []
+    out = tokenize_conversations(tok, [SIMPLE, bad, [{"role": "bot", "content": "x"}], MULTI], errors=errors)
+    assert out[0] == tokenize_conversation(tok, SIMPLE) and out[3] == tokenize_conversation(tok, MULTI)
+    assert out[1] is None and out[2] is None
+    assert [k for k, _ in errors] == [1, 2] and isinstance(errors[0][1], ChatTemplateError)
+
+
 def test_conversation_without_assistant_has_empty_mask(tokenizers):
     ids, mask = tokenize_conversation(tokenizers["chatml"], [{"role": "user", "content": "hi"}])
     assert ids and not any(mask)

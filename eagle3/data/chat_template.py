@@ -296,24 +296,38 @@ def _render_spans(tpl: _Template, messages):
     return full, _spans_by_prefix(tpl, messages, full)
 
 
-def tokenize_conversations(tokenizer, conversations: list[list[dict]], max_length: int | None = None
-                           ) -> list[tuple[list[int], list[int]]]:
-    """Batched ``tokenize_conversation`` (one tokenizer call for the whole batch)."""
+def tokenize_conversations(tokenizer, conversations: list[list[dict]], max_length: int | None = None,
+                           errors: list | None = None) -> list[tuple[list[int], list[int]] | None]:
+    """Batched ``tokenize_conversation`` (one tokenizer call for the whole batch).
+
+    A conversation that cannot be masked raises (ValueError / ChatTemplateError), unless a list is
+    passed as ``errors``: then its result is None and ``(index, exception)`` is appended there, so
+    a caller can count and skip bad records without losing the batch.
+    """
     tpl = _template_of(tokenizer)
-    texts, all_spans = [], []
-    for messages in conversations:
-        _check_messages(messages)
-        full, spans = _render_spans(tpl, messages)
+    texts, all_spans, ok = [], [], []
+    for k, messages in enumerate(conversations):
+        try:
+            _check_messages(messages)
+            full, spans = _render_spans(tpl, messages)
+        except ValueError as e:
+            if errors is None:
+                raise
+            errors.append((k, e))
+            continue
         texts.append(full)
         all_spans.append(spans)
+        ok.append(k)
+    out: list = [None] * len(conversations)
+    if not texts:
+        return out
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
                     return_attention_mask=False)
-    out = []
-    for ids, offsets, spans in zip(enc["input_ids"], enc["offset_mapping"], all_spans):
+    for k, ids, offsets, spans in zip(ok, enc["input_ids"], enc["offset_mapping"], all_spans):
         mask = _mask(offsets, spans)
         if max_length is not None:
             ids, mask = ids[:max_length], mask[:max_length]
-        out.append((list(ids), mask))
+        out[k] = (list(ids), mask)
     return out
 
 

@@ -106,7 +106,7 @@ def test_vllm_connector_matches_hf(tmp_path, hf_store, samples, layout, target):
     """vLLM's extract_hidden_states + hidden-states connector, through the CPU-safe subclass."""
     store = _extract(tmp_path / "s", samples, layout, target, "vllm_connector")
     assert_matches(store, hf_store, samples)
-    assert not (tmp_path / "s" / ".connector_tmp").exists()
+    assert not list((tmp_path / "s").glob(".connector_tmp*"))
 
 
 _RESUME_SCRIPT = """
@@ -119,13 +119,13 @@ import eagle3.extract.vllm_backend as vb
 a = json.load(open(sys.argv[1]))
 if a["slow"]:  # slow the engine down so that the test can kill it between shards
     orig = vb.VLLMExtractor.run
-    def run(self, plans, progress):
+    def run(self, plans, store_dir, progress):
         step = self.llm.llm_engine.step
         def slow():
             time.sleep(0.15)
             return step()
         self.llm.llm_engine.step = slow
-        return orig(self, plans, progress)
+        return orig(self, plans, store_dir, progress)
     vb.VLLMExtractor.run = run
 samples = {s: Samples(*v) for s, v in a["samples"].items()}
 res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="vllm", target_path=a["target"],

@@ -76,19 +76,21 @@ class ExtractResult:
 
 
 def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                   store_dir, **kwargs):
+                   work_dir, **kwargs):
+    """A backend with the target loaded; ``extractor.run(plans, store_dir, progress)`` writes shards.
+    ``work_dir``: scratch space on the store's filesystem (the connector's per-request files)."""
     if backend == "vllm":
         from .vllm_backend import VLLMExtractor
 
-        return VLLMExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, store_dir, **kwargs)
+        return VLLMExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, **kwargs)
     if backend == "vllm_connector":
         from .vllm_connector_backend import VLLMConnectorExtractor
 
-        return VLLMConnectorExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, store_dir)
+        return VLLMConnectorExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, work_dir)
     if backend == "hf":
         from .hf_backend import HFExtractor
 
-        return HFExtractor(str(target_path), layout, target_dtype, ecfg, store_dir)
+        return HFExtractor(str(target_path), layout, target_dtype, ecfg)
     raise ValueError(f"extract.backend={backend!r} is not one of 'vllm', 'vllm_connector', 'hf'")
 
 
@@ -140,7 +142,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
                                        store_dir, **backend_kwargs)
         bar = Progress(total, f"extract ({backend})", progress)
         try:
-            written = extractor.run(plans(), bar)
+            written = extractor.run(plans(), store_dir, bar)
         finally:
             bar.close()
             if own:

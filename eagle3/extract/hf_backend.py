@@ -20,7 +20,7 @@ log = logging.getLogger("eagle3.extract")
 class HFExtractor:
     name = "hf"
 
-    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, store_dir):
+    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg):
         import torch
         from transformers import AutoModel
 
@@ -29,7 +29,6 @@ class HFExtractor:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.layout = layout
-        self.store_dir = store_dir
         self.batch_size = ecfg.batch_size
         self.model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype)).to(self.device)
         self.model.eval()
@@ -80,8 +79,8 @@ class HFExtractor:
         last = self._captured[self.layout.last_layer_id][keep].to(dtype)
         return aux, last
 
-    def run(self, plans: list[ShardPlan], progress) -> list[dict]:
-        writer = ShardWriter(self.store_dir, self.layout)
+    def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:
+        writer = ShardWriter(store_dir, self.layout)
         done = []
         try:
             for plan in plans:

@@ -93,7 +93,7 @@ class VLLMExtractor:
     name = "vllm"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 store_dir: str | Path, aux_setup: str = "auto"):
+                 aux_setup: str = "auto"):
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
@@ -112,7 +112,6 @@ class VLLMExtractor:
                  "max_num_batched_tokens %d, TP %d)", target_path, "CPU" if cpu else "GPU", aux_setup,
                  ecfg.enable_chunked_prefill, ecfg.max_num_batched_tokens, ecfg.tensor_parallel_size)
         self.layout = layout
-        self.store_dir = Path(store_dir)
         self.aux_setup = aux_setup
         self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, **kwargs)
         self.capture_info = None
@@ -129,19 +128,19 @@ class VLLMExtractor:
             raise ExtractError(f"hidden-state capture failed in the vLLM worker: {r['error']}")
         return r.get("done", [])
 
-    def start_capture(self) -> None:
-        cfg = {"store_dir": str(self.store_dir), "layout": self.layout.to_json(), "aux_setup": self.aux_setup,
+    def start_capture(self, store_dir: Path) -> None:
+        cfg = {"store_dir": str(store_dir), "layout": self.layout.to_json(), "aux_setup": self.aux_setup,
                "capture_ids": list(self.layout.layer_ids) + [self.layout.last_layer_id]}
         self.capture_info = json.loads(self._rpc("eagle3_capture_start", json.dumps(cfg)))
         log.info("extract: capture installed in %s (aux layers %s)", self.capture_info["runner"],
                  self.capture_info["aux_layers"])
 
     # -- extraction ------------------------------------------------------------------------------
-    def run(self, plans: list[ShardPlan], progress: Progress) -> list[dict]:
+    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
         from .vllm_worker import plan_to_payload
 
         engine = self.llm.llm_engine
-        self.start_capture()
+        self.start_capture(store_dir)
         done: list[dict] = []
         try:
             for plan in plans:
@@ -169,6 +168,10 @@ class VLLMExtractor:
                 pass
             raise
         return done
+
+    def aux_off(self) -> None:
+        """Plain serving again (benchmark baseline on the same engine; runtime setup only)."""
+        self._rpc("eagle3_aux_off")
 
     def close(self) -> None:
         from ..vllm_engine import shutdown_llm

@@ -48,15 +48,15 @@ class VLLMConnectorExtractor:
     name = "vllm_connector"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 store_dir: str | Path):
+                 tmp_root: str | Path):
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
         pin_v1_runner()
         cpu = on_cpu()
         self.layout = layout
-        self.store_dir = Path(store_dir)
-        self.tmp = self.store_dir / ".connector_tmp"
+        # The connector's per-request files: next to the store (same filesystem), removed on close.
+        self.tmp = Path(tmp_root) / f".connector_tmp{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -81,14 +81,14 @@ class VLLMConnectorExtractor:
             engine.step()
             time.sleep(0.001)
 
-    def run(self, plans: list[ShardPlan], progress: Progress) -> list[dict]:
+    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
         import torch
         from safetensors.torch import load_file
 
         from .vllm_backend import sampling_params
 
         engine = self.llm.llm_engine
-        writer = ShardWriter(self.store_dir, self.layout)
+        writer = ShardWriter(store_dir, self.layout)
         done = []
         try:
             for plan in plans:

@@ -184,6 +184,15 @@ class HiddenStateCapture:
         except Exception as e:
             return json.dumps({"done": [], "error": str(e), "kind": type(e).__name__})
 
+    def eagle3_aux_off(self) -> None:
+        """Back to plain serving (runtime setup only): the model stops returning aux states. Lets
+        the benchmark time plain prefill and extraction alternately on one engine."""
+        runner = self.model_runner
+        if not runner.model_config.enforce_eager:
+            raise RuntimeError("eagle3_aux_off is only valid for an eager engine (runtime aux setup)")
+        runner.get_model().set_aux_hidden_state_layers(())
+        runner.use_aux_hidden_state_outputs = False
+
     def eagle3_capture_abort(self) -> None:
         writer = getattr(self, "_eagle3_writer", None)
         self._eagle3_writer = None

@@ -1,0 +1,200 @@
+"""Benchmark: plain vLLM prefill vs hidden-state extraction, same engine, same prompts.
+
+Plain = ``LLM.generate(max_tokens=1)`` with no capture (what serving the prompts costs). Extraction
+= the extract stage's vLLM backend end to end: capture between execute_model() and sample_tokens(),
+rows written to the shard files by the background writer, fsync, sha256, store finalized. Both run
+alternately on one engine (the runtime aux setup can be switched off again), ``--reps`` times; the
+table reports the median. Other modes (``--modes``) build their own engine and are compared with
+the same plain baseline.
+
+Target: SmolLM2-135M-Instruct converted from the packaged GGUF (eagle3.gguf_convert), or with
+``--random`` a random Llama of SmolLM2's shape (30 layers, hidden 576). vLLM runs it in bf16 and
+the store is bf16 (``--dtype``/``--store-dtype``).
+
+    python bench/extract.py                           # 32 prompts x ~512 tokens, plain vs vllm
+    python bench/extract.py --modes runtime,load_time,connector --prompts 16
+
+Prints a table last; writes raw numbers to $OUT/bench_extract.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("runtime", "load_time", "connector", "hf")
+
+
+def smollm2_target(cache: Path, use_random: bool) -> tuple[Path, str]:
+    if not use_random:
+        try:
+            from eagle3.gguf_convert import convert_gguf, default_gguf
+
+            return convert_gguf(default_gguf(), cache / "targets"), "SmolLM2-135M-Instruct (GGUF, converted)"
+        except Exception as e:  # noqa: BLE001 - the benchmark says which target it measured
+            print(f"bench: SmolLM2 conversion unavailable ({e}); using a random Llama of its shape", file=sys.stderr)
+    out = cache / "random-smollm2-shape"
+    if not (out / "config.json").exists():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5, tie_word_embeddings=True, torch_dtype="bfloat16")
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(out))
+    return out, "random Llama, SmolLM2-135M shape"
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(max(1, int(length * rng.uniform(0.75, 1.25))))]
+            for _ in range(n)]
+
+
+def store_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="", help="an HF model dir (default: SmolLM2 from the packaged GGUF)")
+    ap.add_argument("--random", action="store_true", help="a random Llama of SmolLM2's shape instead")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--length", type=int, default=512, help="mean prompt length in tokens (+-25%%)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--modes", default="runtime", help=f"comma list of {MODES}")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--store-dtype", default="auto")
+    ap.add_argument("--layer-ids", default="", help="comma list (default: (2, L//2, L-3))")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--samples-per-shard", type=int, default=256)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / "workspace" / "bench"))
+    ap.add_argument("--store-dir", default="", help="where stores are written (default: a temp dir)")
+    a = ap.parse_args()
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        sys.exit(f"unknown modes {bad}; choose from {MODES}")
+
+    from eagle3.config import ExtractConfig
+    from eagle3.extract import Samples, extract_store, make_extractor, resolve_layer_ids, resolve_store_dtype
+    from eagle3.store import StoreLayout
+    from eagle3.target import identify
+
+    cache = Path(a.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    if a.target:
+        target_dir, target_name = Path(a.target), Path(a.target).name
+    else:
+        target_dir, target_name = smollm2_target(cache, a.random)
+    info = identify(target_dir)
+    L, H = info.num_hidden_layers, info.hidden_size
+    layer_ids = resolve_layer_ids([int(x) for x in a.layer_ids.split(",") if x], L)
+    store_dtype = resolve_store_dtype(a.store_dtype, a.dtype)
+    layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
+                         target_hash=info.hash)
+    ecfg = ExtractConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                         samples_per_shard=a.samples_per_shard, kv_cache_gb=a.kv_cache_gb)
+    prompts = make_prompts(a.prompts, a.length, info.vocab_size)
+    n_tokens = sum(len(p) for p in prompts)
+    samples = {"train": Samples(prompts)}
+    max_model_len = -(-(max(len(p) for p in prompts) + 1) // 16) * 16
+    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"bench: {target_name}: L={L} H={H}, layers {layer_ids}+[{L}], {a.prompts} prompts, {n_tokens} tokens, "
+          f"vLLM {a.dtype}, store {store_dtype} ({layout.bytes_per_token} B/token)", file=sys.stderr)
+
+    runs: dict[str, list] = {"plain": []}
+    stored: dict[str, float] = {}
+
+    def extract_once(name, extractor, rep):
+        store = root / f"{name}-{rep}"
+        shutil.rmtree(store, ignore_errors=True)
+        t0 = time.perf_counter()
+        res = extract_store(store, samples, layout, backend="vllm", target_path=target_dir, target_dtype=a.dtype,
+                            ecfg=ecfg, progress=False, extractor=extractor)
+        dt = time.perf_counter() - t0
+        assert res.complete
+        stored[name] = store_bytes(store) / n_tokens
+        shutil.rmtree(store, ignore_errors=True)
+        return dt
+
+    from vllm import SamplingParams
+
+    plain_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    token_prompts = [{"prompt_token_ids": p} for p in prompts]
+
+    def plain_once(llm):
+        t0 = time.perf_counter()
+        llm.generate(token_prompts, plain_params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    base = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="runtime")
+    try:
+        plain_once(base.llm)  # warm-up
+        if "runtime" in modes:
+            runs["runtime"] = []
+            extract_once("runtime", base, "warmup")
+        for rep in range(a.reps):
+            base.aux_off()
+            runs["plain"].append(plain_once(base.llm))
+            if "runtime" in modes:
+                runs["runtime"].append(extract_once("runtime", base, rep))
+            print(f"bench: rep {rep}: " + ", ".join(f"{k} {n_tokens / v[-1]:.0f} tok/s" for k, v in runs.items() if v),
+                  file=sys.stderr)
+    finally:
+        base.close()
+
+    for mode in [m for m in modes if m != "runtime"]:
+        kwargs = {"aux_setup": "load_time"} if mode == "load_time" else {}
+        backend = {"load_time": "vllm", "connector": "vllm_connector", "hf": "hf"}[mode]
+        ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
+        try:
+            runs[mode] = []
+            extract_once(mode, ex, "warmup")
+            for rep in range(a.reps):
+                runs[mode].append(extract_once(mode, ex, rep))
+        finally:
+            ex.close()
+
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    plain_tps = n_tokens / med["plain"]
+    rows = []
+    for k, sec in med.items():
+        tps = n_tokens / sec
+        rows.append({"run": "plain prefill (generate, max_tokens=1)" if k == "plain" else f"extract: {k}",
+                     "tokens": n_tokens, "seconds": round(sec, 2), "tokens_per_s": round(tps, 1),
+                     "overhead_pct": None if k == "plain" else round(100 * (plain_tps / tps - 1), 1),
+                     "stored_bytes_per_token": None if k == "plain" else round(stored[k], 1),
+                     "all_seconds": [round(x, 2) for x in runs[k]]})
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "bench_extract.json").write_text(json.dumps(
+            {"target": target_name, "num_layers": L, "hidden_size": H, "layer_ids": list(layer_ids),
+             "dtype": a.dtype, "store_dtype": store_dtype, "prompts": a.prompts, "args": vars(a), "rows": rows},
+            indent=2))
+    if not a.store_dir:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{target_name}, {a.prompts} prompts, {n_tokens} tokens, vLLM {a.dtype}, store {store_dtype}, "
+          f"layers {list(layer_ids)}+[{L}], median of {a.reps}")
+    print(f"{'run':<42}{'tokens/s':>10}{'seconds':>9}{'overhead':>10}{'B/token':>9}")
+    for r in rows:
+        ov = "" if r["overhead_pct"] is None else f"{r['overhead_pct']:+.1f}%"
+        bpt = "" if r["stored_bytes_per_token"] is None else f"{r['stored_bytes_per_token']:.0f}"
+        print(f"{r['run']:<42}{r['tokens_per_s']:>10.1f}{r['seconds']:>9.2f}{ov:>10}{bpt:>9}")
+
+
+if __name__ == "__main__":
+    main()

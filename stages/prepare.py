@@ -73,6 +73,7 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
     from tqdm.auto import tqdm
 
     from eagle3.data.chat_template import tokenize_conversations
+    from eagle3.data.sources import DataError
 
     rows = []
     truncated = 0
@@ -80,7 +81,18 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
     with tqdm(total=len(conversations), desc="tokenize", disable=not progress, unit="conv") as bar:
         for start in range(0, len(conversations), batch):
             chunk = conversations[start:start + batch]
-            for msgs, (ids, mask) in zip(chunk, tokenize_conversations(tokenizer, chunk)):
+            errors: list = []
+            encoded = tokenize_conversations(tokenizer, chunk, errors=errors)
+            for k, e in errors:
+                if cfg.data.on_bad_record != "skip":
+                    raise DataError(f"conversation {start + k} (first message: "
+                                    f"{chunk[k][0]['content'][:60]!r}) cannot be masked: {e}. Fix or drop it, "
+                                    f"or pass data.on_bad_record=skip to count and skip such conversations.")
+                drops["template_error"] += 1
+            for msgs, enc in zip(chunk, encoded):
+                if enc is None:
+                    continue
+                ids, mask = enc
                 if len(ids) > max_len:
                     ids, mask = ids[:max_len], mask[:max_len]
                     truncated += 1

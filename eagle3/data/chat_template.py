@@ -38,6 +38,8 @@ and carries that header whitespace too.
 """
 from __future__ import annotations
 
+from ..errors import Eagle3Error
+
 import json
 import re
 from bisect import bisect_left, bisect_right
@@ -62,7 +64,7 @@ _SUPPLY = ("Supply a template with target.chat_template=PATH_OR_TEXT (ideally on
            "assistant reply in {% generation %}...{% endgeneration %}).")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(Eagle3Error, ValueError):
     """The chat template cannot give a trustworthy assistant mask for this conversation."""
 
 

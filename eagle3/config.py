@@ -230,12 +230,28 @@ class ExportConfig:
     eval_prompts: int = 32
     eval_max_tokens: int = 128
     kv_cache_gb: float = 1.0
+    # How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
+    # layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang.
+    from_layer_convention: str = "auto"
+    # Largest relative difference allowed between vLLM's acceptance length and the offline
+    # evaluator's for the trained draft before verification fails.
+    verify_tolerance: float = 0.05
+    device: str = "auto"  # offline evaluator (HF target): auto | cpu | cuda
 
-    NON_SEMANTIC = ("overwrite",)
+    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "device")
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))
+        _check_choice("export.from_layer_convention", self.from_layer_convention, ("auto", "vllm", "sglang"))
+        _check_choice("export.device", self.device, ("auto", "cpu", "cuda"))
         _check_positive("export.num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("export.eval_prompts", self.eval_prompts)
+        _check_positive("export.eval_max_tokens", self.eval_max_tokens)
+        _check_positive("export.kv_cache_gb", self.kv_cache_gb)
+        if any(int(k) < 1 for k in self.eval_ks):
+            raise ValueError(f"export.eval_ks must be positive numbers of draft tokens, got {list(self.eval_ks)}")
+        if not 0 < self.verify_tolerance <= 1:
+            raise ValueError(f"export.verify_tolerance must be in (0, 1], got {self.verify_tolerance}")
 
 
 @dataclass

@@ -1,0 +1,71 @@
+"""README.md of an export: what the draft is for, how to serve it, and what it measured."""
+from __future__ import annotations
+
+import json
+
+
+def _fmt(x, nd=3):
+    return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def model_card(meta: dict, facts: dict) -> str:
+    t = meta["target"]
+    cfg = meta["draft"]
+    fmt = meta["format"]
+    lines = [f"# EAGLE-3 draft for `{t.get('name') or t['path']}`", "",
+             f"Exported by eagle3 in the `{fmt}` layout. The draft predicts the target's next tokens from the "
+             f"target's own hidden states; it only works with this target.", "",
+             "## Target", "",
+             f"- path: `{t['path']}`",
+             f"- identity: `{t['hash'][:16]}` (config, tokenizer, weight files), tokenizer `{str(t.get('tokenizer_hash'))[:16]}`",
+             f"- aux layer ids (vLLM convention: id k = the residual stream entering decoder layer k): "
+             f"`{cfg['aux_layer_ids']}`" + (f" (written as `{[i - 1 for i in cfg['aux_layer_ids']]}` in SGLang's "
+                                            f"convention in config.json)" if fmt == "sglang" else ""),
+             "", "## Draft", "",
+             f"- architecture: `{meta['architectures']}`, hidden {cfg['hidden_size']}, "
+             f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} kv), intermediate {cfg['intermediate_size']}",
+             f"- draft vocabulary: {cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens"
+             + (f" (coverage of training tokens {meta['coverage']:.3f})" if meta.get("coverage") is not None else ""),
+             f"- norm_before_residual: {cfg['norm_before_residual']}; tensors stored as {meta['dtype']}",
+             f"- source: {json.dumps(meta['source'], sort_keys=True)}"]
+    if meta.get("data"):
+        lines += ["", "## Training data", ""] + [f"- {k}: {v}" for k, v in meta["data"].items()]
+    lines += ["", "## Serving", ""]
+    k = meta["num_speculative_tokens"]
+    if fmt == "speculators":
+        lines += ["```bash", f"vllm serve {t['path']} --speculative-config "
+                  f"'{{\"method\": \"eagle3\", \"model\": \"<this directory>\", \"num_speculative_tokens\": {k}}}'",
+                  "# or: vllm serve <this directory>   (the config names the verifier)", "```"]
+    elif fmt == "sglang":
+        lines += ["```bash", f"python -m sglang.launch_server --model {t['path']} --speculative-algorithm EAGLE3 \\",
+                  f"    --speculative-draft-model-path <this directory> --speculative-num-steps {k} "
+                  f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}", "```",
+                  "", "vLLM also loads this layout, but reads the layer ids in `eagle_config` as its own ids (off by "
+                      "one): export with `export.format=vllm` for vLLM."]
+    else:
+        lines += ["```bash", f"vllm serve {t['path']} --speculative-config "
+                  f"'{{\"method\": \"eagle3\", \"model\": \"<this directory>\", \"num_speculative_tokens\": {k}}}'",
+                  "```"]
+    lines += ["", "## Measured acceptance", ""]
+    if "acceptance_length" not in facts:
+        lines += ["Not measured (export.verify=false)."]
+    else:
+        lines += [f"Greedy decoding on {facts['num_prompts']} held-out prompts (the prepare stage's eval split, "
+                  f"prompt part), up to {facts['max_tokens']} new tokens, in vLLM {facts.get('vllm_version', '')}. "
+                  f"Acceptance length = 1 + accepted / drafts (vLLM's definition, bonus token included).", "",
+                  "| method | k | acceptance length | tokens per target step |", "|---|---|---|---|"]
+        for kk, al in sorted(facts.get("acceptance_by_k", {}).items(), key=lambda x: int(x[0])):
+            tps = facts.get("tokens_per_step_by_k", {}).get(kk)
+            lines.append(f"| EAGLE-3 (this draft) | {kk} | {_fmt(al)} | {_fmt(tps)} |")
+        ng = facts.get("ngram")
+        if ng:
+            lines.append(f"| prompt lookup (ngram 2-4) | {ng['k']} | {_fmt(ng['acceptance_length'])} "
+                         f"(over {ng['num_drafts']} steps with a match) | {_fmt(ng['tokens_per_step'])} |")
+        pos = ", ".join(_fmt(p) for p in facts.get("acceptance_per_position", []))
+        lines += ["", f"Per-position acceptance at k={facts['k']}: {pos}.",
+                  f"Lossless: speculative output equals plain greedy output token for token on every prompt."]
+        off = facts.get("offline")
+        if off:
+            lines.append(f"Offline PyTorch evaluator (trained draft, HF target): acceptance length "
+                         f"{_fmt(off['acceptance_length'])}; relative difference to vLLM {_fmt(facts.get('offline_vs_vllm'), 4)}.")
+    return "\n".join(lines) + "\n"

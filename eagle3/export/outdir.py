@@ -1,0 +1,101 @@
+"""Where an export lands, and never over another model unless asked.
+
+An export directory carries ``eagle3_export.json`` with a fingerprint (sha256 of config.json and
+the weights). Publishing into ``export.out_dir``:
+- missing or empty directory: write;
+- the same fingerprint: already there, nothing to do;
+- anything else (another model, another eagle3 export, or files eagle3 did not write): refuse
+  with a clear error, unless ``export.overwrite=true``, which removes only model files (configs,
+  weights, tokenizer files, README, marker) before copying, and leaves other files alone.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from ..hashing import sha256_file
+from .errors import ExportError
+from .importers import MARKER
+
+MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "*.bin", "*.pt", "*.pth",
+                       "*.index.json", "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt",
+                       "chat_template.*", "README.md", MARKER)
+
+
+def fingerprint(model_dir: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in Path(model_dir).iterdir() if p.suffix == ".safetensors" or p.name == "config.json"):
+        h.update(name.encode())
+        h.update(sha256_file(Path(model_dir) / name).encode())
+    return h.hexdigest()
+
+
+def read_marker(d: Path) -> Optional[dict]:
+    p = Path(d) / MARKER
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _describe(d: Path) -> str:
+    marker = read_marker(d)
+    names = sorted(p.name for p in d.iterdir())
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    if marker:
+        return (f"an eagle3 export ({marker.get('format')} format, target {str(marker.get('target', {}).get('path'))!r}, "
+                f"fingerprint {str(marker.get('fingerprint'))[:12]}): {shown}")
+    if (d / "config.json").is_file():
+        try:
+            arch = json.loads((d / "config.json").read_text()).get("architectures")
+        except json.JSONDecodeError:
+            arch = None
+        return f"a model ({arch}): {shown}"
+    return f"files eagle3 did not write: {shown}"
+
+
+def check_destination(out_dir, want_fingerprint: Optional[str], overwrite: bool) -> str:
+    """'write' | 'same' (already holds this export) | 'replace' (overwrite=true); raises otherwise."""
+    d = Path(out_dir).expanduser()
+    if not d.exists() or not [p for p in d.iterdir() if not p.name.startswith(".eagle3-partial-")]:
+        return "write"
+    if not d.is_dir():
+        raise ExportError(f"export.out_dir={str(d)!r} is a file, not a directory")
+    marker = read_marker(d)
+    if want_fingerprint and marker and marker.get("fingerprint") == want_fingerprint:
+        return "same"
+    if overwrite:
+        return "replace"
+    raise ExportError(f"export.out_dir={str(d)!r} already holds {_describe(d)}. Nothing was written. Choose "
+                      f"another export.out_dir, or pass export.overwrite=true to replace its model files.")
+
+
+def publish(model_dir: Path, out_dir, overwrite: bool) -> str:
+    """Copy an export from the experiment into ``out_dir``; returns what was done."""
+    d = Path(out_dir).expanduser().resolve()
+    marker = read_marker(model_dir) or {}
+    action = check_destination(d, marker.get("fingerprint"), overwrite)
+    if action == "same":
+        return action
+    d.mkdir(parents=True, exist_ok=True)
+    if action == "replace":
+        for p in d.iterdir():
+            if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in MODEL_FILE_PATTERNS):
+                p.unlink()
+    tmp = d / f".eagle3-partial-{marker.get('fingerprint', 'x')[:8]}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(model_dir, tmp)
+    # The marker moves in last: a directory whose copy was interrupted has no (new) marker.
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in names if n != MARKER] + ([MARKER] if MARKER in names else []):
+        (tmp / name).replace(d / name)
+    tmp.rmdir()
+    return action

@@ -1,0 +1,125 @@
+"""Where the draft to export comes from: the train stage's run (through the manifest) or a directory.
+
+For a trained draft every fact that decides what the served model computes is taken from the
+manifest, never retyped: the aux layer ids from the extract run (the layers the training data came
+from), the vocabulary mapping from the prepare run's ``vocab.safetensors``, and the target identity
+from the runs' records. The draft's own files must agree with them, or the export stops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ..model.draft import Eagle3DraftConfig
+from .checkpoint import MAPPING_NAMES, DraftCheckpoint
+from .errors import ExportError
+
+DRAFT_FILE = "draft.safetensors"
+DRAFT_CONFIG_FILE = "draft_config.json"
+
+
+def target_dtype(cfg, target) -> str:
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ExportError(f"the target's dtype {dtype!r} (config.json) is not float32, bfloat16 or float16; "
+                          f"set target.dtype explicitly")
+    return dtype
+
+
+def _draft_config(d: dict) -> Eagle3DraftConfig:
+    names = {f.name for f in dataclasses.fields(Eagle3DraftConfig)}
+    return Eagle3DraftConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoint:
+    """The train run's draft with layer ids, vocabulary mapping and sizes checked against the manifest."""
+    from safetensors.torch import load_file
+
+    from ..data.vocab import load_vocab
+
+    facts = train_rec.facts
+    weights = train_rec.path(facts.get("draft_file", DRAFT_FILE))
+    conf = train_rec.path(facts.get("draft_config_file", DRAFT_CONFIG_FILE))
+    if not weights.is_file() or not conf.is_file():
+        raise ExportError(f"the train run {train_rec.config_hash[:12]} has no {weights.name} + {conf.name} in "
+                          f"{train_rec.out_dir}; re-run `python -m eagle3 stage=train`")
+    cfg = _draft_config(json.loads(conf.read_text()))
+    tensors = load_file(str(weights))
+    own_d2t, own_t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    embed = tensors.pop("embed_tokens.weight", None)
+
+    layer_ids = [int(i) for i in extract_rec.facts["layer_ids"]]
+    H = int(extract_rec.facts.get("hidden_size", target.hidden_size))
+    fc = tensors.get("fc.weight")
+    if fc is not None and fc.shape[1] != len(layer_ids) * H:
+        raise ExportError(f"the trained draft's fc takes {fc.shape[1]} inputs = {fc.shape[1] / H:g} aux states of "
+                          f"width {H}, but the extract run {extract_rec.config_hash[:12]} stored {len(layer_ids)} "
+                          f"layers {layer_ids}: the draft was not trained on this experiment's hidden states. "
+                          f"Re-run `python -m eagle3 stage=train`.")
+    if list(cfg.aux_layer_ids) != layer_ids:
+        raise ExportError(f"the trained draft's config says layer ids {list(cfg.aux_layer_ids)}, the extract run "
+                          f"{extract_rec.config_hash[:12]} stored {layer_ids}; re-run `python -m eagle3 stage=train`")
+    if H != target.hidden_size or cfg.target_hidden_size != target.hidden_size:
+        raise ExportError(f"the draft fuses states of width {cfg.target_hidden_size}, the target {target.path} "
+                          f"has hidden size {target.hidden_size}")
+    if prepare_rec.facts.get("tokenizer_hash") not in (None, target.tokenizer_hash):
+        raise ExportError(f"the prepare run {prepare_rec.config_hash[:12]} used another tokenizer than the target "
+                          f"{target.path}; re-run the pipeline for this target")
+    d2t, t2d = load_vocab(prepare_rec.path("vocab.safetensors"))
+    if cfg.draft_vocab_size != d2t.numel() or cfg.vocab_size != t2d.numel():
+        raise ExportError(f"the trained draft has vocab {cfg.draft_vocab_size}/{cfg.vocab_size} (draft/target), the "
+                          f"prepare run's mapping {d2t.numel()}/{t2d.numel()}; re-run `python -m eagle3 stage=train`")
+    if own_d2t is not None and not torch.equal(own_d2t.long(), d2t.long()):
+        raise ExportError(f"the trained draft's d2t differs from the prepare run {prepare_rec.config_hash[:12]}'s "
+                          f"vocabulary mapping; re-run `python -m eagle3 stage=train`")
+    if own_t2d is not None and not torch.equal(own_t2d.bool(), t2d.bool()):
+        raise ExportError("the trained draft's t2d differs from the prepare run's vocabulary mapping")
+    source = {"kind": "train", "train_run": train_rec.config_hash[:12], "extract_run": extract_rec.config_hash[:12],
+              "prepare_run": prepare_rec.config_hash[:12]}
+    for name in MAPPING_NAMES:
+        tensors.pop(name, None)
+    return DraftCheckpoint(cfg, tensors, d2t.long(), t2d.bool(), embed, source).validate()
+
+
+def directory_identity(path) -> str:
+    from ..hashing import hash_files
+
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise ExportError(f"export.from={str(p)!r} is not a directory")
+    return hash_files([f for f in p.rglob("*") if f.is_file()], p)
+
+
+def load_source(cfg, manifest, target, needs_prompts: bool):
+    """(DraftCheckpoint, inputs for the manifest, prepare record or None, identity of export.from)."""
+    from .importers import import_draft
+
+    ecfg = cfg.export
+    if ecfg.from_:
+        from_id = directory_identity(ecfg.from_)
+        ckpt = import_draft(ecfg.from_, target.config, ecfg.from_layer_convention)
+        prep = manifest.consume("prepare", by="export", target_hash=target.hash) if needs_prompts else None
+        return ckpt, ({"prepare": prep} if prep else {}), prep, from_id
+    prep = manifest.consume("prepare", by="export", target_hash=target.hash)
+    ext = manifest.consume("extract", by="export", target_hash=target.hash)
+    train = manifest.consume("train", by="export", target_hash=target.hash)
+    ckpt = trained_draft(train, ext, prep, target)
+    return ckpt, {"prepare": prep, "extract": ext, "train": train}, prep, None
+
+
+def check_embedding(ckpt, target, include: bool) -> None:
+    """A draft with its own embedding loses it in an export without one: only fine if it is the target's."""
+    from .importers import read_target_tensor
+
+    if ckpt.embed is None or include:
+        return
+    theirs = read_target_tensor(target.path, ["model.embed_tokens.weight", "embed_tokens.weight",
+                                              "model.language_model.embed_tokens.weight"])
+    if theirs is None or theirs.shape != ckpt.embed.shape or not torch.allclose(
+            theirs.float(), ckpt.embed.float(), rtol=1e-2, atol=1e-3):
+        raise ExportError("the draft carries its own embed_tokens, which differs from the target's embedding; an "
+                          "export without it would make vLLM use the target's. Pass export.include_embedding=true.")
+    ckpt.embed = None  # identical to the target's: vLLM shares the target's at load time

@@ -1,0 +1,134 @@
+"""export.verify: prove in the real vLLM that the exported directory serves the trained draft.
+
+1. The files read back are the trained draft: same tensors (in the export dtype), same vocabulary
+   mapping and layer ids as the manifest's (catches a writer that renames or drops something).
+2. The offline PyTorch evaluator runs the trained draft (the manifest's mapping) with the HF target:
+   the reference acceptance length.
+3. vLLM without speculation: the greedy reference output.
+4. vLLM with ``{"method": "eagle3", "model": DIR, "num_speculative_tokens": k}``: a draft vLLM
+   refuses to load fails here with vLLM's error; every output must equal step 3 token for token
+   (lossless); its acceptance length must agree with step 2 within ``tolerance`` (relative), else
+   the served draft computes something else than the trained one (d2t, layer ids, norms, ...).
+5. Each other k in ``eval_ks``: acceptance length (and the lossless check again).
+6. Prompt lookup (ngram, k, n-gram 2..4) on the same prompts: the no-training baseline; compared by
+   generated tokens per target step (its acceptance length counts only steps with a match).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from .acceptance import AcceptanceStats
+from .checkpoint import DraftCheckpoint
+from .errors import VerificationError
+from .importers import import_draft
+
+log = logging.getLogger("eagle3.export")
+
+
+def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict, dtype: str) -> None:
+    """The exported files hold exactly ``reference`` (cast to ``dtype``)."""
+    got = import_draft(model_dir, target_config)
+    ref, cfg = reference, reference.config
+    if got.config.aux_layer_ids != list(cfg.aux_layer_ids):
+        raise VerificationError(f"{model_dir}: its config makes vLLM capture layers {got.config.aux_layer_ids}, the "
+                                f"draft was trained on {cfg.aux_layer_ids}")
+    if not torch.equal(got.d2t.long(), ref.d2t.long()) or not torch.equal(got.t2d.bool(), ref.t2d.bool()):
+        bad = int((got.d2t.long() != ref.d2t.long()).sum()) if got.d2t.shape == ref.d2t.shape else "all"
+        raise VerificationError(f"{model_dir}: its d2t/t2d differ from the vocabulary mapping the draft was trained "
+                                f"with ({bad} draft ids map elsewhere)")
+    for name in ("norm_before_residual", "draft_vocab_size", "hidden_size", "architecture"):
+        if getattr(got.config, name) != getattr(cfg, name):
+            raise VerificationError(f"{model_dir}: {name}={getattr(got.config, name)!r} in the exported config, "
+                                    f"{getattr(cfg, name)!r} in the trained draft")
+    want = ref.to(getattr(torch, dtype))
+    for name, t in want.tensors.items():
+        if not torch.equal(got.tensors[name].to(t.dtype), t):
+            raise VerificationError(f"{model_dir}: tensor {name} differs from the trained draft's")
+
+
+def _first_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str) -> None:
+    bad = [i for i, (x, y) in enumerate(zip(spec.outputs, plain.outputs)) if x != y]
+    if bad:
+        i = bad[0]
+        j = _first_difference(spec.outputs[i], plain.outputs[i])
+        raise VerificationError(
+            f"{what} is not lossless: on {len(bad)} of {len(plain.outputs)} prompts the greedy output differs from "
+            f"plain greedy decoding; first at prompt {i}, token {j}: {spec.outputs[i][j:j + 5]} instead of "
+            f"{plain.outputs[i][j:j + 5]}")
+
+
+def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: str, reference: DraftCheckpoint,
+                  prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
+                  tolerance: float = 0.05, device: str = "auto", progress: bool = False,
+                  static_check: bool = True) -> dict:
+    """Run steps 1-6; returns the facts to record; raises VerificationError on any failure."""
+    import vllm
+
+    from .offline_eval import offline_acceptance
+    from .vllm_eval import run_vllm
+
+    model_dir = Path(model_dir)
+    if static_check:
+        check_files(model_dir, reference, target_config, target_dtype)
+    ks = [k] + sorted({int(x) for x in eval_ks} - {k})
+    max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
+    run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb)
+
+    offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
+                                 device=device, progress=progress)
+    log.info("verify: offline evaluator (trained draft, HF target), k=%d: acceptance length %.3f", k,
+             offline.acceptance_length)
+    plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
+    by_k: dict[int, AcceptanceStats] = {}
+    for kk in ks:
+        spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
+        try:
+            stats = run_vllm(target_path, prompts, max_tokens, stop_ids, speculative_config=spec_cfg, **run)
+        except Exception as e:  # vLLM's own error, whatever its type, is the message the user needs
+            msg = str(e).strip().splitlines()
+            raise VerificationError(f"vLLM refused to load the exported draft {model_dir} with "
+                                    f"speculative_config={spec_cfg}: {type(e).__name__}: "
+                                    f"{' | '.join(msg[-6:]) if msg else repr(e)}") from e
+        check_lossless(stats, plain, f"EAGLE-3 with k={kk} in vLLM")
+        by_k[kk] = stats
+        log.info("verify: vLLM k=%d: acceptance length %.3f, per position %s, %.3f tokens per target step", kk,
+                 stats.acceptance_length, [round(p, 3) for p in stats.per_position], stats.tokens_per_step)
+    main = by_k[k]
+    rel = abs(main.acceptance_length - offline.acceptance_length) / offline.acceptance_length
+    if not math.isfinite(rel) or rel > tolerance:
+        raise VerificationError(
+            f"vLLM's acceptance length {main.acceptance_length:.3f} (k={k}) differs by {rel:.1%} from the offline "
+            f"evaluator's {offline.acceptance_length:.3f} for the trained draft on the same {len(prompts)} prompts "
+            f"(tolerance {tolerance:.0%}): the exported draft does not compute what was trained. Check the "
+            f"vocabulary mapping (d2t), the aux layer ids and norm_before_residual in {model_dir}/config.json.")
+    ngram = run_vllm(target_path, prompts, max_tokens, stop_ids, speculative_config={
+        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **run)
+    check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM")
+    same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
+    facts = {
+        "k": k, "acceptance_length": round(main.acceptance_length, 4),
+        "acceptance_per_position": [round(p, 4) for p in main.per_position],
+        "tokens_per_step": round(main.tokens_per_step, 4),
+        "acceptance_by_k": {str(kk): round(s.acceptance_length, 4) for kk, s in by_k.items()},
+        "tokens_per_step_by_k": {str(kk): round(s.tokens_per_step, 4) for kk, s in by_k.items()},
+        "acceptance_per_position_by_k": {str(kk): [round(p, 4) for p in s.per_position] for kk, s in by_k.items()},
+        "vllm": main.summary(), "ngram": ngram.summary(), "offline": offline.summary(),
+        "offline_vs_vllm": round(rel, 5), "lossless": True, "num_prompts": len(prompts), "max_tokens": max_tokens,
+        "hf_greedy_equals_vllm_greedy": f"{same_hf}/{len(prompts)}",
+        "beats_prompt_lookup": main.tokens_per_step > ngram.tokens_per_step, "vllm_version": vllm.__version__,
+    }
+    if not facts["beats_prompt_lookup"]:
+        log.warning("verify: the draft makes %.3f tokens per target step, prompt lookup %.3f: no better than the "
+                    "no-training baseline on these prompts", main.tokens_per_step, ngram.tokens_per_step)
+    return facts

@@ -1,0 +1,58 @@
+"""``python -m eagle3 stage=eval``: the offline evaluator alone (PyTorch, HF target, no vLLM).
+
+Evaluates the draft that ``stage=export`` would export (the train stage's, or ``export.from=DIR``)
+with chain speculative decoding, greedy, on the prepare stage's held-out prompts, for
+k = ``export.num_speculative_tokens`` and each k in ``export.eval_ks``; records acceptance length,
+per-position acceptance and tokens per target step in the manifest (stage ``eval``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("eagle3.eval")
+
+
+def run(cfg, manifest):
+    from eagle3.export.offline_eval import HFTarget, offline_acceptance
+    from eagle3.export.prompts import eval_prompts, stop_token_ids
+    from eagle3.export.sources import load_source, target_dtype
+    from eagle3.target import resolve
+
+    ecfg = cfg.export
+    target = resolve(cfg.target, cfg.workspace)
+    ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=True)
+    dtype = target_dtype(cfg, target)
+    k = ecfg.num_speculative_tokens
+    ks = [k] + sorted({int(x) for x in ecfg.eval_ks} - {k})
+    config = {"k": k, "eval_ks": ks, "eval_prompts": ecfg.eval_prompts, "eval_max_tokens": ecfg.eval_max_tokens,
+              "from": ecfg.from_, "from_layer_convention": ecfg.from_layer_convention, "from_identity": from_id,
+              "dtype": dtype}
+    job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
+    if job.done:
+        print(f"eval: already complete ({job.config_hash[:12]}): acceptance length "
+              f"{job.record.facts.get('acceptance_length')} at k={k}")
+        return job.record
+    import torch
+
+    with job:
+        prompts = eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+        stops = stop_token_ids(target.path)
+        device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
+        try:
+            results = {kk: offline_acceptance(target.path, ckpt, prompts, kk, ecfg.eval_max_tokens, stops, dtype=dtype,
+                                              device=device, progress=cfg.progress, target=hf) for kk in ks}
+        finally:
+            hf.close()
+        main = results[k]
+        facts = {**main.summary(), "max_tokens": ecfg.eval_max_tokens, "source": ckpt.source,
+                 "acceptance_by_k": {str(kk): round(r.acceptance_length, 4) for kk, r in results.items()},
+                 "tokens_per_step_by_k": {str(kk): round(r.tokens_per_step, 4) for kk, r in results.items()}}
+        (job.out_dir / "eval.json").write_text(json.dumps({**facts, "outputs": main.outputs}, indent=1) + "\n")
+        job.add_output(job.out_dir / "eval.json")
+        job.facts.update(facts)
+    print(f"eval: offline acceptance length {facts['acceptance_length']:.3f} at k={k} (per position "
+          f"{facts['acceptance_per_position']}), by k {facts['acceptance_by_k']}, {facts['tokens_per_step']:.3f} "
+          f"tokens per target step, {len(prompts)} prompts")
+    return job.record

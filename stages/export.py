@@ -1,0 +1,102 @@
+"""Stage 4, export: the trained draft (or one trained elsewhere, ``export.from=DIR``) -> a directory
+vLLM (or SGLang) serves, verified in the real vLLM: it loads, it is lossless, its acceptance
+length agrees with the offline evaluator's for the trained draft, and it is compared with prompt
+lookup. The export lives in the experiment (``export/<hash>/model``, recorded with its facts in the
+manifest); ``export.out_dir`` additionally receives a copy, never over another model unless
+``export.overwrite=true``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("eagle3.export")
+
+
+def run(cfg, manifest):
+    from eagle3.export.checkpoint import DraftCheckpoint  # noqa: F401  (import cost paid once, here)
+    from eagle3.export.formats import ExportSpec, write_format
+    from eagle3.export.importers import MARKER
+    from eagle3.export.model_card import model_card
+    from eagle3.export.outdir import check_destination, fingerprint, publish
+    from eagle3.export.sources import check_embedding, load_source, target_dtype
+    from eagle3.hashing import semantic_dict
+    from eagle3.target import resolve
+
+    ecfg = cfg.export
+    target = resolve(cfg.target, cfg.workspace)
+    ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=ecfg.verify)
+    check_embedding(ckpt, target, ecfg.include_embedding)
+    dtype = target_dtype(cfg, target)
+    config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id}
+    job = manifest.start("export", config=config, target=target.identity(), inputs=inputs)
+    if job.done:
+        log.info("export: already complete for this config (%s)", job.config_hash[:12])
+        print(f"export: already complete ({job.config_hash[:12]}): {job.record.out_dir / 'model'}")
+        if ecfg.out_dir:
+            action = publish(job.record.out_dir / "model", ecfg.out_dir, ecfg.overwrite)
+            print(f"export: {ecfg.out_dir}: {'already up to date' if action == 'same' else 'copied'}")
+        return job.record
+    if ecfg.out_dir:  # refuse a taken destination before spending minutes on verification
+        check_destination(ecfg.out_dir, None, ecfg.overwrite)
+
+    import shutil
+
+    with job:
+        model_dir = job.out_dir / "model"
+        if model_dir.exists():  # a failed earlier attempt of this same config
+            shutil.rmtree(model_dir)
+        spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
+                          num_speculative_tokens=ecfg.num_speculative_tokens,
+                          include_embedding=ecfg.include_embedding)
+        written = write_format(ckpt, ecfg.format, model_dir, spec)
+        c = ckpt.config
+        marker = {"format": ecfg.format, "fingerprint": fingerprint(model_dir), "target": target.identity(),
+                  "layer_ids": list(c.aux_layer_ids),
+                  "layer_id_convention": "sglang" if ecfg.format == "sglang" else "vllm",
+                  "draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size, "dtype": dtype,
+                  "source": ckpt.source, "export_run": job.config_hash[:12]}
+        (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        facts = {"format": ecfg.format, "layer_ids": list(c.aux_layer_ids), "draft_vocab_size": c.draft_vocab_size,
+                 "vocab_size": c.vocab_size, "dtype": dtype, "fingerprint": marker["fingerprint"],
+                 "model_dir": str(model_dir.relative_to(manifest.exp_dir)), "source": ckpt.source}
+        if ecfg.verify:
+            from eagle3.export.prompts import eval_prompts, stop_token_ids
+            from eagle3.export.verify import verify_export
+
+            prompts = eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+            facts.update(verify_export(
+                model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
+                reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
+                max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
+                tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress))
+        meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
+                "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
+                    "architectures"), "dtype": dtype, "source": ckpt.source,
+                "num_speculative_tokens": ecfg.num_speculative_tokens,
+                "coverage": prep.facts.get("coverage") if prep else None,
+                "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.get("num_train"),
+                          "eval samples": prep.facts.get("num_eval")} if prep else None)}
+        (model_dir / "README.md").write_text(model_card(meta, facts))
+        marker["verification"] = {k: facts[k] for k in ("acceptance_length", "acceptance_by_k", "tokens_per_step",
+                                                         "num_prompts", "max_tokens") if k in facts}
+        (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        if ecfg.out_dir:
+            publish(model_dir, ecfg.out_dir, ecfg.overwrite)
+            facts["exported_to"] = str(ecfg.out_dir)
+        job.add_output(model_dir)
+        job.facts.update(facts)
+    _print_summary(job.record)
+    return job.record
+
+
+def _print_summary(rec) -> None:
+    f = rec.facts
+    print(f"export: {f['format']} draft at {rec.out_dir / 'model'}" +
+          (f" (copied to {f['exported_to']})" if f.get("exported_to") else ""))
+    if "acceptance_length" in f:
+        ng = f["ngram"]
+        print(f"export: vLLM acceptance length {f['acceptance_length']:.3f} at k={f['k']} "
+              f"(per position {f['acceptance_per_position']}), by k {f['acceptance_by_k']}; "
+              f"{f['tokens_per_step']:.3f} tokens per target step vs {ng['tokens_per_step']:.3f} for prompt lookup; "
+              f"offline evaluator {f['offline']['acceptance_length']:.3f}; lossless on {f['num_prompts']} prompts")

@@ -1,0 +1,602 @@
+"""Export formats, importers, verification in the real vLLM, the offline evaluator, stages export/eval.
+
+The tests revolve around a target whose greedy next token is a function of the current token only
+(``LookupTarget``: attention and MLP outputs zeroed, so every layer's stream is the token's
+embedding) and a draft built to compute that same function (``perfect_draft``): its attention looks
+only at its own position (q and k read a channel that is constant across the embedding table, and
+RoPE makes a query score its own key highest), v/o copy the normalised input embedding through, and
+hidden_norm is zero, so whatever vLLM feeds back as the hidden state at chain steps j > 0 is
+ignored. Its pre-norm output is then the normalised embedding of its input token, and norm +
+lm_head (the target's rows of the kept tokens) reproduce the target's argmax. At step 0 the input
+token is the target's latest token, at step j the draft's own previous token (correct by induction),
+so every draft token is accepted: acceptance length k + 1, in vLLM and in the offline evaluator.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_tokenizer, write_jsonl
+
+K = 3
+MAX_TOKENS = 24
+WORDS = " alpha beta gamma delta"  # the target only ever generates these words' tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# builders
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class LookupTarget:
+    path: Path
+    config: dict
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    image: list  # every token the target can generate
+    next_token: torch.Tensor  # [V]: the greedy next token after each token
+    specials: list
+
+    @property
+    def vocab(self) -> int:
+        return self.embed.shape[0]
+
+
+ALPHA = 4.0  # the embedding channel 0 is this constant; every row has rms 1
+
+
+def build_lookup_target(out_dir: Path, seed: int = 0) -> LookupTarget:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    V, H = len(tok), 64
+    specials = sorted(set(tok.all_special_ids))
+    image = sorted(set(tok.encode(WORDS)) - set(specials))
+    g = torch.Generator().manual_seed(seed)
+    rest = torch.randn(V, H - 1, generator=g)
+    rest = rest / rest.norm(dim=1, keepdim=True) * (H - ALPHA ** 2) ** 0.5
+    embed = torch.cat([torch.full((V, 1), ALPHA), rest], 1)
+    # On the generated tokens the table is one cycle through all of them (no fixed point, so a draft
+    # that merely repeats its input is no oracle): row next(x) is the direction of x's embedding.
+    cycle = [image[i] for i in torch.randperm(len(image), generator=g).tolist()]
+    lm_head = 0.3 * torch.randn(V, H, generator=g)
+    for i, x in enumerate(cycle):
+        lm_head[cycle[(i + 1) % len(cycle)]] += 3.0 * embed[x] / embed[x].norm()
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[image] = False
+    lm_head[outside, 0] = -50.0  # channel 0 is constant: these tokens are never the argmax
+    cfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(lm_head)
+        for layer in model.model.layers:  # the residual stream stays the token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        logits = model.lm_head(model.model.norm(embed))
+    top2 = logits.topk(2, dim=1)
+    assert float((top2.values[:, 0] - top2.values[:, 1]).min()) > 1e-3, "near-tie in the lookup table: reseed"
+    assert set(top2.indices[:, 0].tolist()) <= set(image)
+    assert all(int(top2.indices[x, 0]) == cycle[(i + 1) % len(cycle)] for i, x in enumerate(cycle))
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return LookupTarget(out_dir, json.loads((out_dir / "config.json").read_text()), embed, model.model.norm.weight.detach().clone(),
+                        lm_head, image, top2.indices[:, 0], specials)
+
+
+def draft_config(t: LookupTarget, kept: list, layer_ids=(1, 2, 3)):
+    from eagle3.model.draft import Eagle3DraftConfig
+
+    return Eagle3DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                             head_dim=32, intermediate_size=128, rms_norm_eps=1e-5, vocab_size=t.vocab,
+                             draft_vocab_size=len(kept), aux_layer_ids=list(layer_ids), norm_before_residual=True)
+
+
+def perfect_draft(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), seed: int = 1):
+    """An Eagle3Draft that always predicts the target's next token (see the module docstring)."""
+    from eagle3.model.draft import Eagle3Draft
+
+    kept = sorted(kept)
+    torch.manual_seed(seed)
+    d = Eagle3Draft(draft_config(t, kept, layer_ids))  # random init: fc, gate/up stay random
+    H, c = 64, 16.0  # c: q = k = c per dim; the self score beats any other position by > 60 logits
+    kept_t = torch.tensor(kept)
+    t2d = torch.zeros(t.vocab, dtype=torch.bool)
+    t2d[kept_t] = True
+    with torch.no_grad():
+        d.set_vocab_mapping(kept_t - torch.arange(len(kept)), t2d)
+        m = d.midlayer
+        m.hidden_norm.weight.zero_()
+        for proj in (m.self_attn.q_proj, m.self_attn.k_proj):
+            proj.weight.zero_()
+            proj.weight[:, 0] = c / ALPHA  # normalised embeddings have channel 0 == ALPHA
+        m.self_attn.v_proj.weight.zero_()
+        m.self_attn.v_proj.weight[:, :H] = torch.eye(H)
+        m.self_attn.o_proj.weight.copy_(torch.eye(H))
+        m.mlp.down_proj.weight.zero_()
+        d.norm.weight.copy_(t.norm)
+        d.lm_head.weight.copy_(t.lm_head[kept_t])
+    return d
+
+
+def checkpoint(module, **source):
+    from eagle3.export.checkpoint import from_module
+
+    return from_module(module, source or {"kind": "test"})
+
+
+def spec(t: LookupTarget, k: int = K):
+    from eagle3.export.formats import ExportSpec
+
+    return ExportSpec(target_path=str(t.path), target_config=t.config, dtype="float32", num_speculative_tokens=k)
+
+
+def conversations(n: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    words = "sky blue sea wind code list sum loop print value".split()
+    out = []
+    for i in range(n):
+        q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+        a = "alpha beta gamma delta" + WORDS * rng.randint(0, 2) + " " + " ".join(rng.choice(words) for _ in range(3))
+        out.append({"messages": [{"role": "user", "content": f"{i} {q}?"}, {"role": "assistant", "content": a}]})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# shared fixtures
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> LookupTarget:
+    return build_lookup_target(tmp_path_factory.mktemp("lookup_target"))
+
+
+@pytest.fixture(scope="module")
+def kept(target) -> list:
+    """A draft vocabulary of 100 of the target's tokens, holding every token the target generates."""
+    g = torch.Generator().manual_seed(3)
+    others = [i for i in range(target.vocab) if i not in target.image and i not in target.specials]
+    pick = torch.randperm(len(others), generator=g)[: 100 - len(target.image)].tolist()
+    return sorted(target.image + [others[i] for i in pick])
+
+
+@pytest.fixture(scope="module")
+def prompts(target) -> list:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target.path))
+    texts = ["hello world how are you", "def add(a, b):", "The quick brown fox", "What is 12 * 7?",
+             "Summarize: the meeting moved to Tuesday", "import numpy as np"]
+    return [tok.apply_chat_template([{"role": "user", "content": s}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for s in texts]
+
+
+@pytest.fixture(scope="module")
+def stops(target):
+    from eagle3.export.prompts import stop_token_ids
+
+    return stop_token_ids(target.path)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts, stops):
+    """vLLM greedy outputs without speculation (the lossless reference), one engine for the module."""
+    from eagle3.export.vllm_eval import run_vllm
+
+    return run_vllm(target.path, prompts, MAX_TOKENS, stops, dtype="float32", max_model_len=256, kv_cache_gb=0.25)
+
+
+def vllm_eagle(target, model_dir, prompts, stops, k=K):
+    from eagle3.export.vllm_eval import run_vllm
+
+    return run_vllm(target.path, prompts, MAX_TOKENS, stops, dtype="float32", max_model_len=256, kv_cache_gb=0.25,
+                    speculative_config={"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": k})
+
+
+def offline(target, ckpt, prompts, stops, k=K):
+    from eagle3.export.offline_eval import offline_acceptance
+
+    return offline_acceptance(target.path, ckpt, prompts, k, MAX_TOKENS, stops, dtype="float32", device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# the construction itself, in PyTorch (fast)
+# ----------------------------------------------------------------------------------------------
+def test_lookup_target_greedy_is_the_lookup_table(target, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32)
+    x = torch.tensor([prompts[0]])
+    out = model.generate(x, max_new_tokens=8, do_sample=False)[0, x.shape[1]:].tolist()
+    expect, cur = [], prompts[0][-1]
+    for _ in range(8):
+        cur = int(target.next_token[cur])
+        expect.append(cur)
+    assert out == expect
+
+
+def test_perfect_draft_offline_reaches_k_plus_1_and_a_broken_one_does_not(target, kept, prompts, stops):
+    ckpt = checkpoint(perfect_draft(target, kept))
+    for k in (1, K, 5):
+        st = offline(target, ckpt, prompts, stops, k)
+        assert st.acceptance_length == k + 1 and st.per_position == [1.0] * k
+        assert st.num_drafts > 0 and all(len(o) == MAX_TOKENS for o in st.outputs)
+    # the same draft with hidden_norm switched on (it now mixes in the fed-back state) is no oracle
+    broken = perfect_draft(target, kept)
+    with torch.no_grad():
+        broken.midlayer.hidden_norm.weight.fill_(1.0)
+    st = offline(target, checkpoint(broken), prompts, stops)
+    assert st.acceptance_length < K + 1
+
+
+# ----------------------------------------------------------------------------------------------
+# formats: write, read back, load in vLLM
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_format_round_trips(fmt, target, kept, tmp_path):
+    from eagle3.export.formats import write_format
+    from eagle3.export.importers import MARKER, import_draft
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    out = tmp_path / fmt
+    config = write_format(ckpt, fmt, out, spec(target))
+    if fmt == "sglang":  # only eagle3's marker tells a reader this is SGLang's convention...
+        (out / MARKER).write_text(json.dumps({"layer_id_convention": "sglang"}))
+    back = import_draft(out, target.config)
+    assert back.config == ckpt.config
+    assert back.tensors.keys() == ckpt.tensors.keys()
+    assert all(torch.equal(back.tensors[n], ckpt.tensors[n]) for n in ckpt.tensors)
+    assert torch.equal(back.d2t, ckpt.d2t) and torch.equal(back.t2d, ckpt.t2d) and back.embed is None
+    names = set(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(out / "model.safetensors")))
+    assert "embed_tokens.weight" not in names and "d2t" in names and "lm_head.weight" in names
+    assert (out / "tokenizer.json").is_file()
+    if fmt == "vllm":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["norm_before_residual"] is True and config["num_aux_hidden_states"] == 3
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert config["draft_vocab_size"] == len(kept) and config["target_hidden_size"] == 64
+        assert any(n.startswith("midlayer.") for n in names)
+    elif fmt == "speculators":
+        assert config["speculators_config"]["verifier"]["name_or_path"] == str(target.path)
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+        assert config["norm_before_residual"] is True and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert config["transformer_layer_config"]["num_aux_hidden_states"] == 3
+        assert any(n.startswith("layers.0.") for n in names) and not any(n.startswith("midlayer.") for n in names)
+    else:
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang's convention
+        assert "t2d" in names and any(n.startswith("midlayer.") for n in names)
+        (out / MARKER).unlink()  # ...and without it, ids found only in eagle_config are read as SGLang's
+        assert import_draft(out, target.config).config.aux_layer_ids == [1, 2, 3]
+
+
+def test_identity_vocabulary_ships_no_d2t(target, tmp_path):
+    """vLLM has no draft_id_to_target_id when the vocabularies are equal and refuses a d2t then."""
+    from safetensors.torch import load_file
+
+    from eagle3.export.formats import write_format
+
+    ckpt = checkpoint(perfect_draft(target, list(range(target.vocab))))
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "m" / "model.safetensors")))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_perfect_draft_in_vllm_reaches_k_plus_1(fmt, target, kept, prompts, stops, plain, tmp_path):
+    from eagle3.export.formats import write_format
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    write_format(ckpt, fmt, tmp_path / fmt, spec(target))
+    st = vllm_eagle(target, tmp_path / fmt, prompts, stops)
+    assert st.outputs == plain.outputs  # lossless
+    assert st.acceptance_length == K + 1 and st.per_position == [1.0] * K
+    # every decode step carried a full draft: steps = one prefill per prompt + one per draft
+    assert st.target_steps == len(prompts) + st.num_drafts and st.tokens_per_step > 3.0
+    if fmt == "vllm":  # the offline evaluator counts exactly what vLLM counts
+        off = offline(target, ckpt, prompts, stops)
+        assert (off.num_drafts, off.num_accepted, off.target_steps, off.outputs) == (
+            st.num_drafts, st.num_accepted, st.target_steps, st.outputs)
+
+
+@pytest.mark.vllm
+def test_offline_evaluator_agrees_with_vllm_on_an_imperfect_draft(target, kept, prompts, stops, plain, tmp_path):
+    """Swap the draft's lm_head rows of two generated tokens: partial acceptance, same figure in both."""
+    from eagle3.export.formats import write_format
+
+    d = perfect_draft(target, kept)
+    gen = [t for o in plain.outputs for t in o]
+    common = sorted(set(gen), key=lambda t: -gen.count(t))
+    a, b = kept.index(common[0]), kept.index(common[2])
+    with torch.no_grad():
+        d.lm_head.weight[[a, b]] = d.lm_head.weight[[b, a]]
+    ckpt = checkpoint(d)
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    st = vllm_eagle(target, tmp_path / "m", prompts, stops)
+    off = offline(target, ckpt, prompts, stops)
+    assert st.outputs == plain.outputs
+    assert 1.2 < st.acceptance_length < K + 0.8, st.summary()
+    assert abs(off.acceptance_length - st.acceptance_length) / st.acceptance_length < 0.05
+    assert off.per_position == pytest.approx(st.per_position, abs=0.05)
+    print(f"imperfect draft: vLLM AL {st.acceptance_length:.4f}, offline AL {off.acceptance_length:.4f}, "
+          f"per position vLLM {st.per_position} offline {off.per_position}")
+
+
+# ----------------------------------------------------------------------------------------------
+# verification catches what the served draft gets wrong
+# ----------------------------------------------------------------------------------------------
+def _corrupt_d2t(model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(model_dir / "model.safetensors"))
+    w["d2t"] = torch.roll(w["d2t"] + torch.arange(w["d2t"].numel()), 1) - torch.arange(w["d2t"].numel())
+    save_file(w, str(model_dir / "model.safetensors"))
+
+
+def test_wrong_d2t_in_the_files_is_caught_statically(target, kept, tmp_path):
+    from eagle3.export.errors import VerificationError
+    from eagle3.export.formats import write_format
+    from eagle3.export.verify import check_files
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    check_files(tmp_path / "m", ckpt, target.config, "float32")
+    _corrupt_d2t(tmp_path / "m")
+    with pytest.raises(VerificationError, match="d2t"):
+        check_files(tmp_path / "m", ckpt, target.config, "float32")
+
+
+@pytest.mark.vllm
+def test_wrong_d2t_is_caught_by_vllm_acceptance(target, kept, prompts, stops, tmp_path):
+    """Even where the files look right, the served draft's acceptance must match the trained draft's."""
+    from eagle3.export.errors import VerificationError
+    from eagle3.export.formats import write_format
+    from eagle3.export.verify import verify_export
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    _corrupt_d2t(tmp_path / "m")
+    with pytest.raises(VerificationError, match=r"differs by .* from the offline evaluator's 4\.000") as e:
+        verify_export(tmp_path / "m", target_path=target.path, target_config=target.config, target_dtype="float32",
+                      reference=ckpt, prompts=prompts, k=K, eval_ks=[K], max_tokens=MAX_TOKENS, stop_ids=stops,
+                      kv_cache_gb=0.25, device="cpu", static_check=False)
+    print(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# importing drafts trained elsewhere
+# ----------------------------------------------------------------------------------------------
+def specforge_checkpoint(target, kept, out: Path, ids_sglang=(0, 1, 2)) -> Path:
+    """A SpecForge/EAGLE-style directory: midlayer.* with embed_tokens, d2t, t2d; ids in eagle_config."""
+    from safetensors.torch import save_file
+
+    d = perfect_draft(target, kept)
+    out.mkdir(parents=True)
+    sd = {k: v.contiguous() for k, v in d.state_dict().items()}
+    sd["embed_tokens.weight"] = target.embed.clone()
+    save_file(sd, str(out / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": target.vocab, "draft_vocab_size": len(kept),
+           "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "norm_before_residual": True, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids_sglang)}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_import_midlayer_layout(target, kept, prompts, stops, tmp_path):
+    from eagle3.export.importers import import_draft
+
+    src = specforge_checkpoint(target, kept, tmp_path / "sf")
+    ck = import_draft(src, target.config)
+    assert ck.config.aux_layer_ids == [1, 2, 3]  # SGLang ids (layer outputs) + 1
+    assert ck.source["layout"] == "midlayer" and torch.equal(ck.embed, target.embed)
+    ref = perfect_draft(target, kept).state_dict()
+    assert all(torch.equal(ck.tensors[n], ref[n]) for n in ck.tensors)
+    assert import_draft(src, target.config, "vllm").config.aux_layer_ids == [0, 1, 2]
+    assert offline(target, ck, prompts[:2], stops).acceptance_length == K + 1
+    # a pytorch_model.bin with a model. prefix and layers.0 names reads the same
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((src / "config.json").read_text())
+    torch.save({"model." + k.replace("midlayer.", "layers.0."): v for k, v in perfect_draft(target, kept).state_dict().items()},
+               bin_dir / "pytorch_model.bin")
+    ck2 = import_draft(bin_dir, target.config)
+    assert all(torch.equal(ck2.tensors[n], ref[n]) for n in ck2.tensors) and ck2.embed is None
+
+
+def test_import_rejects_drafts_that_do_not_fit(target, kept, tmp_path):
+    from eagle3.export.errors import ImportDraftError
+    from eagle3.export.importers import import_draft
+
+    src = specforge_checkpoint(target, kept, tmp_path / "a", ids_sglang=(0, 1))
+    with pytest.raises(ImportDraftError, match="fc takes 192 inputs = 3 aux states.*name 2"):
+        import_draft(src, target.config)
+    src = specforge_checkpoint(target, kept, tmp_path / "b")
+    with pytest.raises(ImportDraftError, match="vocab_size"):
+        import_draft(src, {**target.config, "vocab_size": target.vocab + 1})
+    with pytest.raises(ImportDraftError, match="no config.json"):
+        import_draft(tmp_path, target.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# the stages, through the manifest
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def experiment(target, tmp_path_factory):
+    """prepare (real stage) + extract and train runs recorded as those stages record them, with the
+    perfect draft for prepare's vocabulary as the trained draft."""
+    from eagle3.__main__ import compose_config
+    from eagle3.cli import run
+    from eagle3.data.vocab import load_vocab
+    from eagle3.manifest import Manifest
+    from eagle3.target import identify
+
+    root = tmp_path_factory.mktemp("exp")
+    data = write_jsonl(root / "chats.jsonl", conversations(30))
+    base = [f"target.path={target.path}", f"workspace={root / 'ws'}", "experiment=e", f"data.path={data}",
+            "prepare.draft_vocab_size=160", "prepare.eval_fraction=0.3", "progress=false", "logger=jsonl",
+            f"export.eval_max_tokens={MAX_TOKENS}", "export.eval_prompts=6", "export.kv_cache_gb=0.25",
+            f"export.num_speculative_tokens={K}", "export.device=cpu"]
+    run(compose_config(["stage=prepare", *base]))
+    m = Manifest(root / "ws" / "e")
+    prep = m.current("prepare")
+    d2t, t2d = load_vocab(prep.path("vocab.safetensors"))
+    kept_ids = (torch.arange(d2t.numel()) + d2t).tolist()
+    assert set(target.image) <= set(kept_ids), "prepare's draft vocabulary must hold the generated words"
+    tinfo = identify(target.path)
+    ext = m.start("extract", config={"test": "recorded by test_export"}, target=tinfo.identity(), inputs={"prepare": prep})
+    with ext:
+        ext.facts.update(layer_ids=[1, 2, 3], last_layer_id=4, hidden_size=64)
+    record_train_run(m, tinfo, perfect_draft(target, kept_ids))
+    return {"root": root, "manifest": m, "base": base, "kept": kept_ids}
+
+
+def record_train_run(m, tinfo, draft, tag="perfect"):
+    from safetensors.torch import save_file
+
+    prep, ext = m.current("prepare"), m.current("extract")
+    job = m.start("train", config={"test": tag}, target=tinfo.identity(), inputs={"prepare": prep, "extract": ext})
+    with job:
+        job.out_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(job.out_dir / "draft.safetensors"))
+        (job.out_dir / "draft_config.json").write_text(json.dumps(draft.config.to_dict()))
+        job.add_output(job.out_dir / "draft.safetensors")
+        job.add_output(job.out_dir / "draft_config.json")
+    return job.record
+
+
+def _stage(experiment, *overrides):
+    from eagle3.__main__ import compose_config
+    from eagle3.cli import run
+
+    return run(compose_config([*experiment["base"], *overrides]))
+
+
+@pytest.mark.vllm
+def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_path, capsys):
+    from eagle3.export.importers import import_draft
+
+    out = tmp_path / "served"
+    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}")
+    rec = experiment["manifest"].current("export")
+    f = rec.facts
+    print(json.dumps({k: f[k] for k in ("acceptance_length", "acceptance_by_k", "acceptance_per_position",
+                                         "tokens_per_step", "offline_vs_vllm")}), f["ngram"])
+    assert f["acceptance_length"] == K + 1 and f["acceptance_by_k"] == {str(K): K + 1, "1": 2}
+    assert f["acceptance_per_position"] == [1.0] * K and f["lossless"] is True
+    assert f["offline"]["acceptance_length"] == K + 1 and f["offline_vs_vllm"] == 0
+    assert f["tokens_per_step"] > f["ngram"]["tokens_per_step"] and f["beats_prompt_lookup"]
+    assert f["layer_ids"] == [1, 2, 3] and f["num_prompts"] >= 3 and f["format"] == "vllm"
+    model = rec.out_dir / "model"
+    card = (model / "README.md").read_text()
+    assert "[1, 2, 3]" in card and "| EAGLE-3 (this draft) | 3 | 4.000" in card and str(target.path) in card
+    assert (out / "README.md").read_text() == card and (out / "config.json").is_file()
+    back = import_draft(out, target.config)
+    assert back.kept_ids.tolist() == experiment["kept"]  # the mapping came from prepare, through the manifest
+    capsys.readouterr()
+    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}")  # same config: nothing to do
+    assert "already complete" in capsys.readouterr().out
+
+
+def test_eval_stage_records_offline_acceptance(experiment):
+    _stage(experiment, "stage=eval", "export.eval_ks=[1,2]")
+    f = experiment["manifest"].current("eval").facts
+    assert f["acceptance_length"] == K + 1 and f["acceptance_by_k"] == {str(K): K + 1, "1": 2, "2": 3}
+    assert f["acceptance_per_position"] == [1.0] * K and f["num_prompts"] >= 3
+
+
+def test_export_to_a_directory_holding_another_model(experiment, tmp_path):
+    from eagle3.export.errors import ExportError
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"architectures": ["SomethingElse"]}')
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match=r"already holds a model \(\['SomethingElse'\]\).*export.overwrite=true"):
+        _stage(experiment, "stage=export", "export.verify=false", f"export.out_dir={other}")
+    assert json.loads((other / "config.json").read_text()) == {"architectures": ["SomethingElse"]}
+    _stage(experiment, "stage=export", "export.verify=false", f"export.out_dir={other}", "export.overwrite=true")
+    assert json.loads((other / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (other / "notes.txt").read_text() == "keep me" and (other / "model.safetensors").is_file()
+    # another export (another format) is "another model" too
+    with pytest.raises(ExportError, match="an eagle3 export"):
+        _stage(experiment, "stage=export", "export.verify=false", "export.format=speculators",
+               f"export.out_dir={other}")
+
+
+def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):
+    from eagle3.__main__ import compose_config
+    from eagle3.cli import run
+    from eagle3.export.errors import ExportError
+    from eagle3.manifest import Manifest, ManifestError
+    from eagle3.target import identify
+
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(12))
+    base = [f"target.path={target.path}", f"workspace={tmp_path / 'ws'}", "experiment=x", f"data.path={data}",
+            "prepare.draft_vocab_size=160", "progress=false", "logger=jsonl", "export.verify=false"]
+    with pytest.raises(ManifestError, match="needs the output of stage 'prepare'"):
+        run(compose_config(["stage=export", *base]))
+    run(compose_config(["stage=prepare", *base]))
+    m = Manifest(tmp_path / "ws" / "x")
+    tinfo = identify(target.path)
+    ext = m.start("extract", config={"ids": 4}, target=tinfo.identity(), inputs={"prepare": m.current("prepare")})
+    with ext:
+        ext.facts.update(layer_ids=[0, 1, 2, 3], last_layer_id=4, hidden_size=64)
+    with pytest.raises(ManifestError, match="needs the output of stage 'train'"):
+        run(compose_config(["stage=export", *base]))
+    from eagle3.data.vocab import load_vocab
+
+    d2t, _ = load_vocab(m.current("prepare").path("vocab.safetensors"))
+    record_train_run(m, tinfo, perfect_draft(target, (torch.arange(d2t.numel()) + d2t).tolist()))  # 3 aux ids
+    with pytest.raises(ExportError, match=r"fc takes 192 inputs = 3 aux states .* stored 4 layers \[0, 1, 2, 3\]"):
+        run(compose_config(["stage=export", *base]))
+    assert m.current("export") is None
+
+
+def test_unknown_format_and_bad_export_config(compose):
+    for override, msg in [("export.format=onnx", "export.format='onnx' is not one of"),
+                          ("export.eval_ks=[0]", "eval_ks"), ("export.verify_tolerance=2", "verify_tolerance"),
+                          ("export.from_layer_convention=hf", "from_layer_convention")]:
+        with pytest.raises(Exception, match=msg):
+            compose(override)
+    assert compose("export.from=/some/dir").export.from_ == "/some/dir"
+
+
+@pytest.mark.vllm
+def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment, target, tmp_path):
+    """Import (+ re-export as speculators, verified), then a config vLLM cannot load: vLLM's error."""
+    from eagle3.export.errors import VerificationError
+    from eagle3.export.formats import write_format
+    from eagle3.export.prompts import eval_prompts, stop_token_ids
+    from eagle3.export.verify import verify_export
+
+    src = specforge_checkpoint(target, experiment["kept"], tmp_path / "sf")
+    _stage(experiment, "stage=export", f"export.from={src}", "export.format=speculators", f"export.eval_ks=[{K}]")
+    f = experiment["manifest"].current("export").facts
+    assert f["format"] == "speculators" and f["source"]["layout"] == "midlayer"
+    assert f["acceptance_length"] == K + 1 and f["layer_ids"] == [1, 2, 3]
+
+    ckpt = checkpoint(perfect_draft(target, experiment["kept"]))
+    bad = tmp_path / "bad"
+    write_format(ckpt, "vllm", bad, spec(target))
+    conf = json.loads((bad / "config.json").read_text())
+    conf["num_aux_hidden_states"] = 2  # vLLM sizes fc for 2 aux states; the weights have 3
+    (bad / "config.json").write_text(json.dumps(conf))
+    prep = experiment["manifest"].current("prepare")
+    with pytest.raises(VerificationError, match="vLLM refused to load the exported draft") as e:
+        verify_export(bad, target_path=target.path, target_config=target.config, target_dtype="float32",
+                      reference=ckpt, prompts=eval_prompts(prep.path("dataset"), 2), k=K, eval_ks=[K],
+                      max_tokens=8, stop_ids=stop_token_ids(target.path), kv_cache_gb=0.25, device="cpu",
+                      static_check=False)
+    print(e.value)

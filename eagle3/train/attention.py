@@ -78,10 +78,15 @@ class TTTMask:
             self._cache[("dense", j)] = torch.cat([prefix] + [diag] * j, dim=-1)[:, None]
         return self._cache[("dense", j)]
 
-    def _prefix_blocks(self):
-        """Block-level (partial, full) maps [B, 1, Qb, Qb] of the step-0 doc-causal prefix."""
-        if "prefix_blocks" not in self._cache:
-            T, bs, dev = self.T, self.block_size, self.doc_ids.device
+    def block_maps(self):
+        """Block-level maps of every step, as (partial, full) bool [S, B, 1, n, S*n] with n = T/bs.
+
+        A block is full if every (query, key) pair in it may attend, partial if some may (the
+        token-level mask_mod decides inside it), skipped otherwise. Step j lists the step-0 prefix
+        blocks (from the doc ids) and one diagonal block per step 1..j.
+        """
+        if "maps" not in self._cache:
+            T, bs, S, dev = self.T, self.block_size, self.num_steps, self.doc_ids.device
             if T % bs:
                 raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
                                  f"its block size {bs}; pad the batch (TTTModel does)")
@@ -89,53 +94,67 @@ class TTTMask:
             q = torch.arange(T, device=dev)
             allowed = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (q[:, None] >= q[None, :])
             blocks = allowed.view(self.B, n, bs, n, bs)
-            any_ = blocks.any(4).any(2)
-            all_ = blocks.all(4).all(2)
-            self._cache["prefix_blocks"] = ((any_ & ~all_)[:, None], all_[:, None])
-        return self._cache["prefix_blocks"]
+            full0 = blocks.all(4).all(2)
+            partial0 = blocks.any(4).any(2) & ~full0
+            eye = torch.eye(n, dtype=torch.bool, device=dev)
+            # diag[j, i] = step i's diagonal is visible at step j (1 <= i <= j)
+            steps = torch.arange(S, device=dev)
+            diag = (steps[None, :] >= 1) & (steps[None, :] <= steps[:, None])  # [S(j), S(i)]
+            diag_maps = (diag[:, :, None, None] & eye).permute(0, 2, 1, 3).reshape(S, n, S * n)
+            partial = torch.cat([partial0[None].expand(S, -1, -1, -1),
+                                 diag_maps[:, None, :, n:].expand(-1, self.B, -1, -1)], dim=-1)
+            full = torch.cat([full0, torch.zeros(self.B, n, (S - 1) * n, dtype=torch.bool, device=dev)], dim=-1)
+            self._cache["maps"] = (partial[:, :, None], full[None, :, None].expand(S, -1, -1, -1, -1))
+        return self._cache["maps"]
 
-    def block(self, j: int):
-        """flex BlockMask over the fixed ``num_steps*T`` key layout for step j.
+    def blocks(self) -> list:
+        """flex BlockMasks of all steps over the fixed ``num_steps*T`` key layout.
 
-        Built at block level (the prefix's block map from the doc ids once per batch, plus one
-        diagonal block per later step), so no step evaluates the mask on all T x num_steps*T
-        pairs. The token-level ``mask_mod`` (exact on its own: the unfused CPU path applies it
-        everywhere) reads j from a tensor, so one compiled kernel serves every step.
+        Built from the block maps of all steps at once (a dozen device ops in all, against
+        hundreds per mask through ``create_block_mask``/``from_kv_blocks``: the host's launch
+        overhead for those was a third of the step time). The token-level ``mask_mod`` is exact
+        on its own (the unfused CPU path applies it everywhere) and reads j from a tensor, so one
+        compiled kernel serves every step.
         """
-        if ("block", j) not in self._cache:
+        if "blocks" not in self._cache:
             from torch.nn.attention.flex_attention import BlockMask
 
             T, bs, S, doc = self.T, self.block_size, self.num_steps, self.doc_ids
-            n = T // bs
-            partial0, full0 = self._prefix_blocks()
-            partial = torch.zeros(self.B, 1, n, S * n, dtype=torch.bool, device=doc.device)
-            full = torch.zeros_like(partial)
-            partial[..., :n] = partial0
-            full[..., :n] = full0
-            eye = torch.eye(n, dtype=torch.bool, device=doc.device)
-            for i in range(1, j + 1):
-                partial[..., i * n:(i + 1) * n] = eye
+            partial, full = self.block_maps()
 
-            # j as a tensor (not a constant: no recompiles), made on the device (no host sync)
-            last = torch.full((), j, dtype=torch.long, device=doc.device)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                step = kv_idx // T
-                s = kv_idx % T
-                prefix = (step == 0) & (s <= q_idx) & (doc[b, s] == doc[b, q_idx])
-                return prefix | ((step > 0) & (step <= last) & (s == q_idx))
-
-            def ordered(dense):
+            def ordered(dense):  # as flex's own _dense_to_ordered
                 d = dense.to(torch.int32)
-                return (d.sum(-1).to(torch.int32),
-                        torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32))
+                return (d.sum(-1).to(torch.int32).contiguous(),
+                        torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
 
             kv_num, kv_idx = ordered(partial)
-            full_num, full_idx = ordered(full)
-            self._cache[("block", j)] = BlockMask.from_kv_blocks(
-                kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs, mask_mod=mask_mod,
-                seq_lengths=(T, S * T))
-        return self._cache[("block", j)]
+            q_num, q_idx = ordered(partial.transpose(-2, -1))
+            full_kv_num, full_kv_idx = ordered(full[0])
+            full_q_num, full_q_idx = ordered(full[0].transpose(-2, -1))
+            lasts = torch.arange(S, device=doc.device)
+            masks = []
+            for j in range(S):
+                masks.append(BlockMask(seq_lengths=(T, S * T), kv_num_blocks=kv_num[j], kv_indices=kv_idx[j],
+                                       full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx,
+                                       q_num_blocks=q_num[j], q_indices=q_idx[j], full_q_num_blocks=full_q_num,
+                                       full_q_indices=full_q_idx, BLOCK_SIZE=(bs, bs),
+                                       mask_mod=_ttt_mask_mod(doc, T, lasts[j])))
+            self._cache["blocks"] = masks
+        return self._cache["blocks"]
+
+    def block(self, j: int):
+        return self.blocks()[j]
+
+
+def _ttt_mask_mod(doc: torch.Tensor, T: int, last: torch.Tensor):
+    """Token-level TTT mask for keys laid out as step*T + index; ``last`` = j as a 0-d tensor
+    (a tensor, not a constant, so the compiled kernel is not rebuilt per step)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // T
+        s = kv_idx % T
+        prefix = (step == 0) & (s <= q_idx) & (doc[b, s] == doc[b, q_idx])
+        return prefix | ((step > 0) & (step <= last) & (s == q_idx))
+    return mask_mod
 
 
 def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask,

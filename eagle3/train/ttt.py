@@ -100,28 +100,28 @@ class TTTModel(nn.Module):
             T = T + extra
         with torch.no_grad():
             mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
-            masks = [mask.block(j) if backend == "flex" else mask.dense(j) for j in range(S)]
-            counted, scored = step_masks(loss_mask, doc_ids, in_vocab, S)
-            if denominators is None:
-                denominators = counted.flatten(1).sum(1).float()
-            denominators = denominators.clamp(min=1.0)
-            rope = [self.draft.rope(position_ids + j, dtype) for j in range(S)]
-            # one padded copy of the shifted inputs; each step reads a view (same shape every step)
-            pad = S + 1
-            embeds_pad = torch.cat([embeds, embeds.new_zeros(B, pad, embeds.shape[-1])], dim=1)
-            target_pad = torch.cat([target_probs, target_probs.new_zeros(B, pad, target_probs.shape[-1])], dim=1)
-            target_arg = target_pad.argmax(-1)
+            masks = mask.blocks() if backend == "flex" else [mask.dense(j) for j in range(S)]
         core = self._core
         if self.compile:
             if self._compiled_core is None:
                 self._compiled_core = torch.compile(self._core, dynamic=False)
             core = self._compiled_core
-        return core(aux, embeds_pad, target_pad, target_arg, counted, scored, denominators, rope, masks)
+        return core(aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks)
 
-    def _core(self, aux, embeds_pad, target_pad, target_arg, counted, scored, denominators, rope, masks):
-        S, B, T = counted.shape
-        dtype = embeds_pad.dtype
+    def _core(self, aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks):
+        S, (B, T) = self.num_steps, loss_mask.shape
+        dtype = embeds.dtype
         draft, layer = self.draft, self.draft.midlayer
+        with torch.no_grad():
+            counted, scored = step_masks(loss_mask, doc_ids, in_vocab, S)
+            if denominators is None:
+                denominators = counted.flatten(1).sum(1).float()
+            denominators = denominators.clamp(min=1.0)
+            # one padded copy of the shifted inputs; each step reads a view (same shape every step)
+            pad = S + 1
+            embeds_pad = torch.cat([embeds, embeds.new_zeros(B, pad, embeds.shape[-1])], dim=1)
+            target_pad = torch.cat([target_probs, target_probs.new_zeros(B, pad, target_probs.shape[-1])], dim=1)
+            target_arg = target_pad.argmax(-1)
         # weights cast to the compute dtype once per forward (not once per step), q/k/v and
         # gate/up packed into single matmuls; gradients flow back to the fp32 parameters
         wl = layer.weights(dtype)
@@ -132,7 +132,7 @@ class TTTModel(nn.Module):
         rows = []
         chain = torch.ones(B, T, dtype=torch.bool, device=aux.device)
         for j in range(S):
-            cos, sin = rope[j]
+            cos, sin = draft.rope(position_ids + j, dtype)
             q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
             ks.append(k)
             vs.append(v)

@@ -302,12 +302,16 @@ def test_identity_vocabulary_ships_no_d2t(target, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
-def test_perfect_draft_in_vllm_reaches_k_plus_1(fmt, target, kept, prompts, stops, plain, tmp_path):
+@pytest.mark.parametrize("fmt,embedding", [("vllm", False), ("speculators", False), ("sglang", False),
+                                           ("vllm", True)])
+def test_perfect_draft_in_vllm_reaches_k_plus_1(fmt, embedding, target, kept, prompts, stops, plain, tmp_path):
     from eagle3.export.formats import write_format
 
     ckpt = checkpoint(perfect_draft(target, kept))
-    write_format(ckpt, fmt, tmp_path / fmt, spec(target))
+    s = spec(target)
+    if embedding:  # the draft ships its own copy of the embedding; vLLM then uses it instead of sharing
+        ckpt.embed, s.include_embedding = target.embed.clone(), True
+    write_format(ckpt, fmt, tmp_path / fmt, s)
     st = vllm_eagle(target, tmp_path / fmt, prompts, stops)
     assert st.outputs == plain.outputs  # lossless
     assert st.acceptance_length == K + 1 and st.per_position == [1.0] * K
@@ -585,6 +589,18 @@ def test_export_to_a_directory_holding_another_model(experiment, tmp_path):
     with pytest.raises(ExportError, match="an eagle3 export"):
         _stage(experiment, "stage=export", "export.verify=false", "export.format=speculators",
                f"export.out_dir={other}")
+
+
+def test_include_embedding_writes_the_targets_embedding(experiment, target):
+    from safetensors.torch import load_file
+
+    _stage(experiment, "stage=export", "export.verify=false", "export.include_embedding=true")
+    rec = experiment["manifest"].current("export")
+    w = load_file(str(rec.out_dir / "model" / "model.safetensors"))
+    assert torch.equal(w["embed_tokens.weight"], target.embed)
+    _stage(experiment, "stage=export", "export.verify=false")
+    w = load_file(str(experiment["manifest"].current("export").out_dir / "model" / "model.safetensors"))
+    assert "embed_tokens.weight" not in w
 
 
 def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):

@@ -62,8 +62,8 @@ def _tensors_for(ckpt: DraftCheckpoint, spec: ExportSpec, with_mapping: bool, pr
         out["t2d"] = ckpt.t2d.bool().contiguous()
     if spec.include_embedding:
         if ckpt.embed is None:
-            raise ExportError("export.include_embedding=true, but this draft has no embedding of its own (it "
-                              "uses the target's, which vLLM shares at load time); leave include_embedding off")
+            raise ExportError("include_embedding: the checkpoint holds no embedding (the export stage puts the "
+                              "target's there first, see eagle3.export.sources.check_embedding)")
         out[EMBED_NAME] = ckpt.embed.detach().to("cpu", dtype).contiguous()
     return out
 

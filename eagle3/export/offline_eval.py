@@ -70,9 +70,16 @@ class HFTarget:
         return out.logits[0].float().argmax(-1), aux
 
     def close(self) -> None:
+        """Free the model (before vLLM starts in the same process and sizes its KV cache)."""
+        import gc
+
         for h in self._hooks:
             h.remove()
+        self._captured.clear()
         del self.model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class DraftRunner:

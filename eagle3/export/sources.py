@@ -110,14 +110,28 @@ def load_source(cfg, manifest, target, needs_prompts: bool):
     return ckpt, {"prepare": prep, "extract": ext, "train": train}, prep, None
 
 
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
 def check_embedding(ckpt, target, include: bool) -> None:
-    """A draft with its own embedding loses it in an export without one: only fine if it is the target's."""
+    """Settle which embedding the export carries.
+
+    include=true: the draft's own, else the target's (the one it was trained with), read alone from
+    the checkpoint. include=false: none, so vLLM shares the target's; a draft whose own embedding
+    differs from the target's would then compute something else, so that is refused.
+    """
     from .importers import read_target_tensor
 
-    if ckpt.embed is None or include:
+    if ckpt.embed is None and not include:
         return
-    theirs = read_target_tensor(target.path, ["model.embed_tokens.weight", "embed_tokens.weight",
-                                              "model.language_model.embed_tokens.weight"])
+    theirs = read_target_tensor(target.path, EMBED_NAMES)
+    if include:
+        if ckpt.embed is None:
+            if theirs is None:
+                raise ExportError(f"export.include_embedding=true: no embedding tensor ({', '.join(EMBED_NAMES)}) "
+                                  f"found in {target.path}/*.safetensors")
+            ckpt.embed = theirs
+        return
     if theirs is None or theirs.shape != ckpt.embed.shape or not torch.allclose(
             theirs.float(), ckpt.embed.float(), rtol=1e-2, atol=1e-3):
         raise ExportError("the draft carries its own embed_tokens, which differs from the target's embedding; an "

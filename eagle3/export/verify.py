@@ -48,6 +48,9 @@ def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict
     for name, t in want.tensors.items():
         if not torch.equal(got.tensors[name].to(t.dtype), t):
             raise VerificationError(f"{model_dir}: tensor {name} differs from the trained draft's")
+    if (got.embed is None) != (want.embed is None) or (
+            got.embed is not None and not torch.equal(got.embed.to(want.embed.dtype), want.embed)):
+        raise VerificationError(f"{model_dir}: its embed_tokens differs from the one the draft should run with")
 
 
 def _first_difference(a: list, b: list) -> int:

@@ -197,8 +197,12 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     num_workers: int = 0
+    # Pack several samples into each max_seq_len row (document-masked attention): no padding waste.
+    packing: bool = True
+    # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there).
+    compile: str = "auto"
 
-    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention")
+    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
 
     def __post_init__(self):
         _check_positive("train.ttt_steps", self.ttt_steps)
@@ -209,6 +213,9 @@ class TrainConfig:
         _check_positive("train.max_steps", self.max_steps, allow_zero=True)
         _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
         _check_choice("train.attention", self.attention, ("auto", "flex", "sdpa"))
+        _check_choice("train.compile", self.compile, ("auto", "true", "false"))
+        for name in ("eval_every", "save_every", "log_every", "keep_last"):
+            _check_positive(f"train.{name}", getattr(self, name))
         if not 0 < self.decay <= 1:
             raise ValueError(f"train.decay must be in (0, 1], got {self.decay}")
         if len(self.betas) != 2:

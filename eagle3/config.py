@@ -213,6 +213,7 @@ class TrainConfig:
         _check_positive("train.max_steps", self.max_steps, allow_zero=True)
         _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
         _check_choice("train.attention", self.attention, ("auto", "flex", "sdpa"))
+        self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
             _check_positive(f"train.{name}", getattr(self, name))

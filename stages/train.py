@@ -1,0 +1,107 @@
+"""Stage 3, train: the EAGLE-3 draft from the extract stage's hidden states (eagle3/train/).
+
+Inputs through the manifest: prepare's vocabulary mapping (``vocab.safetensors``) and the extract
+run's store (its layer ids, hidden size and dtype are facts). The target's embedding, final norm and
+lm_head are read from the checkpoint alone (eagle3.target_weights), never the whole model.
+Outputs in the run's directory: ``draft.safetensors`` (vLLM tensor names, float32),
+``draft_config.json`` (eagle3.model.Eagle3DraftConfig), ``draft_vllm_config.json`` (vLLM's
+config.json for it), ``metrics.jsonl`` and ``checkpoints/`` (resumable). Multi-GPU:
+``accelerate launch -m eagle3 stage=train``; only the main process records the run.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("eagle3.train")
+
+
+def run(cfg, manifest):
+    from accelerate import PartialState
+
+    from eagle3.data.vocab import load_vocab
+    from eagle3.hashing import semantic_dict
+    from eagle3.manifest import ManifestError
+    from eagle3.model.draft import Eagle3DraftConfig
+    from eagle3.store import open_hidden_states
+    from eagle3.target import resolve
+    from eagle3.target_weights import read_target_head
+    from eagle3.train.loop import (DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE, TrainInputs,
+                                   train)
+
+    tcfg = cfg.train
+    target = resolve(cfg.target, cfg.workspace)
+    prep = manifest.consume("prepare", by="train", target_hash=target.hash)
+    ext = manifest.consume("extract", by="train", target_hash=target.hash)
+    layer_ids = [int(i) for i in ext.facts["layer_ids"]]
+    config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
+    job = manifest.start("train", config=config, target=target.identity(), inputs={"prepare": prep, "extract": ext})
+    main = PartialState().is_main_process
+    if main and job.done:
+        print(f"train: already complete ({job.config_hash[:12]}), nothing to do")
+        return job.record
+    if not main:  # other ranks never take the run lock (the main process holds it while training)
+        rec = manifest.record("train", job.config_hash)
+        if rec is not None and rec.status == "complete":
+            return rec
+
+    train_store = open_hidden_states(ext.out_dir, "train")
+    if list(train_store.layer_ids) != layer_ids:
+        raise ManifestError(f"the store in {ext.out_dir} holds layers {list(train_store.layer_ids)} but the extract "
+                            f"run records {layer_ids}; re-run `python -m eagle3 stage=extract`")
+    try:
+        eval_store = open_hidden_states(ext.out_dir, "eval")
+        eval_store = eval_store if len(eval_store) else None
+    except Exception as e:  # a store extracted without the eval split
+        log.warning("train: no held-out split in the store (%s); training without eval", e)
+        eval_store = None
+    d2t, t2d = load_vocab(prep.path("vocab.safetensors"))
+    draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), tcfg.model)
+    if train_store.hidden_size != draft_cfg.target_hidden_size:
+        raise ManifestError(f"the store's hidden size {train_store.hidden_size} is not the target's "
+                            f"{draft_cfg.target_hidden_size}")
+    tensors = read_target_head(target.path, target.config)
+    eps = float(target.text_config.get("rms_norm_eps", 1e-6))
+    inputs = TrainInputs(train_store=train_store, eval_store=eval_store, target=tensors, rms_norm_eps=eps,
+                         d2t=d2t, t2d=t2d, draft_config=draft_cfg)
+
+    tracker = None
+    if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
+        from eagle3.tracking import wandb_settings
+
+        settings = wandb_settings(cfg, "train", job.config_hash, job.upstream)
+        tracker = {"project": settings.pop("project"), "config": settings.pop("config"), "init_kwargs": settings}
+
+    def record(result):
+        for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):
+            job.add_output(job.out_dir / name)
+        tr, ev = result["train"], result["eval"]
+        S = tcfg.ttt_steps
+        job.facts.update(
+            draft_file=DRAFT_FILE, draft_config_file=DRAFT_CONFIG_FILE, vllm_config_file=VLLM_CONFIG_FILE,
+            metrics_file=METRICS_FILE, steps=result["steps"], layer_ids=layer_ids,
+            draft_vocab_size=draft_cfg.draft_vocab_size, ttt_steps=S,
+            train_loss=tr.get("train/loss"),
+            train_loss_per_step=[tr.get(f"train/loss_step_{j}") for j in range(S)],
+            train_acc_per_step=[tr.get(f"train/acc_step_{j}") for j in range(S)],
+            train_accept_len=[tr.get(f"train/accept_len_k{k}") for k in range(1, S + 1)])
+        if ev:
+            job.facts.update(
+                eval_loss=ev.get("eval/loss"),
+                eval_loss_per_step=[ev.get(f"eval/loss_step_{j}") for j in range(S)],
+                eval_acc_per_step=[ev.get(f"eval/acc_step_{j}") for j in range(S)],
+                eval_cond_acc_per_step=[ev.get(f"eval/cond_acc_step_{j}") for j in range(S)],
+                eval_accept_len=[ev.get(f"eval/accept_len_k{k}") for k in range(1, S + 1)])
+
+    if not main:
+        train(tcfg, inputs, job.out_dir, tracker=None, progress=False)
+        return None
+    with job:
+        result = train(tcfg, inputs, job.out_dir, tracker=tracker, progress=cfg.progress)
+        record(result)
+    final = result["eval"] or result["train"]
+    prefix = "eval" if result["eval"] else "train"
+    print(f"train: {result['steps']} steps; {prefix} acc per TTT step "
+          + " ".join(f"{final.get(f'{prefix}/acc_step_{j}', float('nan')):.3f}" for j in range(tcfg.ttt_steps))
+          + f"; expected acceptance length (k={tcfg.ttt_steps}) "
+          + f"{final.get(f'{prefix}/accept_len_k{tcfg.ttt_steps}', float('nan')):.2f}")
+    return job.record

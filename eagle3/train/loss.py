@@ -11,8 +11,9 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch
     probabilities sum to 1 only up to rounding) still gives the exact cross-entropy of that
     target; torch.compile fuses it into one pass that keeps only the bf16 logits for backward.
     """
-    x = logits.float()
-    p = target.float()
+    acc = torch.promote_types(logits.dtype, torch.float32)  # float32 at least (float64 stays)
+    x = logits.to(acc)
+    p = target.to(acc)
     ce = torch.logsumexp(x, dim=-1) * p.sum(-1) - (p * x).sum(-1)
     return (ce * weight).sum()
 

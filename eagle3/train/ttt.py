@@ -128,7 +128,7 @@ class TTTModel(nn.Module):
         norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
         h = F.linear(aux, draft.fc.weight.to(dtype))
         ks, vs = [], []
-        loss = torch.zeros((), device=aux.device, dtype=torch.float32)
+        loss = torch.zeros((), device=aux.device, dtype=torch.promote_types(dtype, torch.float32))
         rows = []
         chain = torch.ones(B, T, dtype=torch.bool, device=aux.device)
         for j in range(S):
@@ -142,8 +142,8 @@ class TTTModel(nn.Module):
             logits = draft.logits(out, norm_w, lm_head_w)
             loss = loss + (self.decay ** j) * (soft_cross_entropy(logits, target, w) / denominators[j])
             with torch.no_grad():
-                lf = logits.detach().float()
-                tf = target.float()
+                lf = logits.detach().to(loss.dtype)
+                tf = target.to(loss.dtype)
                 ce = torch.logsumexp(lf, -1) * tf.sum(-1) - (tf * lf).sum(-1)
                 correct = lf.argmax(-1) == target_arg[:, j + 1: j + 1 + T]
                 sc = scored[j]

@@ -1,0 +1,215 @@
+"""The draft model: vLLM's names and arithmetic, its config, and reading target tensors alone."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3.config import DraftModelConfig
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
+
+VLLM_LLAMA_NAMES = {  # what vLLM's LlamaForCausalLMEagle3.load_weights accepts (../shared/reference/vllm.md)
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d"}
+
+LLAMA31_TARGET = {  # a Llama-3.1-8B config.json, shrunk in width but with its real rope scaling
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 8, "rms_norm_eps": 1e-5, "vocab_size": 300,
+    "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def _cfg(**kw) -> Eagle3DraftConfig:
+    over = DraftModelConfig(**kw)
+    return Eagle3DraftConfig.from_target(LLAMA31_TARGET, [1, 4, 5], 100, over)
+
+
+def test_parameter_names_and_shapes_are_vllms():
+    cfg = _cfg()
+    sd = Eagle3Draft(cfg).state_dict()
+    assert set(sd) == VLLM_LLAMA_NAMES
+    H = 128
+    assert sd["fc.weight"].shape == (H, 3 * H)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (4 * 32, 2 * H)
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (2 * 32, 2 * H)
+    assert sd["lm_head.weight"].shape == (100, H)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool and sd["t2d"].numel() == 300
+    # trainable = everything but the vocabulary maps; no embedding inside the draft
+    trainable = {n for n, p in Eagle3Draft(cfg).named_parameters() if p.requires_grad}
+    assert trainable == VLLM_LLAMA_NAMES - {"d2t", "t2d"}
+    qwen = Eagle3Draft(_cfg(architecture="qwen3")).state_dict()
+    assert set(qwen) - set(sd) == {"midlayer.self_attn.q_norm.weight", "midlayer.self_attn.k_norm.weight"}
+
+
+def test_config_from_target_and_vllm_config_json():
+    cfg = _cfg(num_attention_heads=8, norm_before_residual=False)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 8, 2, 32)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    d = draft_config_dict(cfg)
+    assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["num_hidden_layers"] == 1
+    assert d["norm_before_residual"] is False and d["num_aux_hidden_states"] == 3
+    assert d["draft_vocab_size"] == 100 and d["vocab_size"] == 300 and d["target_hidden_size"] == 128
+    assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 5]
+    assert Eagle3DraftConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert draft_config_dict(_cfg(architecture="qwen3"))["architectures"] == ["Eagle3Qwen3ForCausalLM"]
+    # a transformers-5 style config (rope_parameters) reads the same
+    new_style = {k: v for k, v in LLAMA31_TARGET.items() if k not in ("rope_theta", "rope_scaling")}
+    new_style["rope_parameters"] = {"rope_theta": 500000.0, **LLAMA31_TARGET["rope_scaling"]}
+    assert Eagle3DraftConfig.from_target(new_style, [1, 4, 5], 100).rope_scaling == cfg.rope_scaling
+
+
+def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions):
+    """vLLM's llama_eagle3 forward written out (float64), RoPE from transformers' own Llama code."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    c = draft.config
+    W = {k: v.double() for k, v in draft.state_dict().items() if v.is_floating_point()}
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
+
+    hf = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                     max_position_embeddings=c.max_position_embeddings,
+                     rope_parameters={"rope_theta": c.rope_theta, **(c.rope_scaling or {"rope_type": "default"})})
+    cos, sin = LlamaRotaryEmbedding(hf)(aux.double(), positions)
+    h = aux.double() @ W["fc.weight"].T
+    e = rms(embeds.double(), W["midlayer.input_layernorm.weight"])
+    if c.norm_before_residual:
+        x = rms(h, W["midlayer.hidden_norm.weight"])
+        residual = x
+    else:
+        residual, x = h, rms(h, W["midlayer.hidden_norm.weight"])
+    x = torch.cat([e, x], -1)
+    B, T, _ = x.shape
+    D, nq, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    q = (x @ W["midlayer.self_attn.q_proj.weight"].T).view(B, T, nq, D).transpose(1, 2)
+    k = (x @ W["midlayer.self_attn.k_proj.weight"].T).view(B, T, nkv, D).transpose(1, 2)
+    v = (x @ W["midlayer.self_attn.v_proj.weight"].T).view(B, T, nkv, D).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+    s = (q @ k.transpose(-1, -2)) / D ** 0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    a = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, nq * D)
+    residual = a @ W["midlayer.self_attn.o_proj.weight"].T + residual
+    x = rms(residual, W["midlayer.post_attention_layernorm.weight"])
+    gate, up = x @ W["midlayer.mlp.gate_proj.weight"].T, x @ W["midlayer.mlp.up_proj.weight"].T
+    out = torch.nn.functional.silu(gate) * up @ W["midlayer.mlp.down_proj.weight"].T + residual
+    return rms(out, W["norm.weight"]) @ W["lm_head.weight"].T, out
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_forward_matches_vllm_arithmetic(norm_before_residual):
+    torch.manual_seed(0)
+    draft = Eagle3Draft(_cfg(norm_before_residual=norm_before_residual))
+    with torch.no_grad():  # non-trivial norms so that a swapped norm would show
+        for n, p in draft.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    aux, emb = torch.randn(2, 24, 3 * 128), torch.randn(2, 24, 128)
+    pos = torch.arange(100, 124).expand(2, 24)  # large positions: llama3 scaling matters
+    logits, out = draft(aux, emb, pos)
+    ref_logits, ref_out = _vllm_reference(draft, aux, emb, pos)
+    assert torch.allclose(out.double(), ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(logits.double(), ref_logits, atol=1e-4, rtol=1e-4)
+    # the other setting computes something else (the test can fail)
+    other = Eagle3Draft(_cfg(norm_before_residual=not norm_before_residual))
+    other.load_state_dict(draft.state_dict())
+    assert not torch.allclose(other(aux, emb, pos)[1], out, atol=1e-3)
+
+
+def test_export_state_dict_dtypes():
+    sd = Eagle3Draft(_cfg()).export_state_dict(torch.bfloat16)
+    assert sd["fc.weight"].dtype == torch.bfloat16 and sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+
+
+# -- reading target tensors without the model ------------------------------------------------------
+
+def _write_sharded(path, tensors_per_shard: list, config: dict):
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    n = len(tensors_per_shard)
+    for k, tensors in enumerate(tensors_per_shard):
+        name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        save_file(tensors, str(path / name))
+        weight_map.update({t: name for t in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def opened_files(monkeypatch):
+    import safetensors
+
+    opened = []
+    real = safetensors.safe_open
+
+    def spy(path, *a, **kw):
+        opened.append(str(path).rsplit("/", 1)[-1])
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    return opened
+
+
+def test_reads_only_the_needed_shards(tmp_path, opened_files):
+    from eagle3.target_weights import read_target_head
+
+    V, H = 50, 8
+    g = torch.Generator().manual_seed(0)
+    shards = [{"model.embed_tokens.weight": torch.randn(V, H, generator=g)}]
+    for i in range(6):  # the body: decoder layers, stored quantized (int) as a served INT4 model would
+        shards.append({f"model.layers.{i}.mlp.down_proj.weight_packed": torch.randint(0, 9, (H, H), dtype=torch.int32),
+                       f"model.layers.{i}.input_layernorm.weight": torch.ones(H)})
+    shards.append({"model.norm.weight": torch.rand(H, generator=g), "lm_head.weight": torch.randn(V, H, generator=g)})
+    ckpt = _write_sharded(tmp_path / "ckpt", shards, {"hidden_size": H, "vocab_size": V})
+    out = read_target_head(ckpt)
+    assert sorted(set(opened_files)) == ["model-00001-of-00008.safetensors", "model-00008-of-00008.safetensors"]
+    assert torch.equal(out["embed"], shards[0]["model.embed_tokens.weight"])
+    assert torch.equal(out["lm_head"], shards[-1]["lm_head.weight"])
+    assert out["names"] == {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def test_family_names_tied_and_errors(tmp_path):
+    from eagle3.target_weights import TargetWeightsError, read_target_head
+
+    V, H = 20, 4
+    emb, norm = torch.randn(V, H), torch.rand(H)
+    # multimodal wrapper (language_model.*), tied embeddings, and DeepSeek-style MTP layer tensors
+    ckpt = _write_sharded(tmp_path / "mm", [
+        {"language_model.model.embed_tokens.weight": emb, "vision_tower.embed_tokens.weight": torch.randn(3, H)},
+        {"language_model.model.norm.weight": norm, "model.layers.61.embed_tokens.weight": torch.randn(V, H),
+         "model.layers.61.shared_head.norm.weight": torch.rand(H)}],
+        {"text_config": {"hidden_size": H, "vocab_size": V, "tie_word_embeddings": True}})
+    out = read_target_head(ckpt)
+    assert torch.equal(out["lm_head"], emb) and torch.equal(out["norm"], norm)
+    assert out["names"]["lm_head"] == "language_model.model.embed_tokens.weight"
+    # untied and no lm_head: a clear error, not the embedding
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["text_config"]["tie_word_embeddings"] = False
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetWeightsError, match="no lm_head"):
+        read_target_head(ckpt)
+    # a quantized lm_head is refused with the reason
+    q = _write_sharded(tmp_path / "q", [{"model.embed_tokens.weight": emb, "model.norm.weight": norm,
+                                         "lm_head.weight": torch.zeros(V, H, dtype=torch.int8)}], {})
+    with pytest.raises(TargetWeightsError, match="not floating point"):
+        read_target_head(q)
+
+
+def test_single_file_checkpoint(tiny_llama_dir):
+    from eagle3.target_weights import read_target_head
+    from safetensors import safe_open
+
+    out = read_target_head(tiny_llama_dir)
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(out["norm"], f.get_tensor("model.norm.weight"))
+        assert torch.equal(out["lm_head"], f.get_tensor("lm_head.weight"))

@@ -1,0 +1,372 @@
+"""The train stage: TTT attention and loss against references, the loop (overfit, resume after
+kill -9, two processes), and the stage through the manifest. CPU, float32."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.config import ExtractConfig, TrainConfig
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+from eagle3.train.attention import TTTMask, _ttt_mask_mod, naive_ttt_attention, ttt_attention
+from eagle3.train.data import collate, plan_epoch
+from eagle3.train.metrics import expected_acceptance_lengths
+from eagle3.train.target_head import TargetHead
+from eagle3.train.ttt import STAT_NAMES, TTTModel
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def _small_cfg(H=64, V=120, Vd=60, heads=2, kv=1, n_aux=3) -> Eagle3DraftConfig:
+    return Eagle3DraftConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv,
+                             head_dim=32, intermediate_size=2 * H, rms_norm_eps=1e-6, vocab_size=V,
+                             draft_vocab_size=Vd, aux_layer_ids=list(range(1, n_aux + 1)), rope_theta=10000.0)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+def test_attention_backends_equal_naive_reference():
+    torch.manual_seed(0)
+    B, T, Hq, Hkv, D, S = 2, 64, 4, 2, 32, 4
+    doc = torch.tensor([[0] * 15 + [1] * 20 + [2] * 29, [5] * 64])  # packed row / single document
+    q = torch.randn(B, Hq, T, D, dtype=torch.float64)
+    ks = [torch.randn(B, Hkv, T, D, dtype=torch.float64) for _ in range(S)]
+    vs = [torch.randn(B, Hkv, T, D, dtype=torch.float64) for _ in range(S)]
+    dense, flex = TTTMask(doc, S, "sdpa"), TTTMask(doc, S, "flex", block_size=16)
+    for j in range(S):
+        ref = naive_ttt_attention(q, ks[:j + 1], vs[:j + 1], doc)
+        out_sdpa = ttt_attention(q, ks[:j + 1], vs[:j + 1], dense.dense(j))
+        # flex runs unfused on CPU (forward only there; its fused kernel is checked on GPU by bench --check)
+        out_flex = ttt_attention(q.float(), [k.float() for k in ks[:j + 1]], [v.float() for v in vs[:j + 1]],
+                                 flex.block(j))
+        assert (out_sdpa - ref).abs().max() < 1e-12
+        assert (out_flex.double() - ref).abs().max() < 1e-5
+    # the reference itself sees the right keys: step 1 differs from step 0 at every position
+    assert (naive_ttt_attention(q, ks[:2], vs[:2], doc) - naive_ttt_attention(q, ks[:1], vs[:1], doc)).abs().min() > 0
+
+
+def _dense_blocks(num, idx, ncols):
+    out = torch.zeros(*idx.shape[:-1], ncols, dtype=torch.bool)
+    for ix in np.ndindex(*idx.shape[:-1]):
+        out[ix + (idx[ix][: int(num[ix])].long(),)] = True
+    return out
+
+
+def test_flex_block_structure_equals_create_block_mask():
+    """The fused kernel only visits listed blocks: ours (built from block maps) must list exactly
+    what flex's own create_block_mask finds from the token-level mask, for every step."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    T, bs, S = 256, 32, 4
+    doc = torch.tensor([[0] * 40 + [1] * 100 + [2] * 116, [0] * 256])
+    mask = TTTMask(doc, S, "flex", bs)
+    for j in range(S):
+        mine = mask.block(j)
+        ref = create_block_mask(_ttt_mask_mod(doc, T, torch.tensor(j)), B=2, H=None, Q_LEN=T, KV_LEN=S * T,
+                                device="cpu", BLOCK_SIZE=bs)
+        for num, idx, n in (("kv_num_blocks", "kv_indices", S * T // bs),
+                            ("full_kv_num_blocks", "full_kv_indices", S * T // bs),
+                            ("q_num_blocks", "q_indices", T // bs), ("full_q_num_blocks", "full_q_indices", T // bs)):
+            assert torch.equal(_dense_blocks(getattr(mine, num), getattr(mine, idx), n),
+                               _dense_blocks(getattr(ref, num), getattr(ref, idx), n)), (j, num)
+
+
+# -- target head ---------------------------------------------------------------------------------
+
+def test_target_head_chunks_equal_full_vocab():
+    g = torch.Generator().manual_seed(0)
+    V, H, N = 97, 16, 23
+    lm = torch.randn(V, H, generator=g)
+    kept = torch.randperm(V, generator=g)[:40].sort().values
+    norm = torch.rand(H, generator=g) + 0.5
+    head = TargetHead(torch.randn(V, H, generator=g), norm, lm, 1e-6, kept, vocab_chunk=7, row_chunk=5)
+    x = torch.randn(2, N, H, generator=g)
+    probs, in_vocab = head.targets(x)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    full = xn @ lm.T  # what must never be materialised for a real vocabulary
+    assert torch.allclose(probs, full[..., kept].softmax(-1), atol=1e-6)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    assert torch.equal(in_vocab, t2d[full.argmax(-1)])
+    assert 0 < in_vocab.float().mean() < 1  # both cases occur
+
+
+# -- the TTT loss against a hand-written reference -------------------------------------------------
+
+def _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, decay):
+    """Position by position, step by step, written out (float64): each position's own chain of
+    hidden states, attention over its document's step-0 prefix plus its own earlier steps."""
+    B, T, _ = embeds.shape
+    layer = draft.midlayer
+    zero = torch.zeros_like(embeds[:, :1])
+    emb_at = lambda b, i: embeds[b, i] if i < T else zero[b, 0]  # noqa: E731
+    h0 = draft.fuse(aux)
+    # step-0 keys of every position (what the prefix attends to)
+    k0, v0 = [], []
+    for b in range(B):
+        e = torch.stack([emb_at(b, t + 1) for t in range(T)])[None]
+        cos, sin = draft.rope(pos[b:b + 1], embeds.dtype)
+        _, k, v, _ = layer.pre_attention(h0[b:b + 1], e, cos, sin)
+        k0.append(k[0])
+        v0.append(v[0])
+    ce_sum, counts, correct = torch.zeros(S, dtype=torch.float64), torch.zeros(S), torch.zeros(S)
+    for b in range(B):
+        for t in range(T):
+            h = h0[b:b + 1, t:t + 1]
+            diag_k, diag_v = [], []
+            for j in range(S):
+                cos, sin = draft.rope(pos[b:b + 1, t:t + 1] + j, embeds.dtype)
+                q, k, v, res = layer.pre_attention(h, emb_at(b, t + j + 1)[None, None], cos, sin)
+                if j > 0:
+                    diag_k.append(k[0, :, 0])
+                    diag_v.append(v[0, :, 0])
+                prefix = [s for s in range(t + 1) if doc[b, s] == doc[b, t]]
+                K = torch.cat([k0[b][:, prefix]] + [x[:, None] for x in diag_k], dim=1)
+                V = torch.cat([v0[b][:, prefix]] + [x[:, None] for x in diag_v], dim=1)
+                rep = q.shape[1] // K.shape[0]
+                K, V = K.repeat_interleave(rep, 0), V.repeat_interleave(rep, 0)
+                w = torch.softmax((K @ q[0, :, 0, :, None]).squeeze(-1) / q.shape[-1] ** 0.5, -1)
+                attn = (w[..., None] * V).sum(1).reshape(1, 1, -1)
+                out = layer.post_attention(attn, res)
+                n = t + j + 2  # the token this step predicts
+                if n < T and loss_mask[b, n] and doc[b, n] == doc[b, t]:
+                    counts[j] += 1
+                    if in_vocab[b, t + j + 1]:
+                        logq = torch.log_softmax(draft.logits(out)[0, 0], -1)
+                        p = probs[b, t + j + 1]
+                        ce_sum[j] += -(p * logq).sum()
+                        correct[j] += int(logq.argmax() == p.argmax())
+                h = out
+    loss = sum(decay ** j * ce_sum[j] / counts[j] for j in range(S))
+    return loss, ce_sum, counts, correct
+
+
+def test_ttt_loss_equals_hand_computed_reference():
+    torch.manual_seed(0)
+    cfg = _small_cfg()
+    draft = Eagle3Draft(cfg).double()
+    B, T, S, decay = 2, 21, 4, 0.8
+    aux = torch.randn(B, T, 3 * 64, dtype=torch.float64)
+    embeds = torch.randn(B, T, 64, dtype=torch.float64)
+    probs = torch.softmax(3 * torch.randn(B, T, cfg.draft_vocab_size, dtype=torch.float64), -1)
+    in_vocab = torch.rand(B, T) > 0.2
+    loss_mask = (torch.rand(B, T) > 0.25).long()
+    doc = torch.tensor([[0] * 9 + [1] * 12, [0] * 21])
+    pos = torch.cat([torch.arange(9), torch.arange(12)]).expand(B, T).clone()
+    pos[1] = torch.arange(T)
+    model = TTTModel(draft, num_steps=S, decay=decay, attention="sdpa")
+    loss, stats = model(aux, embeds, probs, in_vocab, loss_mask, pos, doc)
+    ref_loss, ce, counts, correct = _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, decay)
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-9), (float(loss), float(ref_loss))
+    assert torch.allclose(stats[:, STAT_NAMES.index("ce_sum")], ce, rtol=1e-9)
+    assert torch.equal(stats[:, STAT_NAMES.index("counted")].float(), counts)
+    assert torch.equal(stats[:, STAT_NAMES.index("correct")].float(), correct)
+    # the decay weights and the per-step normalisation matter: another decay gives another loss
+    other, _ = TTTModel(draft, num_steps=S, decay=0.5, attention="sdpa")(aux, embeds, probs, in_vocab, loss_mask, pos, doc)
+    assert not torch.allclose(other, loss)
+
+
+def test_gradients_reach_only_draft_parameters():
+    torch.manual_seed(0)
+    cfg = _small_cfg()
+    draft = Eagle3Draft(cfg)
+    g = torch.Generator().manual_seed(1)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    head = TargetHead(torch.randn(V, H, generator=g), torch.ones(H), torch.randn(V, H, generator=g), 1e-6,
+                      draft.kept_token_ids + torch.arange(cfg.draft_vocab_size))  # ids 0, 2, 4, ...
+    ids = torch.randint(0, V, (2, 30), generator=g)
+    last = torch.randn(2, 30, H, generator=g, requires_grad=True)
+    aux = torch.randn(2, 30, 3 * H, generator=g, requires_grad=True)
+    probs, in_vocab = head.targets(last)
+    embeds = head.embed(ids)
+    assert not probs.requires_grad and not embeds.requires_grad  # targets and embeddings are constants
+    loss, _ = TTTModel(draft, num_steps=3)(aux, embeds, probs, in_vocab, torch.ones(2, 30, dtype=torch.long),
+                                          torch.arange(30).expand(2, 30), torch.zeros(2, 30, dtype=torch.long))
+    loss.backward()
+    for name, p in draft.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert all(not t.requires_grad and t.grad is None for t in head.buffers())
+    assert list(head.parameters()) == []
+    assert last.grad is None  # the target side is never differentiated
+    assert draft.d2t.grad is None and draft.t2d.grad is None
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_lengths([1.0, 1.0, 1.0]) == [2.0, 3.0, 4.0]
+    assert expected_acceptance_lengths([0.5, 0.5]) == [1.5, 1.75]
+    assert expected_acceptance_lengths([0.0, 1.0]) == [1.0, 1.0]
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+def test_packing_plan_and_collation():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 50, size=40)
+    plan = plan_epoch(lengths, 64, seed=3, epoch=0, packing=True)
+    flat = [i for row in plan.rows for i in row]
+    assert sorted(flat) == [i for i in range(40) if lengths[i] >= 3]  # each usable sample once
+    assert all(sum(min(lengths[i], 64) for i in row) <= 64 for row in plan.rows)
+    assert plan.rows == plan_epoch(lengths, 64, seed=3, epoch=0, packing=True).rows  # deterministic
+    assert plan.rows != plan_epoch(lengths, 64, seed=3, epoch=1, packing=True).rows  # reshuffled per epoch
+    # a global batch does not depend on its split over processes and accumulation steps
+    one = [r for a in range(2) for r in plan.micro_batch(1, a, 0, 2, 2, 1)]  # 1 process, batch 2, accum 2
+    two = [r for a in range(2) for rank in range(2) for r in plan.micro_batch(1, a, rank, 1, 2, 2)]  # 2 x batch 1
+    assert one == two == plan.rows[4:8]
+    item = lambda n, v: {"input_ids": torch.full((n,), v), "loss_mask": torch.ones(n, dtype=torch.bool),  # noqa: E731
+                         "aux_hidden_states": torch.full((n, 3, 4), float(v)), "last_hidden_state": torch.zeros(n, 4)}
+    b = collate([[item(3, 1), item(4, 2)], [item(5, 3)]], max_len=16, pad_to_multiple=4)
+    assert b["input_ids"].shape == (2, 8)
+    assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert b["doc_ids"][0].tolist() == [0, 0, 0, 1, 1, 1, 1, -1] and b["doc_ids"][1].tolist()[-3:] == [-1] * 3
+    assert b["loss_mask"][1].tolist() == [1] * 5 + [0] * 3 and b["aux_hidden_states"].shape == (2, 8, 12)
+
+
+# -- the loop on a real store ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from conftest import build_tiny_llama
+
+    # larger weights than the default init: the target's distributions are peaked, so there is
+    # something to learn beyond the near-uniform distribution of a freshly initialised model
+    return build_tiny_llama(tmp_path_factory.mktemp("target"), initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def store_dir(target_dir, tmp_path_factory):
+    """A real hidden-state store (the extract stage's hf backend) of a few token sequences."""
+    import datasets
+
+    from eagle3.extract import DatasetSamples, extract_store
+    from eagle3.store import StoreLayout
+
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, n in (("train", 12), ("eval", 3)):
+        ids = [rng.integers(3, 300, size=int(rng.integers(20, 48))).tolist() for _ in range(n)]
+        mask = [[0] * 4 + [1] * (len(x) - 4) for x in ids]
+        splits[split] = DatasetSamples(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}))
+    out = tmp_path_factory.mktemp("store")
+    layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="float32")
+    res = extract_store(out, splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
+                        ecfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+    assert res.complete
+    return out
+
+
+def make_inputs(store_dir, target_dir, eval_split="eval", full_vocab=False):
+    """TrainInputs from a store and a target dir (also used by the subprocess runner)."""
+    from eagle3.store import open_hidden_states
+    from eagle3.target_weights import read_target_head
+    from eagle3.train.loop import TrainInputs
+
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    train = open_hidden_states(store_dir, "train")
+    V = cfg["vocab_size"]
+    Vd = V if full_vocab else 256
+    kept = torch.arange(Vd)  # the first ids: the sampled sequences use ids 3..299
+    d2t, t2d = kept - torch.arange(Vd), torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    dcfg = Eagle3DraftConfig.from_target(cfg, list(train.layer_ids), Vd)
+    return TrainInputs(train_store=train, eval_store=open_hidden_states(store_dir, eval_split) if eval_split else None,
+                       target=read_target_head(target_dir), rms_norm_eps=cfg["rms_norm_eps"], d2t=d2t, t2d=t2d,
+                       draft_config=dcfg)
+
+
+def test_tiny_draft_overfits_tiny_store(store_dir, target_dir, tmp_path):
+    from eagle3.train.loop import train
+
+    # eval on the training split itself: how well the draft fits what it was trained on
+    inputs = make_inputs(store_dir, target_dir, eval_split="train", full_vocab=True)
+    tcfg = TrainConfig(ttt_steps=2, max_steps=150, lr=3e-3, warmup_steps=5, batch_size=2, max_seq_len=128,
+                       log_every=50, eval_every=150, save_every=150)
+    result = train(tcfg, inputs, tmp_path, progress=False)
+    acc0 = result["eval"]["eval/acc_step_0"]
+    assert acc0 > 0.95, result["eval"]
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert result["train"]["train/loss"] < first["train/loss"]
+    assert (tmp_path / "draft.safetensors").exists() and (tmp_path / "draft_vllm_config.json").exists()
+
+
+RUNNER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from eagle3.config import TrainConfig
+from eagle3.train.loop import train
+from test_train import make_inputs
+kw = json.loads(sys.argv[2])
+train(TrainConfig(**kw), make_inputs({store!r}, {target!r}, eval_split="eval"), Path(sys.argv[1]), progress=False)
+"""
+
+
+def _runner(tmp_path, store_dir, target_dir) -> Path:
+    p = tmp_path / "runner.py"
+    p.write_text(RUNNER.format(tests=str(TESTS), store=str(store_dir), target=str(target_dir)))
+    return p
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("WANDB_MODE", None)
+    return env
+
+
+def _losses(out: Path) -> list:
+    return [(r["step"], r.get("train/loss", r.get("eval/loss")), r.get("grad_norm"))
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_resume_after_kill9_logs_the_same_losses(store_dir, target_dir, tmp_path):
+    runner = _runner(tmp_path, store_dir, target_dir)
+    kw = json.dumps(dict(ttt_steps=2, max_steps=150, lr=1e-3, warmup_steps=3, batch_size=2, max_seq_len=128,
+                         log_every=1, save_every=10, eval_every=25, keep_last=2))
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    subprocess.run([sys.executable, str(runner), str(whole), kw], check=True, env=_env(), timeout=600)
+    proc = subprocess.Popen([sys.executable, str(runner), str(broken), kw], env=_env())
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # kill mid-run, after a checkpoint exists
+        m = broken / "metrics.jsonl"
+        if (broken / "checkpoints" / "step-00000020" / "COMPLETE").exists() and m.exists() \
+                and len(m.read_text().splitlines()) >= 25:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (broken / "draft.safetensors").exists()
+    subprocess.run([sys.executable, str(runner), str(broken), kw], check=True, env=_env(), timeout=600)
+    assert _losses(broken) == _losses(whole)
+    assert len(_losses(whole)) == 150 + 6  # every step logged once, and the evals
+    assert len(list((broken / "checkpoints").glob("step-*"))) == 2  # keep_last
+
+
+def test_two_processes_train_the_same_model_as_one(store_dir, target_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    runner = _runner(tmp_path, store_dir, target_dir)
+    base = dict(ttt_steps=2, max_steps=4, lr=1e-3, warmup_steps=1, max_seq_len=128, log_every=1,
+                save_every=100, eval_every=4)
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, str(runner), str(one), json.dumps(dict(base, batch_size=2))], check=True,
+                   env=_env(), timeout=600)
+    # gloo on CPU; ACCELERATE_USE_CPU is what `accelerate launch --cpu` sets
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+                    str(runner), str(two), json.dumps(dict(base, batch_size=1))], check=True,
+                   env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600)
+    a, b = load_file(str(one / "draft.safetensors")), load_file(str(two / "draft.safetensors"))
+    diff = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
+    assert diff < 1e-5, diff
+    la, lb = _losses(one), _losses(two)
+    assert [s for s, _, _ in la] == [s for s, _, _ in lb]
+    assert np.allclose([x for _, x, _ in la], [x for _, x, _ in lb], rtol=1e-5)
+    assert np.allclose([g for _, _, g in la if g], [g for _, _, g in lb if g], rtol=1e-4)
+    assert len({round(x, 6) for _, x, _ in la}) > 2  # the model did change between steps

@@ -287,8 +287,8 @@ def test_tiny_draft_overfits_tiny_store(store_dir, target_dir, tmp_path):
 
     # eval on the training split itself: how well the draft fits what it was trained on
     inputs = make_inputs(store_dir, target_dir, eval_split="train", full_vocab=True)
-    tcfg = TrainConfig(ttt_steps=2, max_steps=150, lr=3e-3, warmup_steps=5, batch_size=2, max_seq_len=128,
-                       log_every=50, eval_every=150, save_every=150)
+    tcfg = TrainConfig(ttt_steps=2, max_steps=400, lr=5e-3, warmup_steps=10, batch_size=2, max_seq_len=128,
+                       log_every=50, eval_every=400, save_every=400)
     result = train(tcfg, inputs, tmp_path, progress=False)
     acc0 = result["eval"]["eval/acc_step_0"]
     assert acc0 > 0.95, result["eval"]

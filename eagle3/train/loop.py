@@ -219,6 +219,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
                 optimizer.zero_grad(set_to_none=True)
             window += stats.detach()
             window_tokens += b["num_tokens"]
+        lr_used = scheduler.get_last_lr()[0]  # the rate this step's update used
         scheduler.step()
         state.step += 1
         bar.update(1)
@@ -228,7 +229,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
             g_tokens = float(accelerator.reduce(window_tokens, reduction="sum"))
             elapsed = time.perf_counter() - t_window
             record = _metrics_record("train", g_window, S, tcfg.decay)
-            record.update(step=step, epoch=schedule.locate(step - 1)[0], lr=scheduler.get_last_lr()[0],
+            record.update(step=step, epoch=schedule.locate(step - 1)[0], lr=lr_used,
                           grad_norm=float(grad_norm), tokens=g_tokens, tokens_per_s=g_tokens / max(elapsed, 1e-9))
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -1,0 +1,54 @@
+"""stage=train through the manifest: prepare -> extract (hf backend) -> train on a tiny real target."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from eagle3.cli import run
+from eagle3.config import (Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig,
+                           TrainConfig)
+from eagle3.manifest import Manifest
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+
+
+def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, capsys):
+    from safetensors.torch import load_file
+
+    cfg = Config(stage="prepare", workspace=str(tmp_path / "ws"), name="t", target=TargetConfig(path=str(tiny_llama_dir)),
+                 data=DataConfig(max_samples=24), prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
+                 extract=ExtractConfig(backend="hf", device="cpu", layer_ids=[1, 2, 3]),
+                 train=TrainConfig(max_steps=12, ttt_steps=3, log_every=4, eval_every=6, save_every=6, warmup_steps=2,
+                                   lr=3e-3, max_seq_len=256),
+                 logger=LoggerConfig(mode="offline", dir=str(tmp_path / "wandb")), progress=False)
+    for stage in ("prepare", "extract", "train"):
+        cfg.stage = stage
+        run(cfg)
+    manifest = Manifest(tmp_path / "ws" / "t")
+    rec = manifest.current("train")
+    assert rec.status == "complete"
+    f = rec.facts
+    assert f["steps"] == 12 and f["layer_ids"] == [1, 2, 3] and f["draft_vocab_size"] == 200
+    assert len(f["eval_acc_per_step"]) == 3 and len(f["eval_accept_len"]) == 3 and len(f["train_loss_per_step"]) == 3
+    assert 1.0 <= f["eval_accept_len"][0] <= f["eval_accept_len"][-1] <= 4.0
+
+    # the draft: vLLM names, loads strictly into the model its config describes, vocab from prepare
+    dcfg = Eagle3DraftConfig.from_dict(json.loads(rec.path(f["draft_config_file"]).read_text()))
+    tensors = load_file(str(rec.path(f["draft_file"])))
+    draft = Eagle3Draft(dcfg)
+    draft.load_state_dict(tensors, strict=True)
+    prep_vocab = load_file(str(manifest.current("prepare").path("vocab.safetensors")))
+    assert torch.equal(tensors["d2t"], prep_vocab["d2t"]) and torch.equal(tensors["t2d"], prep_vocab["t2d"])
+    vllm_cfg = json.loads(rec.path(f["vllm_config_file"]).read_text())
+    assert vllm_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and vllm_cfg["num_aux_hidden_states"] == 3
+
+    lines = [json.loads(x) for x in rec.path("metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train/loss" in r] == [4, 8, 12]
+    assert [r["step"] for r in lines if "eval/loss" in r] == [6, 12]
+    assert all(r["lr"] > 0 and r["tokens_per_s"] > 0 for r in lines if "train/loss" in r)
+    assert sorted(p.name for p in (rec.out_dir / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
+    assert list((tmp_path / "wandb").rglob("*.wandb"))  # an offline wandb run was written
+
+    capsys.readouterr()
+    run(cfg)  # same config: nothing to do
+    assert "already complete" in capsys.readouterr().out

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
@@ -36,6 +37,7 @@ VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TT
     "sdpa_eager": ("sdpa", False),
     "flex_eager": ("flex", False),  # flex_attention itself is always compiled on CUDA
     "flex_compiled": ("flex", True),
+    "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (train.compile=cudagraphs)
 }
 
 
@@ -116,12 +118,14 @@ def run_variant(a, name, device) -> dict:
         losses.append(float(loss))
     # pipelined: as the train loop runs (no host sync between steps, so the host prepares the
     # next step while the GPU works); mean step time of a block, median over blocks
-    blocks = []
+    blocks, host = [], []
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        h0 = time.perf_counter()
         for i in range(a.steps):
             train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+        host.append((time.perf_counter() - h0) / a.steps)  # host time to issue a step (no sync inside)
         end.record()
         end.synchronize()
         blocks.append(start.elapsed_time(end) / 1e3 / a.steps)
@@ -135,7 +139,7 @@ def run_variant(a, name, device) -> dict:
     flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
     peak = peak_flops(torch.cuda.get_device_name())
     res = {"variant": name, "step_ms": med * 1e3, "step_ms_blocks": [t * 1e3 for t in blocks],
-           "step_ms_synced": statistics.median(synced) * 1e3,
+           "step_ms_synced": statistics.median(synced) * 1e3, "host_ms": statistics.median(host) * 1e3,
            "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
            "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "in_vocab": in_vocab, "losses": losses}
@@ -145,6 +149,53 @@ def run_variant(a, name, device) -> dict:
 
 CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
+
+
+def run_loop(a, device, compile_mode: str) -> dict:
+    """The train stage's own loop (eagle3.train.loop.train: Accelerate, data loader, packing,
+    metrics) on an in-memory store of random samples of the bench shape (no disk I/O)."""
+    import tempfile
+
+    from eagle3.config import TrainConfig
+    from eagle3.train.loop import TrainInputs, train
+
+    cfg = make_config(a)
+    gen = torch.Generator().manual_seed(0)
+    head = make_head(cfg, "cpu", torch.bfloat16, gen)
+    items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", torch.bfloat16, gen).items()
+              if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
+    for it in items:
+        it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
+        it["loss_mask"] = it["loss_mask"].bool()
+
+    class Store:
+        lengths = np.full(64, a.seq)
+        layer_ids = tuple(cfg.aux_layer_ids)
+
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return items[i % 4]
+
+    kept = head.kept_ids
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    inputs = TrainInputs(Store(), None, {"embed": head.embed_weight, "norm": head.norm_weight,
+                                         "lm_head": head.lm_head_weight}, cfg.rms_norm_eps,
+                         kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+    tcfg = TrainConfig(ttt_steps=a.ttt, max_steps=a.loop_steps, batch_size=a.batch, max_seq_len=a.seq, log_every=5,
+                       eval_every=10**6, save_every=10**6, warmup_steps=2, num_workers=2, compile=compile_mode)
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.time()
+        train(tcfg, inputs, Path(out), progress=False)
+        wall = time.time() - t0
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in recs if "train/loss" in r][1:]  # the first window holds the compilation
+    tps = statistics.median(r["tokens_per_s"] for r in steady)
+    return {"variant": f"loop ({compile_mode})", "tokens_per_s": tps, "step_ms": a.batch * a.seq / tps * 1e3,
+            "peak_alloc_gib": max(r.get("peak_mem_gib", 0) for r in recs), "mfu": statistics.median(r.get("mfu", 0.0) for r in steady),
+            "wall_s": wall, "windows": [(r["step"], r["tokens_per_s"], r["train/loss"]) for r in recs if "train/loss" in r]}
 
 
 def profile_steps(model, head, batch, opt):
@@ -242,6 +293,8 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--check", action="store_true", help="correctness vs CPU float32 before timing")
     p.add_argument("--profile", action="store_true", help="torch.profiler summary of each variant")
+    p.add_argument("--loop", default="", help="also run the train stage's loop, e.g. 'auto,cudagraphs'")
+    p.add_argument("--loop-steps", type=int, default=30)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/train.py times a GPU step; no CUDA device is visible")
@@ -259,21 +312,35 @@ def main(argv=None):
             r = {"variant": name, "error": f"OOM: {str(e)[:200]}"}
         out["results"].append(r)
         print(json.dumps(r), flush=True)
+    for mode in [m for m in a.loop.split(",") if m]:
+        try:
+            r = run_loop(a, device, mode)
+        except Exception as e:  # report and go on: the table below is the point of the call
+            r = {"variant": f"loop ({mode})", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        out["results"].append(r)
+        print(json.dumps(r), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(out, indent=2))
     print("\nstep ms / tokens/s: steps run back to back as in the train loop; synced ms: one step timed "
-          "alone\n(host and GPU serialised). Peak memory: torch.cuda.max_memory_allocated / _reserved.")
+          "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
+          "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
+          "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
     print(f"{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
           f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
     print(f"{'variant':<16}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
-          f"{'synced ms':>11}{'warm s':>8}")
+          f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")
     for r in out["results"]:
         if "error" in r:
             print(f"{r['variant']:<16} {r['error'][:80]}")
             continue
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        if r["variant"].startswith("loop"):
+            print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{'':>9}{mfu:>7}"
+                  f"{r['peak_alloc_gib']:>11.2f}{'':>10}{'':>11}{'':>9}{r['wall_s']:>8.0f}")
+            continue
         print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
-              f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['step_ms_synced']:>11.1f}{r['warmup_s']:>8.0f}")
+              f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['step_ms_synced']:>11.1f}"
+              f"{r.get('host_ms', float('nan')):>9.1f}{r['warmup_s']:>8.0f}")
 
 
 if __name__ == "__main__":

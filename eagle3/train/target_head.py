@@ -89,11 +89,14 @@ class TargetHead(nn.Module):
             draft_logits = torch.empty(n, Vd, dtype=torch.float32, device=x.device)
             for ci, c0 in enumerate(range(0, V, self.vocab_chunk)):
                 c1 = min(c0 + self.vocab_chunk, V)
-                logits = (h @ self.lm_head_weight[c0:c1].T).float()
+                # compared in the matmul's dtype: widening to float32 is exact, so the max and
+                # its position are the same without writing a float32 copy of the chunk
+                logits = h @ self.lm_head_weight[c0:c1].T
                 k0, k1 = bounds[ci], bounds[ci + 1]
                 local = kept[k0:k1] - c0
                 draft_logits[:, k0:k1] = logits[:, local]
                 cmax, carg = logits.max(-1)
+                cmax = cmax.float()
                 is_kept = torch.zeros(c1 - c0, dtype=torch.bool, device=x.device)
                 is_kept[local] = True
                 # strict '>' keeps the first maximum, as argmax over the full row would

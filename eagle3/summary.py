@@ -27,11 +27,11 @@ def pipeline_summary(manifest: Manifest) -> dict:
         out["stages"][stage] = {"status": rec.status, "seconds": _seconds(rec), "bytes": size,
                                 "config": rec.config_hash[:12]}
         if stage == "train":
-            out["train"] = {k: rec.facts.get(k) for k in ("final_metrics", "expected_acceptance_length")
-                            if rec.facts.get(k) is not None}
+            out["train"] = {k: v for k, v in rec.facts.items() if k.startswith(("eval_", "train_"))}
         if stage == "export":
             out["acceptance"] = {k: rec.facts.get(k) for k in ("acceptance_length", "acceptance_by_k",
-                                                               "acceptance_per_position", "ngram_baseline")
+                                                               "acceptance_per_position", "tokens_per_step_by_k",
+                                                               "ngram", "k")
                                  if rec.facts.get(k) is not None}
     return out
 
@@ -51,30 +51,34 @@ def print_pipeline_summary(manifest: Manifest) -> dict:
         t.add_row(stage, s["status"], f"{s['seconds']:.0f} s" if s["seconds"] is not None else "",
                   _fmt_size(s["bytes"]), s["config"])
     console.print(t)
-    final = summary["train"].get("final_metrics") or {}
-    steps = sorted({int(k.rsplit("_", 1)[1]) for k in final if k.startswith(("loss_step_", "acc_step_"))})
-    if steps:
-        t = Table(title="draft after training (eval split), per TTT step")
+    tr = summary["train"]
+    per_step = {name: tr.get(f"eval_{name}") for name in ("loss_per_step", "acc_per_step", "cond_acc_per_step",
+                                                          "accept_len")}
+    n_steps = max((len(v) for v in per_step.values() if v), default=0)
+    if n_steps:
+        t = Table(title="draft after training, held-out split, per TTT step j "
+                        "(accept len: expected acceptance length of a chain of j+1 drafts)")
         t.add_column("metric")
-        for j in steps:
-            t.add_column(f"step {j}")
-        for name in ("loss", "acc", "cond_acc"):
-            if any(f"{name}_step_{j}" in final for j in steps):
-                t.add_row(name, *(f"{final[f'{name}_step_{j}']:.4f}" if f"{name}_step_{j}" in final else ""
-                                  for j in steps))
+        for j in range(n_steps):
+            t.add_column(f"j={j}")
+        labels = {"loss_per_step": "loss", "acc_per_step": "top-1 acc", "cond_acc_per_step": "cond. acc",
+                  "accept_len": "accept len"}
+        for key, values in per_step.items():
+            if values:
+                t.add_row(labels[key], *(f"{v:.4f}" for v in values))
         console.print(t)
-    by_k = summary["acceptance"].get("acceptance_by_k") or {}
+    acc = summary["acceptance"]
+    by_k = acc.get("acceptance_by_k") or {}
     if by_k:
-        t = Table(title="acceptance length measured by vLLM on held-out prompts")
-        t.add_column("k (draft tokens)")
-        t.add_column("acceptance length")
-        base = summary["acceptance"].get("ngram_baseline") or {}
-        if base:
-            t.add_column("ngram lookup (tokens / target step)")
+        t = Table(title="served by vLLM on held-out prompts")
+        for col in ("k (draft tokens)", "acceptance length", "tokens / target step"):
+            t.add_column(col)
+        tps = acc.get("tokens_per_step_by_k") or {}
         for k in sorted(by_k, key=int):
-            row = [str(k), f"{by_k[k]:.3f}"]
-            if base:
-                row.append(f"{base[str(k)]:.3f}" if str(k) in base else "")
-            t.add_row(*row)
+            t.add_row(str(k), f"{by_k[k]:.3f}", f"{tps[k]:.3f}" if k in tps else "")
         console.print(t)
+        ngram = acc.get("ngram") or {}
+        if ngram:
+            console.print(f"prompt lookup (ngram) baseline at k={ngram.get('k')}: "
+                          f"{ngram.get('tokens_per_step', float('nan')):.3f} tokens / target step")
     return summary

@@ -135,6 +135,7 @@ def run_variant(a, name, device) -> dict:
         in_vocab = float(head.targets(batches[0]["last_hidden_state"], torch.bfloat16)[1].float().mean())
     if a.profile:
         profile_steps(model, head, batches[0], opt)
+    syncs = sync_check(model, head, batches[0], opt) if a.sync_check else None
     tokens = a.batch * a.seq
     flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
     peak = peak_flops(torch.cuda.get_device_name())
@@ -142,7 +143,7 @@ def run_variant(a, name, device) -> dict:
            "step_ms_synced": statistics.median(synced) * 1e3, "host_ms": statistics.median(host) * 1e3,
            "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
-           "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "in_vocab": in_vocab, "losses": losses}
+           "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "in_vocab": in_vocab, "sync_sites": syncs, "losses": losses}
     del model, draft, head, opt, batches
     return res
 
@@ -156,7 +157,8 @@ def run_loop(a, device, compile_mode: str) -> dict:
     metrics) on an in-memory store of random samples of the bench shape (no disk I/O)."""
     import tempfile
 
-    from eagle3.config import TrainConfig
+    from types import SimpleNamespace
+
     from eagle3.train.loop import TrainInputs, train
 
     cfg = make_config(a)
@@ -184,8 +186,12 @@ def run_loop(a, device, compile_mode: str) -> dict:
     inputs = TrainInputs(Store(), None, {"embed": head.embed_weight, "norm": head.norm_weight,
                                          "lm_head": head.lm_head_weight}, cfg.rms_norm_eps,
                          kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
-    tcfg = TrainConfig(ttt_steps=a.ttt, max_steps=a.loop_steps, batch_size=a.batch, max_seq_len=a.seq, log_every=5,
-                       eval_every=10**6, save_every=10**6, warmup_steps=2, num_workers=2, compile=compile_mode)
+    # eagle3.config.TrainConfig's fields and defaults (that module needs hydra, which the GPU box lacks)
+    tcfg = SimpleNamespace(model=SimpleNamespace(lm_head_init="target"), ttt_steps=a.ttt, decay=0.8, lr=1e-4,
+                           min_lr_ratio=0.0, warmup_steps=2, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=0.5,
+                           batch_size=a.batch, grad_accum=1, epochs=1, max_steps=a.loop_steps, max_seq_len=a.seq,
+                           mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
+                           keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)
@@ -196,6 +202,35 @@ def run_loop(a, device, compile_mode: str) -> dict:
     return {"variant": f"loop ({compile_mode})", "tokens_per_s": tps, "step_ms": a.batch * a.seq / tps * 1e3,
             "peak_alloc_gib": max(r.get("peak_mem_gib", 0) for r in recs), "mfu": statistics.median(r.get("mfu", 0.0) for r in steady),
             "wall_s": wall, "windows": [(r["step"], r["tokens_per_s"], r["train/loss"]) for r in recs if "train/loss" in r]}
+
+
+def sync_check(model, head, batch, opt):
+    """Run one step with CUDA sync debugging: every host<->device synchronisation (which stalls the
+    pipeline of queued GPU work) is printed with the Python stack that caused it."""
+    import traceback
+    import warnings
+
+    seen = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-1])
+        if stack not in seen:
+            seen.append(stack)
+            print(f"SYNC: {message}\n{stack}", flush=True)
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5)
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    print(f"sync check: {len(seen)} distinct synchronising call sites in one step", flush=True)
+    return len(seen)
 
 
 def profile_steps(model, head, batch, opt):
@@ -293,6 +328,7 @@ def main(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--check", action="store_true", help="correctness vs CPU float32 before timing")
     p.add_argument("--profile", action="store_true", help="torch.profiler summary of each variant")
+    p.add_argument("--sync-check", action="store_true", help="print host-device syncs of one step")
     p.add_argument("--loop", default="", help="also run the train stage's loop, e.g. 'auto,cudagraphs'")
     p.add_argument("--loop-steps", type=int, default=30)
     a = p.parse_args(argv)

@@ -31,6 +31,9 @@ class TargetHead(nn.Module):
         self.register_buffer("norm_weight", norm_weight, persistent=False)
         self.register_buffer("lm_head_weight", lm_head, persistent=False)
         self.register_buffer("kept_ids", kept_ids, persistent=False)
+        is_kept = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=kept_ids.device)
+        is_kept[kept_ids] = True  # once here: per step, `t[idx] = True` on a GPU tensor syncs the host
+        self.register_buffer("is_kept", is_kept, persistent=False)
         self.eps = rms_norm_eps
         self.vocab_chunk = vocab_chunk
         self.row_chunk = row_chunk
@@ -97,12 +100,10 @@ class TargetHead(nn.Module):
                 draft_logits[:, k0:k1] = logits[:, local]
                 cmax, carg = logits.max(-1)
                 cmax = cmax.float()
-                is_kept = torch.zeros(c1 - c0, dtype=torch.bool, device=x.device)
-                is_kept[local] = True
                 # strict '>' keeps the first maximum, as argmax over the full row would
                 better = cmax > best
                 best = torch.where(better, cmax, best)
-                best_kept = torch.where(better, is_kept[carg], best_kept)
+                best_kept = torch.where(better, self.is_kept[c0:c1][carg], best_kept)
             probs[r0:r0 + n] = torch.softmax(draft_logits, dim=-1).to(out_dtype)
             in_vocab[r0:r0 + n] = best_kept
         return probs.reshape(*lead, Vd), in_vocab.reshape(lead)

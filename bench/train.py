@@ -37,7 +37,7 @@ VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TT
     "sdpa_eager": ("sdpa", False),
     "flex_eager": ("flex", False),  # flex_attention itself is always compiled on CUDA
     "flex_compiled": ("flex", True),
-    "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (train.compile=cudagraphs)
+    "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (not used by the train loop)
 }
 
 
@@ -329,7 +329,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="correctness vs CPU float32 before timing")
     p.add_argument("--profile", action="store_true", help="torch.profiler summary of each variant")
     p.add_argument("--sync-check", action="store_true", help="print host-device syncs of one step")
-    p.add_argument("--loop", default="", help="also run the train stage's loop, e.g. 'auto,cudagraphs'")
+    p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
+                                               "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

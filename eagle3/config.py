@@ -199,8 +199,7 @@ class TrainConfig:
     num_workers: int = 0
     # Pack several samples into each max_seq_len row (document-masked attention): no padding waste.
     packing: bool = True
-    # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there);
-    # cudagraphs = compiled and replayed as CUDA graphs (one GPU only).
+    # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there).
     compile: str = "auto"
 
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
@@ -215,7 +214,7 @@ class TrainConfig:
         _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
         _check_choice("train.attention", self.attention, ("auto", "flex", "sdpa"))
         self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
-        _check_choice("train.compile", self.compile, ("auto", "true", "false", "cudagraphs"))
+        _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
             _check_positive(f"train.{name}", getattr(self, name))
         if not 0 < self.decay <= 1:

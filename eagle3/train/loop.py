@@ -160,11 +160,6 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
             draft.lm_head.weight.copy_(head.kept_lm_head().float())
     head = head.to(device=device, dtype=dtype if use_cuda else head.embed_weight.dtype)
     compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
-    if tcfg.compile == "cudagraphs":
-        if device.type != "cuda" or W > 1:
-            raise ValueError("train.compile=cudagraphs needs one CUDA device (DDP/FSDP gradient hooks cannot run "
-                             "inside a graph replay); use train.compile=true")
-        compile_ = "cudagraphs"
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas),
                                   weight_decay=tcfg.weight_decay, fused=device.type == "cuda")

@@ -65,7 +65,8 @@ class TTTModel(nn.Module):
     ``compile=True`` compiles the whole unrolled forward (weight casts, all steps, attention,
     loss and statistics) as one graph: per-op launch overhead on the host was what kept the
     GPU idle between steps, not the arithmetic. ``compile="cudagraphs"`` also replays the
-    compiled forward and backward as CUDA graphs (one GPU, no gradient hooks of DDP/FSDP).
+    compiled forward and backward as CUDA graphs (bench/train.py only: one GPU, no DDP hooks;
+    measured 1% faster there but half as fast inside the Accelerate loop, so the loop does not use it).
     """
 
     def __init__(self, draft: Eagle3Draft, num_steps: int = 7, decay: float = 0.8,

@@ -88,8 +88,11 @@ def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions):
     x = torch.cat([e, x], -1)
     B, T, _ = x.shape
     D, nq, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
-    q = (x @ W["midlayer.self_attn.q_proj.weight"].T).view(B, T, nq, D).transpose(1, 2)
-    k = (x @ W["midlayer.self_attn.k_proj.weight"].T).view(B, T, nkv, D).transpose(1, 2)
+    q = (x @ W["midlayer.self_attn.q_proj.weight"].T).view(B, T, nq, D)
+    k = (x @ W["midlayer.self_attn.k_proj.weight"].T).view(B, T, nkv, D)
+    if c.architecture == "qwen3":  # vLLM's Qwen3Attention: RMSNorm per head on q and k, before RoPE
+        q, k = rms(q, W["midlayer.self_attn.q_norm.weight"]), rms(k, W["midlayer.self_attn.k_norm.weight"])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = (x @ W["midlayer.self_attn.v_proj.weight"].T).view(B, T, nkv, D).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
     k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
@@ -103,10 +106,10 @@ def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions):
     return rms(out, W["norm.weight"]) @ W["lm_head.weight"].T, out
 
 
-@pytest.mark.parametrize("norm_before_residual", [True, False])
-def test_forward_matches_vllm_arithmetic(norm_before_residual):
+@pytest.mark.parametrize("norm_before_residual,architecture", [(True, "llama"), (False, "llama"), (True, "qwen3")])
+def test_forward_matches_vllm_arithmetic(norm_before_residual, architecture):
     torch.manual_seed(0)
-    draft = Eagle3Draft(_cfg(norm_before_residual=norm_before_residual))
+    draft = Eagle3Draft(_cfg(norm_before_residual=norm_before_residual, architecture=architecture))
     with torch.no_grad():  # non-trivial norms so that a swapped norm would show
         for n, p in draft.named_parameters():
             if "norm" in n:
@@ -118,7 +121,7 @@ def test_forward_matches_vllm_arithmetic(norm_before_residual):
     assert torch.allclose(out.double(), ref_out, atol=1e-4, rtol=1e-4)
     assert torch.allclose(logits.double(), ref_logits, atol=1e-4, rtol=1e-4)
     # the other setting computes something else (the test can fail)
-    other = Eagle3Draft(_cfg(norm_before_residual=not norm_before_residual))
+    other = Eagle3Draft(_cfg(norm_before_residual=not norm_before_residual, architecture=architecture))
     other.load_state_dict(draft.state_dict())
     assert not torch.allclose(other(aux, emb, pos)[1], out, atol=1e-3)
 

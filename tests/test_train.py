@@ -150,9 +150,11 @@ def _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, 
     return loss, ce_sum, counts, correct
 
 
-def test_ttt_loss_equals_hand_computed_reference():
+@pytest.mark.parametrize("architecture,norm_before_residual", [("llama", True), ("qwen3", False)])
+def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_residual):
     torch.manual_seed(0)
     cfg = _small_cfg()
+    cfg.architecture, cfg.norm_before_residual = architecture, norm_before_residual
     draft = Eagle3Draft(cfg).double()
     B, T, S, decay = 2, 21, 4, 0.8
     aux = torch.randn(B, T, 3 * 64, dtype=torch.float64)

@@ -257,8 +257,9 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
 
     accelerator.wait_for_everyone()
     result = {"steps": total, "train": last_train, "eval": last_eval}
+    full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
     if accelerator.is_main_process:
-        _write_draft(accelerator.unwrap_model(model).draft, out_dir)
+        _write_draft(full_state, draft_cfg, out_dir)
     accelerator.end_training()
     return result
 
@@ -323,12 +324,20 @@ def _save(accelerator, out_dir: Path, step: int, keep_last: int) -> None:
     accelerator.wait_for_everyone()
 
 
-def _write_draft(draft: Eagle3Draft, out_dir: Path) -> None:
+def _write_draft(model_state: dict, cfg: Eagle3DraftConfig, out_dir: Path) -> None:
+    """draft.safetensors under vLLM's names (float32 master weights; export casts), and configs."""
     from safetensors.torch import save_file
 
-    state = draft.export_state_dict(dtype=torch.float32)
+    state = {k[len("draft."):]: v.detach().cpu().contiguous() for k, v in model_state.items()
+             if k.startswith("draft.")}
+    with torch.device("meta"):
+        expected = set(Eagle3Draft(cfg).state_dict())
+    if set(state) != expected:
+        raise RuntimeError(f"the trained state does not have the draft's tensors: missing "
+                           f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     tmp = out_dir / (DRAFT_FILE + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    save_file(state, str(tmp))
     tmp.replace(out_dir / DRAFT_FILE)
-    (out_dir / DRAFT_CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
-    (out_dir / VLLM_CONFIG_FILE).write_text(json.dumps(draft_config_dict(draft.config), indent=2) + "\n")
+    (out_dir / DRAFT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    (out_dir / VLLM_CONFIG_FILE).write_text(json.dumps(draft_config_dict(cfg), indent=2) + "\n")

@@ -11,13 +11,12 @@ config.json for it), ``metrics.jsonl`` and ``checkpoints/`` (resumable). Multi-G
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("eagle3.train")
 
 
 def run(cfg, manifest):
-    from accelerate import PartialState
-
     from eagle3.data.vocab import load_vocab
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
@@ -35,7 +34,9 @@ def run(cfg, manifest):
     layer_ids = [int(i) for i in ext.facts["layer_ids"]]
     config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
     job = manifest.start("train", config=config, target=target.identity(), inputs={"prepare": prep, "extract": ext})
-    main = PartialState().is_main_process
+    # the launcher's rank (torchrun / accelerate launch set RANK); not accelerate.PartialState():
+    # creating it here, before the Accelerator, would fix its device and distributed mode too early
+    main = int(os.environ.get("RANK", "0")) == 0
     if main and job.done:
         print(f"train: already complete ({job.config_hash[:12]}), nothing to do")
         return job.record

@@ -351,7 +351,7 @@ def test_resume_after_kill9_logs_the_same_losses(store_dir, target_dir, tmp_path
     assert len(list((broken / "checkpoints").glob("step-*"))) == 2  # keep_last
 
 
-def test_two_processes_train_the_same_model_as_one(store_dir, target_dir, tmp_path):
+def test_two_processes_and_accumulation_train_the_same_model_as_one(store_dir, target_dir, tmp_path):
     from safetensors.torch import load_file
 
     runner = _runner(tmp_path, store_dir, target_dir)
@@ -364,9 +364,14 @@ def test_two_processes_train_the_same_model_as_one(store_dir, target_dir, tmp_pa
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
                     str(runner), str(two), json.dumps(dict(base, batch_size=1))], check=True,
                    env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600)
-    a, b = load_file(str(one / "draft.safetensors")), load_file(str(two / "draft.safetensors"))
-    diff = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
+    # and one process accumulating two micro-batches of one row
+    accum = tmp_path / "accum"
+    subprocess.run([sys.executable, str(runner), str(accum), json.dumps(dict(base, batch_size=1, grad_accum=2))],
+                   check=True, env=_env(), timeout=600)
+    a, b, c = (load_file(str(d / "draft.safetensors")) for d in (one, two, accum))
+    diff = max((a[k] - x[k]).abs().max().item() for x in (b, c) for k in a if a[k].is_floating_point())
     assert diff < 1e-5, diff
+    assert np.allclose([x for _, x, _ in _losses(accum)], [x for _, x, _ in _losses(one)], rtol=1e-5)
     la, lb = _losses(one), _losses(two)
     assert [s for s, _, _ in la] == [s for s, _, _ in lb]
     assert np.allclose([x for _, x, _ in la], [x for _, x, _ in lb], rtol=1e-5)

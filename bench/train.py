@@ -9,6 +9,10 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
     python bench/train.py                      # all variants, default shape
     python bench/train.py --check              # correctness vs CPU float32 first (small shape)
     python bench/train.py --variants flex_compiled --seq 4096
+    python bench/train.py --variants flex_compiled --profile --sync-check --loop auto
+        # GPU time by kernel class and idle gaps; host-device syncs of a step; the train loop itself
+
+Measurements and what made the difference: bench/train.md.
 
 Prints a table last; writes raw numbers to $OUT/bench_train.json when OUT is set. No hydra needed.
 """

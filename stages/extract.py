@@ -9,7 +9,10 @@ checks whether every shard of every split exists; the one that finds the store c
 it (index + store.json) and records the run in the manifest, under a lock. Until then the manifest
 has no complete extract run, so train cannot consume a partial store. A process that died is
 simply re-run (same p, or any N: complete shards are skipped). ``num_shards`` is not part of the
-config hash for that reason.
+config hash for that reason. For example, four SLURM tasks:
+
+    python -m eagle3 -m stage=extract extract.num_shards=4 extract.shard_index=0,1,2,3 \
+        hydra/launcher=submitit_slurm
 """
 from __future__ import annotations
 
@@ -79,6 +82,11 @@ def run(cfg, manifest):
         raise ManifestError(f"extract.splits={list(ecfg.splits)}: the prepared dataset has no split {missing} "
                             f"(it has {list(ds.keys())})")
     splits = {s: DatasetSamples(ds[s]) for s in ecfg.splits}
+    longest = max((int(v.lengths.max()) for v in splits.values() if len(v)), default=0)
+    context = target.text_config.get("max_position_embeddings")
+    if context and longest + 1 > int(context):
+        raise ManifestError(f"the longest prepared sample has {longest} tokens but the target's context is {context} "
+                            f"(max_position_embeddings): re-run prepare with prepare.max_length < {context}")
     layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
                          target_hash=target.hash)
 

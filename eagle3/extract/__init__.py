@@ -73,6 +73,7 @@ class ExtractResult:
     missing: list             # shards still missing (written by other processes, or later)
     tokens: int               # tokens extracted by this call
     seconds: float
+    stats: Optional[dict] = None  # backend's accounting (CPU seconds of capture / writer), if any
 
 
 def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
@@ -126,6 +127,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
     total = sum(int(splits[s].lengths[f:f + c].sum()) for s, _, _, f, c in todo)
     t0 = time.perf_counter()
     written: list = []
+    stats = None
     if todo:
         skipped = sum(len(shard_ranges(len(s), sps)) for s in splits.values()) - len(todo)
         log.info("extract: %d shards (%d tokens) to write with backend %s%s", len(todo), total, backend,
@@ -143,6 +145,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
         bar = Progress(total, f"extract ({backend})", progress)
         try:
             written = extractor.run(plans(), store_dir, bar)
+            stats = getattr(extractor, "last_stats", None)
         finally:
             bar.close()
             if own:
@@ -156,4 +159,4 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
     if not missing:
         store = finalize_store(store_dir, layout, {s: v.lengths for s, v in splits.items()}, sps)
     return ExtractResult(complete=not missing, written=written, store=store, missing=missing, tokens=total,
-                         seconds=seconds)
+                         seconds=seconds, stats=stats)

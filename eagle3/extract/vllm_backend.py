@@ -115,6 +115,7 @@ class VLLMExtractor:
         self.aux_setup = aux_setup
         self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, **kwargs)
         self.capture_info = None
+        self.last_stats = None  # CPU seconds of the capture and the writer thread in the last run
 
     # -- RPC helpers ----------------------------------------------------------------------------
     def _rpc(self, method: str, *args):
@@ -160,7 +161,9 @@ class VLLMExtractor:
                         last_poll = time.perf_counter()
                 self._rpc("eagle3_end_shard", plan.split, plan.k)
                 done += self._check(self._rpc("eagle3_poll"))
-            done += self._check(self._rpc("eagle3_capture_stop"))
+            reply = self._rpc("eagle3_capture_stop")
+            done += self._check(reply)
+            self.last_stats = json.loads(reply).get("stats")
         except BaseException:
             try:
                 self._rpc("eagle3_capture_abort")

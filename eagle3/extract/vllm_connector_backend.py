@@ -129,6 +129,7 @@ class VLLMConnectorExtractor:
                 writer.end(key)
                 done += writer.poll()
             done += writer.close()
+            self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
         except BaseException:
             writer.abort()
             raise

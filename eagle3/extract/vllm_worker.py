@@ -26,6 +26,7 @@ How the capture works (V1 model runner, vLLM >= 0.11.1):
 from __future__ import annotations
 
 import json
+import time
 import traceback
 
 from ..store import ShardPlan, StoreLayout
@@ -89,6 +90,7 @@ class HiddenStateCapture:
         self._eagle3_rank = get_tensor_model_parallel_rank()
         self._eagle3_error = None
         self._eagle3_steps = 0
+        self._eagle3_capture_cpu = 0.0
         self._eagle3_writer = ShardWriter(cfg["store_dir"], layout) if self._eagle3_rank == 0 else None
         self._eagle3_stager = HostStager()
         self._eagle3_n_capture = len(ids)
@@ -103,8 +105,10 @@ class HiddenStateCapture:
         out = self._eagle3_orig_execute(scheduler_output, *args, **kwargs)
         state = self.model_runner.execute_model_state
         if state is not None and self._eagle3_writer is not None and self._eagle3_error is None:
+            t0 = time.thread_time()
             try:
                 self._eagle3_capture(state, scheduler_output)
+                self._eagle3_capture_cpu += time.thread_time() - t0
             except BaseException as e:  # noqa: BLE001 - reported by eagle3_poll; the engine keeps running
                 self._eagle3_error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         return out
@@ -180,7 +184,10 @@ class HiddenStateCapture:
             writer.abort()
             return json.dumps({"done": [], "error": self._eagle3_error})
         try:
-            return json.dumps({"done": writer.close(), "error": None})
+            done = writer.close()
+            stats = {"capture_cpu_s": self._eagle3_capture_cpu, "writer_cpu_s": writer.cpu_seconds,
+                     "steps": self._eagle3_steps}
+            return json.dumps({"done": done, "error": None, "stats": stats})
         except Exception as e:
             return json.dumps({"done": [], "error": str(e), "kind": type(e).__name__})
 

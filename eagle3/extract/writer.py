@@ -19,6 +19,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -179,6 +180,7 @@ class ShardWriter:
         self._done: list = []
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
+        self.cpu_seconds = 0.0  # CPU time of the writer thread (the benchmark accounts it)
         self._thread = threading.Thread(target=self._loop, name="eagle3-shard-writer", daemon=True)
         self._thread.start()
 
@@ -240,11 +242,13 @@ class ShardWriter:
                 if op == "write" and arg.release:
                     arg.release()
                 continue
+            t0 = time.thread_time()
             try:
                 self._handle(op, arg)
             except BaseException as e:  # noqa: BLE001 - reported to the producer by poll()/close()
                 self._error = e
                 self._discard_all()
+            self.cpu_seconds += time.thread_time() - t0
 
     def _handle(self, op: str, arg) -> None:
         if op == "begin":

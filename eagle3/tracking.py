@@ -48,3 +48,51 @@ class _NoRun:
     @property
     def summary(self) -> dict:
         return {}
+
+
+def read_offline_run(run_dir: str | Path) -> dict:
+    """Read an offline wandb run back (config, history rows, group, job type) from its .wandb file.
+
+    wandb >= 0.19 no longer ships a Python reader; the file is wandb's LevelDB-style record log:
+    a 7-byte file header, then 32 KiB blocks of chunks (crc32, length, type) holding protobuf
+    ``Record`` messages.
+    """
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run_dir = Path(run_dir)
+    (path,) = run_dir.glob("run-*.wandb")
+    raw = path.read_bytes()
+    block, pos, records, pending = 32768, 7, [], b""
+    while pos + 7 <= len(raw):
+        left = block - (pos % block)
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        chunk = raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    out = {"config": {}, "history": [], "group": None, "job_type": None, "name": None}
+    for data in records:
+        rec = pb.Record()
+        rec.ParseFromString(data)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out.update(group=rec.run.run_group, job_type=rec.run.job_type, name=rec.run.display_name)
+            for item in rec.run.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in rec.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                   for item in rec.history.item})
+    return out

@@ -72,6 +72,9 @@ def run_from_hydra(dcfg: DictConfig):
         cfg = to_config(dcfg)
     except Exception as e:  # validation errors from __post_init__
         msg = str(e).splitlines()[0] if str(e) else repr(e)
+        if _in_multirun():  # one bad job of a sweep is reported, the others go on
+            log.error("job failed: invalid config: %s", msg)
+            return {"error": f"invalid config: {msg}"}
         print(f"eagle3: invalid config: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
     try:

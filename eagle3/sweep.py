@@ -103,7 +103,9 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         from .cli import experiment_dir
 
-        failures = [f"{' '.join(j['overrides'])}: {j['error']}" for j in self.jobs if j.get("error")]
+        shared = set.intersection(*(set(j["overrides"]) for j in self.jobs)) if self.jobs else set()
+        failures = [f"{' '.join(o for o in j['overrides'] if o not in shared)}: {j['error']}"
+                    for j in self.jobs if j.get("error")]
         exp_dirs = {j["experiment_dir"] for j in self.jobs if j.get("experiment_dir")}
         if not exp_dirs:
             exp_dirs = {str(Path(config.workspace).expanduser().resolve() / config.name)}

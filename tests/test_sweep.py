@@ -1,0 +1,52 @@
+"""Hydra multirun: shared upstream, outputs kept apart, a failing job reported, a ranking table;
+the submitit local launcher (the SLURM code path on this machine)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import chat_records, write_jsonl
+
+
+def _cli(*args, timeout=900):
+    out = subprocess.run([sys.executable, "-m", "eagle3", *args], capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    data = write_jsonl(tmp / "c.jsonl", chat_records(24))
+    common = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp / 'ws'}", "experiment=sw",
+              "logger=jsonl", "progress=false", "prepare.draft_vocab_size=128"]
+    for stage in ("prepare", "extract"):
+        out = _cli(f"stage={stage}", "extract.backend=hf", *common)
+        assert out.returncode == 0, out.stderr[-2000:]
+    return tmp, common
+
+
+def test_train_sweep_shares_upstream_and_reports_failures(extracted):
+    tmp, common = extracted
+    out = _cli("-m", "stage=train", "extract.backend=hf", "train.max_steps=2", "train.eval_every=2",
+               "train.warmup_steps=1", "train.lr=1e-3,3e-3", "train.ttt_steps=2,0", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    manifest = json.loads((tmp / "ws" / "sw" / "manifest.json").read_text())
+    stages = manifest["stages"]
+    assert len(stages["prepare"]["runs"]) == 1 and len(stages["extract"]["runs"]) == 1  # computed once
+    train_runs = stages["train"]["runs"]
+    assert len(train_runs) == 2 and all(r["status"] == "complete" for r in train_runs.values())
+    assert len({r["out_dir"] for r in train_runs.values()}) == 2  # kept apart by config hash
+    assert "4 jobs, 2 failed" in text and "train.ttt_steps" in text
+    assert "rank" in text and "eval loss" in text
+
+
+def test_submitit_local_launcher_runs_a_job(extracted):
+    tmp, common = extracted
+    out = _cli("-m", "hydra/launcher=local", "stage=status", *common, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logs = list((tmp / "ws" / "sw" / "logs").glob("multirun_*/.submitit/*/*_0_log.out"))
+    assert logs and "prepare" in logs[0].read_text()

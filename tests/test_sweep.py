@@ -50,3 +50,14 @@ def test_submitit_local_launcher_runs_a_job(extracted):
     assert out.returncode == 0, out.stderr[-3000:]
     logs = list((tmp / "ws" / "sw" / "logs").glob("multirun_*/.submitit/*/*_0_log.out"))
     assert logs and "prepare" in logs[0].read_text()
+
+
+def test_optuna_sweeper_optimises_eval_loss(extracted):
+    tmp, common = extracted
+    out = _cli("-m", "hydra/sweeper=optuna_train", "hydra.sweeper.n_trials=2", "stage=train", "objective=eval_loss",
+               "train.max_steps=2", "train.eval_every=2", "train.warmup_steps=1", *common)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "Best value" in text or "best_value" in text
+    best = sorted((tmp / "ws" / "sw" / "logs").glob("multirun_*/optimization_results.yaml"))
+    assert best and "best_value" in best[-1].read_text()

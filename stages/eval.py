@@ -40,11 +40,16 @@ def run(cfg, manifest):
         stops = stop_token_ids(target.path)
         device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
-        try:
-            results = {kk: offline_acceptance(target.path, ckpt, prompts, kk, ecfg.eval_max_tokens, stops, dtype=dtype,
-                                              device=device, progress=cfg.progress, target=hf) for kk in ks}
+        results, cont = {}, None
+        try:  # largest k first: its greedy continuations are long enough for every smaller k
+            for kk in sorted(ks, reverse=True):
+                results[kk] = offline_acceptance(target.path, ckpt, prompts, kk, ecfg.eval_max_tokens, stops,
+                                                 dtype=dtype, device=device, progress=cfg.progress, target=hf,
+                                                 continuations=cont)
+                cont = results[kk].continuations
         finally:
             hf.close()
+        results = {kk: results[kk] for kk in ks}
         main = results[k]
         facts = {**main.summary(), "max_tokens": ecfg.eval_max_tokens, "source": ckpt.source,
                  "acceptance_by_k": {str(kk): round(r.acceptance_length, 4) for kk, r in results.items()},

@@ -24,6 +24,8 @@ class AcceptanceStats:
     generated_tokens: int = 0
     target_steps: int = 0
     outputs: list = field(default_factory=list)  # generated token ids per prompt
+    # the target's greedy continuations the offline evaluator replayed on (reusable across k)
+    continuations: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.accepted_per_pos:

@@ -184,17 +184,3 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
         return ckpt.validate()
     except Exception as e:
         raise ImportDraftError(f"{path}: {e}") from None
-
-
-def read_target_tensor(target_dir, names) -> Optional[torch.Tensor]:
-    """One tensor of the target checkpoint (the first of ``names`` found), reading only that tensor."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    for f in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            keys = set(sf.keys())
-            for n in names:
-                if n in keys:
-                    return sf.get_tensor(n)
-    return None

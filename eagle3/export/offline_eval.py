@@ -1,6 +1,6 @@
 """The offline evaluator: chain speculative decoding in PyTorch with the HF target and the draft.
 
-It reproduces what vLLM's EAGLE-3 proposer does, greedily, one prompt at a time:
+It reproduces what vLLM's EAGLE-3 proposer does, greedily:
 - after each target step, the draft first runs over the newly verified positions with the target's
   aux states (position i: fc(aux_i) and the embedding of token i+1), appending to its KV cache;
 - from the last verified position it proposes k tokens in a chain, feeding back its own pre-norm
@@ -8,8 +8,18 @@ It reproduces what vLLM's EAGLE-3 proposer does, greedily, one prompt at a time:
   overwrites them with the next pass);
 - the target verifies [last token, d_1..d_k] in one forward pass; d_i is accepted while it equals
   the target's greedy token; the first mismatch (or the bonus after k) is the target's token.
-Statistics are counted as vLLM counts them (see acceptance.py), so on the same prompts the two
-agree up to floating-point ties.
+Statistics are counted as vLLM counts them (see acceptance.py).
+
+Two implementations:
+- ``decode``: literally the loop above, one prompt at a time, the target verifying with a KV cache.
+  The reference; one target forward per round.
+- ``replay`` (default): with greedy verification every accepted token is the target's greedy token,
+  and what the draft sees at a round (target features of the accepted prefix, causal) is the same
+  whatever happened in earlier rounds. So the target's greedy continuation is generated once
+  (batched), the target's aux states over it come from one teacher-forced pass, the draft's step-0
+  pass over the whole sequence gives every round's committed KV cache and first proposal, and each
+  round only runs the draft's k-1 chain steps. Same statistics (tests compare the two), a fraction
+  of the time on CPU.
 """
 from __future__ import annotations
 
@@ -120,10 +130,15 @@ class DraftRunner:
 
     @torch.inference_mode()
     def commit(self, aux: torch.Tensor, next_tokens: list) -> torch.Tensor:
-        """Step-0 pass over newly verified positions; returns the pre-norm output of the last one."""
+        """Step-0 pass over newly verified positions; their pre-norm outputs [T, H]."""
         self.drop_speculative()
         h = self.module.fuse(aux[None].to(self.dtype))[0]
-        return self._run(h, next_tokens, self.committed, commit=True)[-1]
+        return self._run(h, next_tokens, self.committed, commit=True)
+
+    def keep_prefix(self, n: int) -> None:
+        """Make the committed cache positions 0..n-1 only (a view; replay mode)."""
+        self.k_cache, self.v_cache = self.k_cache[:, :, :n], self.v_cache[:, :, :n]
+        self.committed = n
 
     @torch.inference_mode()
     def chain_step(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
@@ -140,6 +155,10 @@ class DraftRunner:
         logits = self.module.logits(out[None])[0].float()
         return int(self.kept[int(logits.argmax())])
 
+    @torch.inference_mode()
+    def predict_all(self, outs: torch.Tensor) -> list:
+        return self.kept[self.module.logits(outs).float().argmax(-1)].tolist()
+
 
 def speculative_generate(target: HFTarget, draft: DraftRunner, prompt: list, k: int, max_tokens: int,
                          stop_ids: set, stats: AcceptanceStats) -> list:
@@ -154,7 +173,7 @@ def speculative_generate(target: HFTarget, draft: DraftRunner, prompt: list, k: 
     stats.target_steps += 1
     if seq[-1] in stop_ids or len(out) >= max_tokens:
         return out
-    h = draft.commit(aux, seq[1:])
+    h = draft.commit(aux, seq[1:])[-1]
     while True:
         proposal = [draft.predict(h)]
         hc = h
@@ -174,7 +193,7 @@ def speculative_generate(target: HFTarget, draft: DraftRunner, prompt: list, k: 
         surplus = cache.get_seq_length() - (n + a)  # KV of the rejected drafts
         if surplus > 0:
             cache.crop(-surplus)
-        h = draft.commit(aux[: a + 1], new)
+        h = draft.commit(aux[: a + 1], new)[-1]
         for t in new:
             seq.append(t)
             out.append(t)
@@ -182,12 +201,93 @@ def speculative_generate(target: HFTarget, draft: DraftRunner, prompt: list, k: 
                 return out
 
 
+def replay_on_greedy_path(draft: DraftRunner, aux: torch.Tensor, seq: list, prompt_len: int, k: int,
+                          max_tokens: int, stop_ids: set, stats: AcceptanceStats) -> list:
+    """The rounds of chain speculative decoding replayed on ``seq`` = prompt + the target's greedy
+    continuation (at least max_tokens + k + 1 tokens of it), ``aux`` its states [len(seq), n_aux*H]."""
+    if len(seq) < prompt_len + max_tokens + k + 1:
+        raise ValueError("the greedy continuation must cover max_tokens + k + 1 tokens")
+    draft.reset()
+    outs0 = draft.commit(aux[: len(seq) - 1], seq[1:])  # position i: target features i, token i+1
+    first = draft.predict_all(outs0)  # each round's first proposal, from its last committed position
+    keys, vals = draft.k_cache, draft.v_cache
+    n = prompt_len + 1  # tokens known after the prefill step
+    out = [seq[prompt_len]]
+    stats.target_steps += 1
+    if out[-1] in stop_ids or len(out) >= max_tokens:
+        return out
+    while True:
+        p = n - 2  # the last position with target features; its step-0 pass proposes d_1
+        proposal = [first[p]]
+        if k > 1:
+            draft.k_cache, draft.v_cache, draft.committed = keys, vals, keys.shape[2]
+            draft.keep_prefix(p + 1)
+            h = outs0[p]
+            for _ in range(k - 1):
+                h = draft.chain_step(h, proposal[-1])
+                proposal.append(draft.predict(h))
+        a = 0
+        while a < k and proposal[a] == seq[n + a]:
+            a += 1
+        stats.observe(k, a)
+        stats.target_steps += 1
+        for t in seq[n: n + a + 1]:
+            n += 1
+            out.append(t)
+            if t in stop_ids or len(out) >= max_tokens:
+                return out
+
+
+@torch.inference_mode()
+def greedy_continuations(target: HFTarget, prompts: list, num_tokens: int, batch_size: int = 8,
+                         progress: bool = False) -> list:
+    """The target's greedy continuation of each prompt, ``num_tokens`` long, never stopping early
+    (a draft round that crosses a stop token still has its drafts verified past it)."""
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    dev = target.device
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # similar lengths per batch
+    result: list = [None] * len(prompts)
+    for b in tqdm(range(0, len(order), batch_size), desc="target greedy", disable=not progress, unit="batch"):
+        idx = order[b:b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):  # left padding: every row's next token is in the last column
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = []
+        x = ids
+        for _ in range(num_tokens):
+            logits = target.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                  use_cache=True).logits[:, -1]
+            x = logits.float().argmax(-1, keepdim=True)
+            gen.append(x)
+            mask = torch.cat([mask, torch.ones_like(x)], dim=1)
+            pos = pos[:, -1:] + 1
+        gen = torch.cat(gen, dim=1).tolist()
+        for r, i in enumerate(idx):
+            result[i] = gen[r]
+    return result
+
+
 def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int, max_tokens: int,
                        stop_ids, dtype: str = "float32", device: str = "auto", progress: bool = False,
-                       target: Optional[HFTarget] = None) -> AcceptanceStats:
-    """Acceptance of ``ckpt`` on ``prompts`` (token id lists) with chain drafts of ``k`` tokens."""
-    from tqdm.auto import tqdm
+                       target: Optional[HFTarget] = None, method: str = "replay",
+                       continuations: Optional[list] = None) -> AcceptanceStats:
+    """Acceptance of ``ckpt`` on ``prompts`` (token id lists) with chain drafts of ``k`` tokens.
 
+    ``continuations``: greedy continuations from an earlier call (replay mode) to reuse across k.
+    """
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    if method not in ("replay", "decode"):
+        raise ValueError(f"method {method!r} is not 'replay' or 'decode'")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = getattr(torch, dtype)
@@ -197,8 +297,19 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
     try:
         draft = DraftRunner(ckpt, target.embed_weight(), tdtype, device)
         stats = AcceptanceStats(k=k, num_prompts=len(prompts))
-        for p in tqdm(prompts, desc=f"offline eval k={k}", disable=not progress, unit="prompt"):
-            out = speculative_generate(target, draft, list(p), k, max_tokens, set(stop_ids), stats)
+        stops = set(stop_ids)
+        if method == "replay":
+            need = max_tokens + k + 1
+            if continuations is None or any(len(c) < need for c in continuations):
+                continuations = greedy_continuations(target, prompts, need, progress=progress)
+            stats.continuations = continuations
+        for i, p in enumerate(tqdm(prompts, desc=f"offline eval k={k}", disable=not progress, unit="prompt")):
+            if method == "decode":
+                out = speculative_generate(target, draft, list(p), k, max_tokens, stops, stats)
+            else:
+                seq = list(p) + list(continuations[i])
+                _, aux = target.forward(seq, DynamicCache())
+                out = replay_on_greedy_path(draft, aux, seq, len(p), k, max_tokens, stops, stats)
             stats.outputs.append(out)
             stats.generated_tokens += len(out)
         return stats

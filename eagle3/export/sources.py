@@ -78,7 +78,9 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     if own_t2d is not None and not torch.equal(own_t2d.bool(), t2d.bool()):
         raise ExportError("the trained draft's t2d differs from the prepare run's vocabulary mapping")
     source = {"kind": "train", "train_run": train_rec.config_hash[:12], "extract_run": extract_rec.config_hash[:12],
-              "prepare_run": prepare_rec.config_hash[:12]}
+              "prepare_run": prepare_rec.config_hash[:12], "train_steps": facts.get("steps"),
+              # the train stage's own estimate, from its held-out TTT accuracies (k = 1, 2, ...)
+              "train_expected_acceptance_length": facts.get("eval_accept_len") or facts.get("train_accept_len")}
     for name in MAPPING_NAMES:
         tensors.pop(name, None)
     return DraftCheckpoint(cfg, tensors, d2t.long(), t2d.bool(), embed, source).validate()
@@ -110,9 +112,6 @@ def load_source(cfg, manifest, target, needs_prompts: bool):
     return ckpt, {"prepare": prep, "extract": ext, "train": train}, prep, None
 
 
-EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
-
-
 def check_embedding(ckpt, target, include: bool) -> None:
     """Settle which embedding the export carries.
 
@@ -120,20 +119,16 @@ def check_embedding(ckpt, target, include: bool) -> None:
     the checkpoint. include=false: none, so vLLM shares the target's; a draft whose own embedding
     differs from the target's would then compute something else, so that is refused.
     """
-    from .importers import read_target_tensor
+    from ..target_weights import read_target_head
 
     if ckpt.embed is None and not include:
         return
-    theirs = read_target_tensor(target.path, EMBED_NAMES)
+    theirs = read_target_head(target.path, target.config, roles=("embed",))["embed"]
     if include:
         if ckpt.embed is None:
-            if theirs is None:
-                raise ExportError(f"export.include_embedding=true: no embedding tensor ({', '.join(EMBED_NAMES)}) "
-                                  f"found in {target.path}/*.safetensors")
             ckpt.embed = theirs
         return
-    if theirs is None or theirs.shape != ckpt.embed.shape or not torch.allclose(
-            theirs.float(), ckpt.embed.float(), rtol=1e-2, atol=1e-3):
+    if theirs.shape != ckpt.embed.shape or not torch.allclose(theirs.float(), ckpt.embed.float(), rtol=1e-2, atol=1e-3):
         raise ExportError("the draft carries its own embed_tokens, which differs from the target's embedding; an "
                           "export without it would make vLLM use the target's. Pass export.include_embedding=true.")
     ckpt.embed = None  # identical to the target's: vLLM shares the target's at load time

@@ -18,7 +18,7 @@ def run(cfg, manifest):
     from eagle3.export.formats import ExportSpec, write_format
     from eagle3.export.importers import MARKER
     from eagle3.export.model_card import model_card
-    from eagle3.export.outdir import check_destination, fingerprint, publish
+    from eagle3.export.outdir import fingerprint, precheck_destination, publish
     from eagle3.export.sources import check_embedding, load_source, target_dtype
     from eagle3.hashing import semantic_dict
     from eagle3.target import resolve
@@ -38,7 +38,7 @@ def run(cfg, manifest):
             print(f"export: {ecfg.out_dir}: {'already up to date' if action == 'same' else 'copied'}")
         return job.record
     if ecfg.out_dir:  # refuse a taken destination before spending minutes on verification
-        check_destination(ecfg.out_dir, None, ecfg.overwrite)
+        precheck_destination(ecfg.out_dir, ecfg.overwrite)
 
     import shutil
 
@@ -70,6 +70,7 @@ def run(cfg, manifest):
                 reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
                 max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
                 tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress))
+        _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens)
         meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
                 "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
                     "architectures"), "dtype": dtype, "source": ckpt.source,
@@ -88,6 +89,20 @@ def run(cfg, manifest):
         job.facts.update(facts)
     _print_summary(job.record)
     return job.record
+
+
+def _compare_with_training(facts: dict, source: dict, k: int) -> None:
+    """The train stage's acceptance estimate (teacher-forced, on its eval split) next to vLLM's."""
+    expected = source.get("train_expected_acceptance_length") or []
+    if "acceptance_length" not in facts or len(expected) < k or expected[k - 1] is None:
+        return
+    facts["train_expected_acceptance_length"] = round(float(expected[k - 1]), 4)
+    if facts["acceptance_length"] - 1 < 0.5 * (expected[k - 1] - 1):
+        log.warning("export: vLLM accepts %.3f tokens per step at k=%d, the train stage expected %.3f from its "
+                    "held-out accuracies. Both measure the same draft (the offline evaluator agrees with vLLM), so the "
+                    "served prompts differ from the training data: responses not written by the target (use "
+                    "prepare.regenerate=true), another chat template, or another domain.",
+                    facts["acceptance_length"], k, expected[k - 1])
 
 
 def _print_summary(rec) -> None:

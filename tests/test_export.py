@@ -624,10 +624,13 @@ def test_export_to_a_directory_holding_another_model(experiment, tmp_path):
     _stage(experiment, "stage=export", "export.verify=false", f"export.out_dir={other}", "export.overwrite=true")
     assert json.loads((other / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     assert (other / "notes.txt").read_text() == "keep me" and (other / "model.safetensors").is_file()
-    # another export (another format) is "another model" too
+    # the same model from another export config (same config.json and weights) is no conflict...
+    _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=5", f"export.out_dir={other}")
+    # ...another export (another format) is "another model"
     with pytest.raises(ExportError, match="an eagle3 export"):
         _stage(experiment, "stage=export", "export.verify=false", "export.format=speculators",
                f"export.out_dir={other}")
+    assert "speculators_config" not in json.loads((other / "config.json").read_text())
 
 
 def test_include_embedding_writes_the_targets_embedding(experiment, target):

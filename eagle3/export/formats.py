@@ -143,7 +143,7 @@ def write_format(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, spec: ExportSpe
     else:
         raise ExportError(f"unknown export format {fmt!r}; one of {FORMATS}")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt", "eagle3_format": fmt})
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     copy_tokenizer(Path(spec.target_path), out_dir)
     return copy.deepcopy(config)
 

@@ -26,12 +26,22 @@ MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "*.safetensors",
 
 
 def fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json and the tensors' names, dtypes, shapes and bytes (not the safetensors
+    header, whose metadata order is not stable across processes)."""
     import hashlib
 
+    import torch
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
     h = hashlib.sha256()
-    for name in sorted(p.name for p in Path(model_dir).iterdir() if p.suffix == ".safetensors" or p.name == "config.json"):
-        h.update(name.encode())
-        h.update(sha256_file(Path(model_dir) / name).encode())
+    h.update(sha256_file(model_dir / "config.json").encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sorted(sf.keys()):
+                t = sf.get_tensor(name).contiguous()
+                h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -75,6 +85,15 @@ def check_destination(out_dir, want_fingerprint: Optional[str], overwrite: bool)
         return "replace"
     raise ExportError(f"export.out_dir={str(d)!r} already holds {_describe(d)}. Nothing was written. Choose "
                       f"another export.out_dir, or pass export.overwrite=true to replace its model files.")
+
+
+def precheck_destination(out_dir, overwrite: bool) -> None:
+    """Fail early (before verification) on a destination that holds anything but an eagle3 export;
+    whether an eagle3 export there is this very model is decided by its fingerprint at publish time."""
+    d = Path(out_dir).expanduser()
+    if d.is_dir() and read_marker(d) is not None:
+        return
+    check_destination(d, None, overwrite)
 
 
 def publish(model_dir: Path, out_dir, overwrite: bool) -> str:

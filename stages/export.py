@@ -14,7 +14,6 @@ log = logging.getLogger("eagle3.export")
 
 
 def run(cfg, manifest):
-    from eagle3.export.checkpoint import DraftCheckpoint  # noqa: F401  (import cost paid once, here)
     from eagle3.export.formats import ExportSpec, write_format
     from eagle3.export.importers import MARKER
     from eagle3.export.model_card import model_card

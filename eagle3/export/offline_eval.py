@@ -71,11 +71,12 @@ class HFTarget:
         return self.model.get_input_embeddings().weight
 
     @torch.inference_mode()
-    def forward(self, ids: list, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy next tokens [T], aux [T, n_aux*H]) for ``ids`` appended to ``cache``."""
+    def forward(self, ids: list, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy next tokens [T] (only the last with all_logits=False), aux [T, n_aux*H]) for ``ids``
+        appended to ``cache``."""
         self._captured.clear()
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         aux = torch.cat([self._captured[k][0] for k in self.layer_ids], dim=-1)
         return out.logits[0].float().argmax(-1), aux
 
@@ -167,7 +168,7 @@ def speculative_generate(target: HFTarget, draft: DraftRunner, prompt: list, k: 
 
     cache = DynamicCache()
     draft.reset()
-    nxt, aux = target.forward(prompt, cache)
+    nxt, aux = target.forward(prompt, cache, all_logits=False)
     seq = list(prompt) + [int(nxt[-1])]
     out = [seq[-1]]
     stats.target_steps += 1
@@ -264,7 +265,7 @@ def greedy_continuations(target: HFTarget, prompts: list, num_tokens: int, batch
         x = ids
         for _ in range(num_tokens):
             logits = target.model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                                  use_cache=True).logits[:, -1]
+                                  use_cache=True, logits_to_keep=1).logits[:, -1]
             x = logits.float().argmax(-1, keepdim=True)
             gen.append(x)
             mask = torch.cat([mask, torch.ones_like(x)], dim=1)
@@ -308,7 +309,7 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
                 out = speculative_generate(target, draft, list(p), k, max_tokens, stops, stats)
             else:
                 seq = list(p) + list(continuations[i])
-                _, aux = target.forward(seq, DynamicCache())
+                _, aux = target.forward(seq, DynamicCache(), all_logits=False)
                 out = replay_on_greedy_path(draft, aux, seq, len(p), k, max_tokens, stops, stats)
             stats.outputs.append(out)
             stats.generated_tokens += len(out)

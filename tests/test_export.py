@@ -479,6 +479,30 @@ def test_import_midlayer_layout(target, kept, prompts, stops, tmp_path):
     assert all(torch.equal(ck2.tensors[n], ref[n]) for n in ck2.tensors) and ck2.embed is None
 
 
+def test_import_speculators_layout_as_speculators_writes_it(target, kept, tmp_path):
+    """A speculators checkpoint without norm_before_residual gets vLLM's default for that layout (True);
+    the HF-style layout's default is False. Ids there are vLLM's."""
+    from eagle3.export.formats import write_format
+    from eagle3.export.importers import import_draft
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    out = tmp_path / "spec"
+    write_format(ckpt, "speculators", out, spec(target))
+    conf = json.loads((out / "config.json").read_text())
+    del conf["norm_before_residual"]
+    conf.update(speculators_version="0.7.0", auto_map={"": "config.Eagle3SpeculatorConfig"})
+    (out / "config.json").write_text(json.dumps(conf))
+    got = import_draft(out, target.config)
+    assert got.config.norm_before_residual is True and got.config.aux_layer_ids == [1, 2, 3]
+    assert got.source["layout"] == "speculators"
+    hf = tmp_path / "hf"
+    write_format(ckpt, "vllm", hf, spec(target))
+    conf = json.loads((hf / "config.json").read_text())
+    del conf["norm_before_residual"]
+    (hf / "config.json").write_text(json.dumps(conf))
+    assert import_draft(hf, target.config).config.norm_before_residual is False
+
+
 def test_import_rejects_drafts_that_do_not_fit(target, kept, tmp_path):
     from eagle3.export.errors import ImportDraftError
     from eagle3.export.importers import import_draft

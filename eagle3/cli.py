@@ -27,6 +27,10 @@ def run_stage(name: str, cfg: Config, manifest: Manifest):
     t0 = time.perf_counter()
     record = module.run(cfg, manifest)
     log.info("stage %s finished in %.1f s", name, time.perf_counter() - t0)
+    if name in ("extract", "export"):  # prepare and train log their own runs
+        from .tracking import log_stage_facts
+
+        log_stage_facts(cfg, name, record)
     return record
 
 

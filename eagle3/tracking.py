@@ -96,3 +96,36 @@ def read_offline_run(run_dir: str | Path) -> dict:
             out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                    for item in rec.history.item})
     return out
+
+
+def log_stage_facts(cfg, stage: str, record) -> None:
+    """A wandb run for a stage that does not log by itself (extract, export): its numeric facts,
+    and for export the acceptance figures under the names the dashboards use."""
+    if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled" or record is None:
+        return
+    if record.data.get("pid") != os.getpid():  # skipped: already complete, logged when it ran
+        return
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    facts = record.facts
+    row = {f"{stage}/{k}": v for k, v in facts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for k, v in (facts.get("num_tokens") or {}).items():
+        row[f"{stage}/tokens_{k}"] = v
+    table = None
+    if stage == "export":
+        if facts.get("acceptance_length") is not None:
+            row["eval/acceptance_length"] = facts["acceptance_length"]
+        for k, v in (facts.get("acceptance_by_k") or {}).items():
+            row[f"export/acceptance_length_k{k}"] = v
+        per_pos = facts.get("acceptance_per_position") or []
+        for i, v in enumerate(per_pos, 1):
+            row[f"export/acceptance_pos_{i}"] = v
+        table = wandb.Table(columns=["position", "acceptance_rate"], data=[[i, v] for i, v in enumerate(per_pos, 1)])
+    run = wandb.init(**wandb_settings(cfg, stage, record.config_hash, record.data.get("upstream")))
+    try:
+        if table is not None:
+            row["export/acceptance_per_position"] = table
+        run.log(row)
+    finally:
+        run.finish()

@@ -32,3 +32,37 @@ def test_logger_jsonl_writes_no_wandb_run(compose, tiny_llama_dir, tmp_path):
     run(compose("stage=prepare", f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={ws}",
                 "logger=jsonl", "prepare.draft_vocab_size=64", "progress=false"))
     assert not list(Path(ws).glob("wandb/wandb/offline-run-*"))
+
+
+def test_extract_run_logged_once_and_not_on_noop(compose, tiny_llama_dir, tmp_path):
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(6))
+    ws = tmp_path / "ws"
+    args = ("stage=extract", f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={ws}",
+            "experiment=x", "extract.backend=hf", "prepare.draft_vocab_size=64", "progress=false")
+    run(compose(*args[1:], "stage=prepare", "logger=jsonl"))
+    run(compose(*args))
+    run(compose(*args))  # no-op: already complete, not logged again
+    runs = [read_offline_run(p) for p in sorted((ws / "wandb" / "wandb").glob("offline-run-*"))]
+    extract_runs = [r for r in runs if r["job_type"] == "extract"]
+    assert len(extract_runs) == 1
+    rec = Manifest(ws / "x").current("extract")
+    assert extract_runs[0]["history"][-1]["extract/tokens_train"] == rec.facts["num_tokens"]["train"]
+
+
+def test_export_acceptance_metric_names(compose, tmp_path):
+    import os
+
+    from eagle3.manifest import StageRecord
+    from eagle3.tracking import log_stage_facts
+
+    cfg = compose(f"workspace={tmp_path}", "experiment=names")
+    facts = {"acceptance_length": 2.25, "acceptance_by_k": {"1": 1.6, "3": 2.25},
+             "acceptance_per_position": [0.7, 0.4, 0.15]}
+    rec = StageRecord("export", {"pid": os.getpid(), "config_hash": "e" * 64, "facts": facts, "upstream": {}}, tmp_path)
+    log_stage_facts(cfg, "export", rec)
+    (logged,) = [read_offline_run(p) for p in (tmp_path / "wandb" / "wandb").glob("offline-run-*")]
+    row = logged["history"][-1]
+    assert row["eval/acceptance_length"] == 2.25 and row["export/acceptance_length_k3"] == 2.25
+    assert [row[f"export/acceptance_pos_{i}"] for i in (1, 2, 3)] == [0.7, 0.4, 0.15]
+    assert row["export/acceptance_per_position/_type"] == "table-file"  # the per-position table
+    assert row["export/acceptance_per_position/nrows"] == 3

@@ -24,10 +24,12 @@ def experiment_dir(cfg: Config) -> Path:
 
 def run_stage(name: str, cfg: Config, manifest: Manifest):
     module = importlib.import_module(f"stages.{name}")
+    before = {h: r.get("ended") for h, r in manifest.read()["stages"].get(name, {}).get("runs", {}).items()}
     t0 = time.perf_counter()
     record = module.run(cfg, manifest)
     log.info("stage %s finished in %.1f s", name, time.perf_counter() - t0)
-    if name in ("extract", "export"):  # prepare and train log their own runs
+    ran = record is not None and before.get(record.config_hash) != record.data.get("ended")
+    if ran and name in ("extract", "export"):  # prepare and train log their own runs
         from .tracking import log_stage_facts
 
         log_stage_facts(cfg, name, record)

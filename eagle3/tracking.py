@@ -103,8 +103,6 @@ def log_stage_facts(cfg, stage: str, record) -> None:
     and for export the acceptance figures under the names the dashboards use."""
     if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled" or record is None:
         return
-    if record.data.get("pid") != os.getpid():  # skipped: already complete, logged when it ran
-        return
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 

@@ -50,15 +50,13 @@ def test_extract_run_logged_once_and_not_on_noop(compose, tiny_llama_dir, tmp_pa
 
 
 def test_export_acceptance_metric_names(compose, tmp_path):
-    import os
-
     from eagle3.manifest import StageRecord
     from eagle3.tracking import log_stage_facts
 
     cfg = compose(f"workspace={tmp_path}", "experiment=names")
     facts = {"acceptance_length": 2.25, "acceptance_by_k": {"1": 1.6, "3": 2.25},
              "acceptance_per_position": [0.7, 0.4, 0.15]}
-    rec = StageRecord("export", {"pid": os.getpid(), "config_hash": "e" * 64, "facts": facts, "upstream": {}}, tmp_path)
+    rec = StageRecord("export", {"config_hash": "e" * 64, "facts": facts, "upstream": {}}, tmp_path)
     log_stage_facts(cfg, "export", rec)
     (logged,) = [read_offline_run(p) for p in (tmp_path / "wandb" / "wandb").glob("offline-run-*")]
     row = logged["history"][-1]

@@ -189,7 +189,8 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
     max_seq_len: int = 2048
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16
+    # auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU: fast only with AVX512-BF16/AMX, see eagle3/train/cpu.py)
+    mixed_precision: str = "auto"
     attention: str = "auto"  # auto | flex | sdpa
     seed: int = 0
     eval_every: int = 200
@@ -201,8 +202,13 @@ class TrainConfig:
     packing: bool = True
     # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there).
     compile: str = "auto"
+    # torch threads while training on CPU; 0 = torch's default (one per core). On a machine shared
+    # with other jobs fewer are faster: every op ends on an OpenMP barrier that waits for a
+    # descheduled thread (eagle3/train/cpu.py).
+    cpu_threads: int = 0
 
-    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
+    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
+                    "cpu_threads")
 
     def __post_init__(self):
         _check_positive("train.ttt_steps", self.ttt_steps)
@@ -217,6 +223,7 @@ class TrainConfig:
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
             _check_positive(f"train.{name}", getattr(self, name))
+        _check_positive("train.cpu_threads", self.cpu_threads, allow_zero=True)
         if not 0 < self.decay <= 1:
             raise ValueError(f"train.decay must be in (0, 1], got {self.decay}")
         if len(self.betas) != 2:

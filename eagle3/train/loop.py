@@ -135,6 +135,13 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     """Train the draft; returns the summary recorded as the stage's facts.
 
     ``tracker``: {'project': ..., 'init_kwargs': {...}} for Accelerate's wandb tracker, or None."""
+    from .cpu import cpu_threads
+
+    with cpu_threads(0 if torch.cuda.is_available() else getattr(tcfg, "cpu_threads", 0)):
+        return _train(tcfg, inputs, out_dir, tracker, progress)
+
+
+def _train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict], progress: bool) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
     from tqdm.auto import tqdm
@@ -142,6 +149,10 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     out_dir = Path(out_dir)
     use_cuda = torch.cuda.is_available()
     mp = tcfg.mixed_precision if tcfg.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
+    if not use_cuda:
+        from .cpu import warn_if_slow_bf16
+
+        warn_if_slow_bf16(mp)
     accelerator = Accelerator(mixed_precision=mp, gradient_accumulation_steps=tcfg.grad_accum,
                               log_with="wandb" if tracker else None, project_dir=str(out_dir),
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
@@ -158,7 +169,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     if tcfg.model.lm_head_init == "target":
         with torch.no_grad():
             draft.lm_head.weight.copy_(head.kept_lm_head().float())
-    head = head.to(device=device, dtype=dtype if use_cuda else head.embed_weight.dtype)
+    # bf16 on CPU too when asked for: the full-vocabulary target head is a third of a CPU step in float32
+    head = head.to(device=device, dtype=dtype if use_cuda or mp == "bf16" else head.embed_weight.dtype)
     compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas),

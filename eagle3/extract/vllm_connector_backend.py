@@ -70,15 +70,19 @@ class VLLMConnectorExtractor:
                              kv_transfer_config=kv, **kwargs)
 
     def _collect(self, paths: dict, timeout: float = 300.0) -> None:
-        """Step the engine until every request's file is written (the connector writes a finished
-        request's file during a later engine step)."""
+        """Wait until every request's file is written. The connector writes a finished request's file
+        during a later engine step: in-process we must run those steps ourselves; a separate engine
+        core process (GPU default) keeps stepping on its own while sends are pending, and there
+        ``step()`` would block waiting for outputs that never come."""
         engine = self.llm.llm_engine
+        inproc = type(engine.engine_core).__name__ == "InprocClient"
         t0 = time.perf_counter()
         while not all(_ready(p) for p in paths.values()):
             if time.perf_counter() - t0 > timeout:
                 missing = [p for p in paths.values() if not _ready(p)][:3]
                 raise ExtractError(f"the hidden-states connector did not write {missing} within {timeout:.0f} s")
-            engine.step()
+            if inproc:
+                engine.step()
             time.sleep(0.001)
 
     def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:

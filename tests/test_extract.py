@@ -109,6 +109,20 @@ def test_vllm_connector_matches_hf(tmp_path, hf_store, samples, layout, target):
     assert not list((tmp_path / "s").glob(".connector_tmp*"))
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_tp1(tmp_path, vllm_store, samples, layout, target):
+    """TP=2 on the CPU: two worker processes, only rank 0 writes; states equal TP=1's up to float
+    rounding (the all-reduce sums in another order), and the store is complete and well-formed."""
+    store = _extract(tmp_path / "s", samples, layout, target, "vllm", ecfg={"tensor_parallel_size": 2})
+    for split in samples:
+        got, want = open_hidden_states(store, split), open_hidden_states(vllm_store, split)
+        for i in range(len(want)):
+            for key in ("aux_hidden_states", "last_hidden_state"):
+                x, y = got[i][key], want[i][key]
+                assert float((x - y).abs().max() / y.abs().max()) <= TOL, (split, i, key)
+
+
 _RESUME_SCRIPT = """
 import json, sys, time
 from eagle3.config import ExtractConfig

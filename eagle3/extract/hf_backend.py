@@ -20,7 +20,8 @@ log = logging.getLogger("eagle3.extract")
 class HFExtractor:
     name = "hf"
 
-    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg):
+    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, ecfg, model=None):
+        """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built)."""
         import torch
         from transformers import AutoModel
 
@@ -30,7 +31,9 @@ class HFExtractor:
         self.device = torch.device(device)
         self.layout = layout
         self.batch_size = ecfg.batch_size
-        self.model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype)).to(self.device)
+        if model is None:
+            model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype))
+        self.model = model.to(self.device)
         self.model.eval()
         layers = getattr(self.model, "layers", None)
         if layers is None:

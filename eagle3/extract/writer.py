@@ -20,6 +20,7 @@ import queue
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -75,17 +76,17 @@ class _OpenShard:
         for name, arr in (("offsets", plan.offsets), ("sample_index", index), ("input_ids", ids), ("loss_mask", mask)):
             _pwrite(self.fd, np.ascontiguousarray(arr).tobytes(), self.off[name])
 
-    def write_rows(self, j: int, pos: int, aux_rows, last_rows) -> None:
-        n = aux_rows.shape[0]
+    def claim_rows(self, j: int, pos: int, n: int) -> tuple[int, int]:
+        """Coverage bookkeeping for rows [pos, pos + n) of sample j (called in submission order);
+        returns the file offsets of their aux and last-state bytes."""
         length = int(self.plan.lengths[j])
         if pos > self.written[j] or pos + n > length:
             raise StoreWriteError(f"capture error: sample {self.plan.first + j} got rows [{pos}, {pos + n}) but has "
                                   f"{length} tokens and {int(self.written[j])} written so far (a gap means tokens were "
                                   f"skipped, e.g. by prefix caching)")
-        row0 = int(self.plan.offsets[j]) + pos
-        _pwrite(self.fd, _raw(aux_rows), self.off["aux_hidden_states"] + row0 * self.aux_row)
-        _pwrite(self.fd, _raw(last_rows), self.off["last_hidden_state"] + row0 * self.last_row)
         self.written[j] = max(self.written[j], pos + n)
+        row0 = int(self.plan.offsets[j]) + pos
+        return self.off["aux_hidden_states"] + row0 * self.aux_row, self.off["last_hidden_state"] + row0 * self.last_row
 
     def finish(self) -> dict:
         short = np.nonzero(self.written != self.plan.lengths)[0]
@@ -125,6 +126,13 @@ class _OpenShard:
             self.tmp.unlink()
         except FileNotFoundError:
             pass
+
+
+_PIECE = 16 << 20
+
+
+def _pwrite_tensor(fd: int, t, offset: int) -> None:
+    _pwrite(fd, _raw(t), offset)
 
 
 def _raw(t):
@@ -169,7 +177,8 @@ class ShardWriter:
     """Writes shards from captured batches in a background thread.
 
     ``begin(plan)`` opens a shard, ``write(key, batch)`` queues rows, ``end(key)`` finalizes it
-    (coverage check, fsync, sha256, sidecar, rename). ``poll()`` returns finished shard records and
+    (coverage check, fsync, sha256, sidecar, rename) in a second thread, so that hashing and
+    flushing one shard overlap writing the rows of the next. ``poll()`` returns finished shard records and
     raises :class:`StoreWriteError` if the thread failed; ``close()`` waits for everything."""
 
     def __init__(self, store_dir: str | Path, layout: StoreLayout, max_pending: int = 4):
@@ -180,7 +189,11 @@ class ShardWriter:
         self._done: list = []
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
-        self.cpu_seconds = 0.0  # CPU time of the writer thread (the benchmark accounts it)
+        self.cpu_seconds = 0.0  # CPU time of the writer threads (the benchmark accounts it)
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-finisher")
+        # Row copies into the page cache run on a few threads (pwrite releases the GIL): one thread
+        # tops out well below a fast disk's bandwidth.
+        self._rows = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="eagle3-rows")
         self._thread = threading.Thread(target=self._loop, name="eagle3-shard-writer", daemon=True)
         self._thread.start()
 
@@ -204,13 +217,18 @@ class ShardWriter:
     def close(self) -> list:
         self._put(("stop", None))
         self._thread.join()
+        self._rows.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
         return self.poll()
 
     def abort(self) -> None:
-        """Stop without finishing: open shards' temp files are removed."""
+        """Stop without finishing: open shards' temp files are removed (shards already being
+        finished are completed: their rows are all written)."""
         if self._thread.is_alive():
             self._put(("abort", None))
             self._thread.join()
+        self._rows.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
 
     def _put(self, item) -> None:
         while True:
@@ -261,14 +279,22 @@ class ShardWriter:
                 if arg.release:
                     arg.release()
         elif op == "end":
-            shard = self._open.pop(tuple(arg))
-            try:
-                rec = shard.finish()
-            except BaseException:
-                shard.discard()
-                raise
+            self._finisher.submit(self._finish, self._open.pop(tuple(arg)))
+
+    def _finish(self, shard: "_OpenShard") -> None:
+        t0 = time.thread_time()
+        try:
+            if self._error is not None:
+                raise RuntimeError("writer failed")  # do not complete anything after a failure
+            rec = shard.finish()
             with self._lock:
                 self._done.append(rec)
+        except BaseException as e:  # noqa: BLE001 - reported by poll()/close()
+            shard.discard()
+            if self._error is None:
+                self._error = e
+        finally:
+            self.cpu_seconds += time.thread_time() - t0
 
     def _write(self, batch: CapturedBatch) -> None:
         import torch
@@ -279,11 +305,21 @@ class ShardWriter:
         aux = batch.aux if isinstance(batch.aux, torch.Tensor) else torch.stack(list(batch.aux), dim=1)
         aux = aux.to(dtype).contiguous()
         last = batch.last.to(dtype).contiguous()
+        jobs = []
         for key, j, pos, rs, re in batch.segments:
             shard = self._open.get(tuple(key))
             if shard is None:
                 raise StoreWriteError(f"capture error: rows for shard {key} which is not open")
-            shard.write_rows(j, pos, aux[rs:re], last[rs:re])
+            aux_off, last_off = shard.claim_rows(j, pos, re - rs)
+            step = max(1, _PIECE // shard.aux_row)  # pieces of ~16 MiB spread over the row threads
+            for a in range(rs, re, step):
+                b = min(re, a + step)
+                jobs.append((shard.fd, aux[a:b], aux_off + (a - rs) * shard.aux_row))
+                jobs.append((shard.fd, last[a:b], last_off + (a - rs) * shard.last_row))
+        # Wait for this batch's rows before the next op: "end" then finds every row written, and
+        # the batch's buffers are released only after the copies.
+        for f in [self._rows.submit(_pwrite_tensor, *job) for job in jobs]:
+            f.result()
 
     def _discard_all(self) -> None:
         for shard in self._open.values():

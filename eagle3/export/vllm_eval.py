@@ -47,7 +47,8 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int) -> A
     """Generate greedily for every prompt in one engine; outputs and acceptance stats."""
     params = greedy_params(max_tokens, stop_ids)
     engine = llm.llm_engine
-    before = spec_counters(llm)
+    # acceptance counters need disable_log_stats=False; without speculation there is nothing to count
+    before = spec_counters(llm) if k else None
     index = {}
     for i, p in enumerate(prompts):
         rid = f"eagle3-eval-{i}"
@@ -67,19 +68,21 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int) -> A
                 lengths[i] = len(ids)
             if out.finished:
                 outputs[i] = ids
-    after = spec_counters(llm)
     missing = [i for i, o in enumerate(outputs) if o is None]
     if missing:
         raise RuntimeError(f"vLLM finished without output for prompts {missing[:5]}")
     stats = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=outputs)
+    stats.generated_tokens = sum(len(o) for o in outputs)
+    stats.target_steps = sum(steps)
+    if not k:
+        return stats
+    after = spec_counters(llm)
     stats.num_drafts = after["num_drafts"] - before["num_drafts"]
     stats.num_draft_tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
     stats.num_accepted = after["num_accepted"] - before["num_accepted"]
     pp_before = before["per_pos"] + [0] * k
     stats.accepted_per_pos = [(after["per_pos"][i] if i < len(after["per_pos"]) else 0) - pp_before[i]
                               for i in range(k)]
-    stats.generated_tokens = sum(len(o) for o in outputs)
-    stats.target_steps = sum(steps)
     return stats
 
 

@@ -16,6 +16,10 @@ log = logging.getLogger("eagle3.prepare")
 def _source_identity(path: str) -> str:
     from eagle3.hashing import hash_files, sha256_file
 
+    if str(path).startswith("builtin:"):  # a prompt set generated in memory (data.path=builtin:large)
+        from eagle3.data.sources import generated_identity
+
+        return generated_identity(str(path))
     p = Path(path).expanduser()
     if p.is_dir():
         return hash_files([f for f in p.rglob("*") if f.is_file()], p)

@@ -12,6 +12,8 @@ from typing import Iterator
 from ..errors import Eagle3Error
 
 BUILTIN_PROMPTS = Path(__file__).resolve().parent / "builtin" / "prompts.jsonl"
+# data.path values that name a prompt set generated in memory by eagle3/data/builtin/make_prompts.py
+BUILTIN_GENERATED = {"builtin:large": "build_large"}
 
 
 class DataError(Eagle3Error):
@@ -81,7 +83,28 @@ def read_hf(path: Path, fmt: str, split: str) -> Iterator[Record]:
         yield Record(row, f"{path}[{i}]")
 
 
+def generated_records(name: str) -> list[dict]:
+    """The records of a generated built-in set (``data.path=builtin:large``), deterministic."""
+    import importlib.util
+
+    if name not in BUILTIN_GENERATED:
+        raise DataError(f"unknown built-in prompt set {name!r}; known: {sorted(BUILTIN_GENERATED)}")
+    spec = importlib.util.spec_from_file_location("eagle3_make_prompts", BUILTIN_PROMPTS.parent / "make_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, BUILTIN_GENERATED[name])()
+
+
+def generated_identity(name: str) -> str:
+    """Content hash of a generated set (for the prepare stage's config hash)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(generated_records(name), sort_keys=True).encode()).hexdigest()
+
+
 def read_source(path: str | Path, fmt: str, split: str, on_bad: str, report: ReadReport) -> list[Record]:
+    if str(path).startswith("builtin:"):
+        return [Record(r, f"{path}[{i}]") for i, r in enumerate(generated_records(str(path)))]
     path = Path(path).expanduser()
     if not path.exists():
         raise DataError(f"data source {str(path)!r} does not exist (set data.path=FILE or data.sources)")

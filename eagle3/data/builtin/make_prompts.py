@@ -8,10 +8,19 @@ short and concrete: the default target (SmolLM2-135M-Instruct) is tiny and most 
 and simple questions. Every conversation ends on a user turn; multi-turn items carry earlier
 assistant turns written here (short, plausible), which the default pipeline regenerates anyway.
 The file is shuffled so that any prefix (CI uses the first few dozen) mixes all categories.
+
+Large mode (``--large N``, or ``build_large(N)``; the prepare stage reads it as
+``data.path=builtin:large``, see ``experiment=smollm2_large``) expands the same templates over
+every combination, several programming languages, audiences and styles, unbounded maths, and
+questions about the public functions of Python's standard library (text that ships with every
+Python: the set is reproducible for a given Python minor version). Its multi-turn items carry a
+worked earlier answer only where one is known to be right (maths, the functions above); the
+pipeline regenerates every assistant turn anyway.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import sys
@@ -536,10 +545,191 @@ def render(records: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
+# ----------------------------------------------------------------------------- large mode
+
+LARGE_SIZE = 20000
+LANGUAGES = ["Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "Ruby", "Kotlin"]
+MORE_FUNCTIONS = [
+    "returns the number of words in a sentence", "checks whether two strings are anagrams",
+    "returns the greatest common divisor of two integers", "converts a number of seconds to hours, minutes and seconds",
+    "returns every prime number below n", "counts how many times a character appears in a string",
+    "checks whether a year is a leap year", "returns the median of a list of numbers",
+    "capitalizes the first letter of every word in a string", "returns the list of digits of an integer",
+    "checks whether a list is sorted", "rotates a list by k positions", "returns the intersection of two lists",
+    "converts a binary string to a decimal number", "converts a decimal number to binary",
+    "removes all whitespace from a string", "returns the longest word in a sentence",
+    "splits a list into chunks of size n", "returns the running total of a list of numbers",
+    "checks whether a string contains only digits", "returns the n-th row of Pascal's triangle",
+    "computes the dot product of two vectors", "transposes a matrix given as a list of lists",
+    "validates that a string looks like an email address", "returns the most common element of a list",
+    "reverses the order of words in a sentence", "computes compound interest", "checks whether brackets in a string are balanced",
+    "converts a string to title case", "returns the index of an item in a sorted list using binary search",
+    "sums the even numbers in a list", "counts the lines in a text file", "returns the average word length of a text",
+    "removes vowels from a string", "returns the squares of a list of numbers", "finds the smallest missing positive integer",
+    "merges two dictionaries", "groups a list of words by their first letter", "returns the factorial of n recursively",
+    "checks whether a number is a perfect square",
+]
+HOWTO_TASKS = [
+    "read a file line by line", "sort a list of objects by a field", "make an HTTP GET request", "parse JSON",
+    "write to a CSV file", "handle errors", "define a class with a constructor", "loop over a dictionary",
+    "format a date as YYYY-MM-DD", "generate a random number", "check if a string starts with a prefix",
+    "remove duplicates from an array", "concatenate strings", "measure how long a piece of code takes",
+    "read an environment variable", "split a string by commas", "write a unit test", "create a thread",
+    "reverse an array", "find the maximum of an array",
+]
+CODE_EXTRAS = [".", ". Add comments.", ", and explain its time complexity.", ", with a few tests.",
+               ", without using library helpers.", ", and show an example call."]
+MORE_TOPICS = [
+    "how a compiler works", "what machine learning is", "how encryption keeps messages private", "what inflation is",
+    "how a bank loan works", "what photosynthesis is", "how the immune system works", "what climate change is",
+    "how a vaccine is tested", "how electricity reaches a home", "what a neural network is", "how tides work",
+    "what an operating system does", "how a hash table works", "what version control is", "how email is delivered",
+    "what a database index is", "how recycling works", "what supply and demand means", "how bees make honey",
+    "what a budget is", "how a rocket reaches orbit", "what the water cycle is", "how memory works in the brain",
+    "what a cell is", "how a web browser shows a page", "what compound interest is", "how wind turbines work",
+    "what an ecosystem is", "how sleep helps the body",
+]
+EXPLAIN_FORMATS = ["in one paragraph", "in three bullet points", "with an everyday example", "in simple words"]
+WRITING_TONES = ["short", "formal", "friendly", "very polite", "brief and clear"]
+STORY_KINDS = ["short story", "five-sentence story", "funny story", "bedtime story for a child", "mystery story"]
+AUDIENCES = ["a ten-year-old", "a high-school student", "a beginner", "someone who has never heard of it",
+             "a busy manager", "an engineer"]
+EXPLAIN_STYLES = [
+    "Explain {topic} to {audience}.", "Explain {topic} in three bullet points.", "Explain {topic} in one paragraph.",
+    "Give a simple analogy for {topic}.", "What are the key ideas behind {topic}?",
+    "Write a short quiz question about {topic} and answer it.",
+]
+STDLIB_MODULES = ["json", "os.path", "itertools", "collections", "functools", "re", "math", "statistics", "string",
+                  "textwrap", "datetime", "random", "pathlib", "shutil", "csv", "heapq", "bisect", "operator",
+                  "time", "glob", "fnmatch", "difflib", "unicodedata", "base64", "hashlib", "zlib", "copy",
+                  "pprint", "enum", "dataclasses", "contextlib", "argparse", "logging", "decimal", "fractions"]
+STDLIB_ASKS = ["What does `{name}` do in Python? Give a short example.",
+               "How do I use `{name}` in Python? Show an example.",
+               "Explain the Python function `{name}` and when to use it."]
+
+
+def stdlib_functions() -> list:
+    """Public functions and classes of STDLIB_MODULES that have a docstring, as dotted names."""
+    import importlib
+    import inspect
+
+    names = []
+    for mod_name in STDLIB_MODULES:
+        mod = importlib.import_module(mod_name)
+        public = getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]
+        for n in sorted(set(public)):
+            obj = getattr(mod, n, None)
+            if (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)) and inspect.getdoc(obj):
+                names.append(f"{mod_name}.{n}")
+    return names
+
+
+def build_large(size: int = LARGE_SIZE, seed: int = SEED + 1) -> list[dict]:
+    """``size`` distinct conversations (or fewer if the templates run out, which they do not below
+    ~100k: maths is unbounded), categories mixed as in the small set plus ``docs``."""
+    rng = random.Random(seed)
+    pools: dict[str, list] = {c: [] for c in ("code", "math", "writing", "explanation", "docs", "multi_turn")}
+    whats = [what for _, what, _ in FUNCTIONS] + MORE_FUNCTIONS
+    for what in whats:
+        for lang in LANGUAGES:
+            pools["code"] += [[_user(f"Write a {lang} function that {what}{extra}")] for extra in CODE_EXTRAS]
+        for ask in FUNCTION_ASKS:
+            pools["code"].append([_user(ask.format(name="solution", what=what).replace("`solution` ", ""))])
+    for task in HOWTO_TASKS:
+        for lang in LANGUAGES:
+            pools["code"].append([_user(f"How do I {task} in {lang}?")])
+    for code, goal in BUGS:
+        pools["code"] += [[_user(a.format(code=code, goal=goal))] for a in BUG_ASKS]
+    for code in SNIPPETS:
+        pools["code"] += [[_user(a.format(code=code))] for a in SNIPPET_ASKS]
+    pools["code"] += [[_user(q)] for q in CODE_QUESTIONS]
+    topics = (list(SCIENCE) + MORE_TOPICS + [f"how {t} works" for t in THINGS] + [f"the importance of {h}" for h in HISTORY]
+              + [f"the work of {p}" for p in PEOPLE] + ["the difference between {} and {}".format(*p) for p in PAIRS])
+    for topic in topics:
+        for style in EXPLAIN_STYLES:
+            for audience in AUDIENCES if "{audience}" in style else [None]:
+                pools["explanation"].append([_user(style.format(topic=topic, audience=audience))])
+        for audience in AUDIENCES:
+            for fmt in EXPLAIN_FORMATS:
+                pools["explanation"].append([_user(f"Explain {topic} to {audience}, {fmt}.")])
+    for recipient in RECIPIENTS:
+        for purpose in EMAIL_PURPOSES:
+            pools["writing"] += [[_user(f"Write a {tone} email to {recipient} {purpose}.")] for tone in WRITING_TONES]
+    for who in CHARACTERS:
+        for event in EVENTS:
+            pools["writing"] += [[_user(f"Write a {kind} about {who} who {event}.")] for kind in STORY_KINDS]
+    for topic in POEM_TOPICS:
+        pools["writing"] += [[_user(f"Write a {form} about {topic}.")] for form in
+                             ("haiku", "four-line poem", "limerick", "short song", "two-sentence story")]
+    for text in PARAGRAPHS:
+        pools["writing"] += [[_user(f"{ask}\n\n{text}")] for ask in
+                             ("Summarize the following text in one sentence:", "Give me three bullet points that summarize this:",
+                              "Write a title for this text:", "Rewrite this text for a child:", "List the key facts in this text:")]
+    for product in PRODUCTS:
+        pools["writing"] += [[_user(f"Write a {kind} for {product}.")] for kind in
+                             ("short product description", "catchy slogan", "customer review", "tweet")]
+    pools["writing"] += [[_user(f"Rewrite this sentence to sound more formal: \"{t}\"")] for t in INFORMAL]
+    for name in stdlib_functions():
+        pools["docs"] += [[_user(a.format(name=name))] for a in STDLIB_ASKS]
+    for name, what, code in FUNCTIONS:
+        for follow in CODE_FOLLOWUPS:
+            answer = f"Here is a simple version:\n\n```python\n{code}\n```"
+            pools["multi_turn"].append([_user(f"Write a Python function `{name}` that {what}."), _assistant(answer),
+                                        _user(follow)])
+    for q, a in EXPLAIN_PAIRS:
+        pools["multi_turn"] += [[_user(q), _assistant(a), _user(f)] for f in EXPLAIN_FOLLOWUPS]
+    # maths: unbounded (random numbers); single questions and worked answers with a follow-up
+    shares = {"code": 0.24, "math": 0.20, "writing": 0.14, "explanation": 0.18, "docs": 0.08, "multi_turn": 0.16}
+    want = {c: int(size * f) for c, f in shares.items()}
+    want["math"] += size - sum(want.values())
+    seen: set[str] = set()
+    items: list[tuple[str, list]] = []
+
+    def add(category, messages) -> bool:
+        key = json.dumps(messages)
+        if key in seen:
+            return False
+        seen.add(key)
+        items.append((category, messages))
+        return True
+
+    for category, pool in pools.items():
+        rng.shuffle(pool)
+        for messages in pool[: want[category]]:
+            add(category, messages)
+    tries = 0
+    while len(items) < size and tries < 50 * size:  # maths (and maths multi-turn) fill the rest
+        tries += 1
+        if rng.random() < 0.25:
+            q, a = _word_problem(rng) if rng.random() < 0.6 else _algebra(rng)
+            add("multi_turn", [_user(q), _assistant(a), _user(rng.choice(MATH_FOLLOWUPS))])
+        else:
+            kind = rng.randrange(3)
+            add("math", [_user(_word_problem(rng)[0] if kind == 0 else _algebra(rng)[0] if kind == 1 else _arithmetic(rng))])
+    rng.shuffle(items)
+    counters: dict[str, int] = {}
+    out = []
+    for category, messages in items:
+        counters[category] = counters.get(category, 0) + 1
+        out.append({"id": f"large-{category}-{counters[category]:05d}", "category": category, "messages": messages})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if prompts.jsonl differs from a fresh build")
+    ap.add_argument("--large", type=int, default=0, metavar="N",
+                    help="write N conversations of the large mode to --out instead (prompts.jsonl is untouched)")
+    ap.add_argument("--out", type=Path, default=None, help="output file for --large")
     args = ap.parse_args()
+    if args.large:
+        if args.out is None:
+            ap.error("--large needs --out FILE")
+        records = build_large(args.large)
+        args.out.write_text(render(records))
+        counts = collections.Counter(r["category"] for r in records)
+        print(f"wrote {len(records)} prompts to {args.out}: {dict(counts)}")
+        return
     text = render(build())
     if args.check:
         if not OUT.exists() or OUT.read_text() != text:

@@ -1,0 +1,1 @@
+"""Conversations: sources, chat template and loss mask, regeneration, draft vocabulary."""

@@ -1,0 +1,1 @@
+"""The built-in prompt sets (prompts.jsonl; make_prompts.py generates it and the large set)."""

@@ -40,6 +40,9 @@ from eagle3.train.ttt import TTTModel  # noqa: E402
 VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TTT forward)
     "sdpa_eager": ("sdpa", False),
     "flex_eager": ("flex", False),  # flex_attention itself is always compiled on CUDA
+    # the diagonals inside one flex call over the keys of all steps (the former layout)
+    "stacked_compiled": ("flex_stacked", True),
+    # flex over the causal prefix alone + the diagonals merged by log-sum-exp (the train stage's)
     "flex_compiled": ("flex", True),
     "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (not used by the train loop)
 }
@@ -153,6 +156,7 @@ def run_variant(a, name, device) -> dict:
 
 
 CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),
+          ("gpu fp32 flex_stacked compiled", ("flex_stacked", True, False)),
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
 
 
@@ -336,7 +340,13 @@ def main(argv=None):
     p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
                                                "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
+    p.add_argument("--flex-options", default="", help="JSON kernel_options for flex_attention (block sizes, "
+                                                       "warps, stages) to try against its defaults")
     a = p.parse_args(argv)
+    if a.flex_options:
+        from eagle3.train import attention
+
+        attention.FLEX_KERNEL_OPTIONS.update(json.loads(a.flex_options))
     if not torch.cuda.is_available():
         sys.exit("bench/train.py times a GPU step; no CUDA device is visible")
     device = torch.device("cuda")
@@ -351,6 +361,8 @@ def main(argv=None):
             r = run_variant(a, name, device)
         except torch.OutOfMemoryError as e:
             r = {"variant": name, "error": f"OOM: {str(e)[:200]}"}
+        except Exception as e:  # report and go on: the table below is the point of the call
+            r = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         out["results"].append(r)
         print(json.dumps(r), flush=True)
     for mode in [m for m in a.loop.split(",") if m]:
@@ -366,6 +378,8 @@ def main(argv=None):
           "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
+    if a.flex_options:
+        print(f"flex kernel_options: {a.flex_options}")
     print(f"{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
           f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
     print(f"{'variant':<16}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"

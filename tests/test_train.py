@@ -46,12 +46,44 @@ def test_attention_backends_equal_naive_reference():
         ref = naive_ttt_attention(q, ks[:j + 1], vs[:j + 1], doc)
         out_sdpa = ttt_attention(q, ks[:j + 1], vs[:j + 1], dense.dense(j))
         # flex runs unfused on CPU (forward only there; its fused kernel is checked on GPU by bench --check)
-        out_flex = ttt_attention(q.float(), [k.float() for k in ks[:j + 1]], [v.float() for v in vs[:j + 1]],
-                                 flex.block(j))
+        qf, kf, vf = q.float(), [k.float() for k in ks[:j + 1]], [v.float() for v in vs[:j + 1]]
+        out_stacked = ttt_attention(qf, kf, vf, flex.block(j))
+        out_flex = ttt_attention(qf, kf, vf, flex.prefix_block())  # prefix kernel + merged diagonals
         assert (out_sdpa - ref).abs().max() < 1e-12
+        assert (out_stacked.double() - ref).abs().max() < 1e-5
         assert (out_flex.double() - ref).abs().max() < 1e-5
     # the reference itself sees the right keys: step 1 differs from step 0 at every position
     assert (naive_ttt_attention(q, ks[:2], vs[:2], doc) - naive_ttt_attention(q, ks[:1], vs[:1], doc)).abs().min() > 0
+
+
+def test_diagonal_merge_gradients_equal_naive_reference():
+    """The flex backend's merge of the prefix attention with the diagonals, differentiated through
+    the prefix's log-sum-exp, has the naive reference's gradients (float64; the prefix attention
+    written densely here because flex has no CPU backward: bench/train.py --check runs the fused
+    kernel's gradients on a GPU)."""
+    from eagle3.train.attention import merge_diagonals
+
+    torch.manual_seed(1)
+    B, T, Hq, Hkv, D, S = 2, 24, 4, 2, 16, 4
+    doc = torch.tensor([[0] * 10 + [1] * 14, [3] * 24])
+    q = torch.randn(B, Hq, T, D, dtype=torch.float64, requires_grad=True)
+    ks = [torch.randn(B, Hkv, T, D, dtype=torch.float64, requires_grad=True) for _ in range(S)]
+    vs = [torch.randn(B, Hkv, T, D, dtype=torch.float64, requires_grad=True) for _ in range(S)]
+    scale = D ** -0.5
+    mask = TTTMask(doc, S, "sdpa").dense(0)  # [B,1,T,T] step-0 prefix
+    for j in range(S):
+        k0, v0 = (x.repeat_interleave(Hq // Hkv, 1) for x in (ks[0], vs[0]))
+        scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        out = merge_diagonals(q, torch.softmax(scores, -1) @ v0, torch.logsumexp(scores, -1), ks[1:j + 1],
+                              vs[1:j + 1], scale).double()
+        ref = naive_ttt_attention(q, ks[:j + 1], vs[:j + 1], doc).view(B, T, Hq, D).transpose(1, 2)
+        assert (out - ref).abs().max() < 1e-6  # float32 inside the merge
+        grad = torch.randn_like(ref)
+        inputs = [q] + ks[:j + 1] + vs[:j + 1]
+        got = torch.autograd.grad((out * grad).sum(), inputs)
+        want = torch.autograd.grad((ref * grad).sum(), inputs)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() < 1e-5 * max(1.0, b.abs().max().item())
 
 
 def _dense_blocks(num, idx, ncols):

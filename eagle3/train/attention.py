@@ -5,12 +5,19 @@ target's features produced) and the keys of steps 1..j at index t (the draft's o
 guesses for that position: the diagonals). This is what vLLM's KV cache holds when the draft runs
 its j-th token at position t+j.
 
-Keys of all steps are laid out along one axis: key index ``i*T + s`` is step i, index s. Two
-implementations over that layout:
-- ``flex``: ``torch.nn.attention.flex_attention`` with a block-sparse mask (blocks outside the
-  prefix and the diagonals are skipped). The key buffer always has ``num_steps*T`` rows (unused
-  steps are zeros and fully masked) so every step has one shape and compiles once.
-- ``sdpa``: ``scaled_dot_product_attention`` with a dense boolean mask over ``(j+1)*T`` keys.
+Three implementations:
+- ``flex`` (CUDA default): the prefix and the diagonals apart. ``flex_attention`` over the step-0
+  keys alone with the (document-)causal block mask, the same for every step, returning its
+  log-sum-exp; the j diagonal scores are one dot product per query each; both are merged exactly
+  by their log-sum-exps (one softmax over [lse_prefix, s_1..s_j]). The kernel then computes only
+  the causal blocks: with the diagonals inside one flex call each diagonal cost a whole 128x128
+  block per query block (at T=2048 and 7 steps, 1288 blocks instead of 952), and the keys of all
+  steps had to be concatenated every step.
+- ``flex_stacked``: the keys of all steps along one axis (key ``i*T + s`` is step i, index s),
+  one ``flex_attention`` call per step with a block-sparse mask over ``num_steps*T`` keys (unused
+  steps zeros and masked, so every step has one shape). Kept for benchmarking against ``flex``.
+- ``sdpa`` (CPU default): ``scaled_dot_product_attention`` with a dense boolean mask over
+  ``(j+1)*T`` keys.
 """
 from __future__ import annotations
 
@@ -21,13 +28,21 @@ import torch
 import torch.nn.functional as F
 
 
+BACKENDS = ("flex", "flex_stacked", "sdpa")
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
     """auto -> flex on CUDA (fused, compiled kernel), sdpa elsewhere (flex runs unfused on CPU)."""
     if name == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
-    if name not in ("flex", "sdpa"):
-        raise ValueError(f"train.attention={name!r} is not one of 'auto', 'flex', 'sdpa'")
+    if name not in BACKENDS:
+        raise ValueError(f"train.attention={name!r} is not one of 'auto', " + ", ".join(f"'{b}'" for b in BACKENDS))
     return name
+
+
+# kernel_options passed to every flex_attention call (bench/train.py --flex-options tries others);
+# empty = torch's defaults for the device
+FLEX_KERNEL_OPTIONS: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +122,33 @@ class TTTMask:
             self._cache["maps"] = (partial[:, :, None], full[None, :, None].expand(S, -1, -1, -1, -1))
         return self._cache["maps"]
 
+    def prefix_block(self):
+        """flex BlockMask of the step-0 prefix alone ([T queries, T keys], document-causal): the
+        ``flex`` backend's one mask for every step."""
+        if "prefix" not in self._cache:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            T, bs, doc = self.T, self.block_size, self.doc_ids
+            if T % bs:
+                raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
+                                 f"its block size {bs}; pad the batch (TTTModel does)")
+            n = T // bs
+            q = torch.arange(T, device=doc.device)
+            allowed = (doc[:, :, None] == doc[:, None, :]) & (q[:, None] >= q[None, :])
+            blocks = allowed.view(self.B, n, bs, n, bs)
+            full = blocks.all(4).all(2)
+            partial = blocks.any(4).any(2) & ~full
+            kv_num, kv_idx = _ordered(partial[:, None])
+            q_num, q_idx = _ordered(partial[:, None].transpose(-2, -1))
+            fkv_num, fkv_idx = _ordered(full[:, None])
+            fq_num, fq_idx = _ordered(full[:, None].transpose(-2, -1))
+            self._cache["prefix"] = BlockMask(seq_lengths=(T, T), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                                              full_kv_num_blocks=fkv_num, full_kv_indices=fkv_idx,
+                                              q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num,
+                                              full_q_indices=fq_idx, BLOCK_SIZE=(bs, bs),
+                                              mask_mod=_prefix_mask_mod(doc))
+        return self._cache["prefix"]
+
     def blocks(self) -> list:
         """flex BlockMasks of all steps over the fixed ``num_steps*T`` key layout.
 
@@ -122,11 +164,7 @@ class TTTMask:
             T, bs, S, doc = self.T, self.block_size, self.num_steps, self.doc_ids
             partial, full = self.block_maps()
 
-            def ordered(dense):  # as flex's own _dense_to_ordered
-                d = dense.to(torch.int32)
-                return (d.sum(-1).to(torch.int32).contiguous(),
-                        torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
-
+            ordered = _ordered
             kv_num, kv_idx = ordered(partial)
             q_num, q_idx = ordered(partial.transpose(-2, -1))
             full_kv_num, full_kv_idx = ordered(full[0])
@@ -146,6 +184,19 @@ class TTTMask:
         return self.blocks()[j]
 
 
+def _ordered(dense: torch.Tensor):
+    """(num_blocks, indices) of a dense block map, as flex's own ``_dense_to_ordered``."""
+    d = dense.to(torch.int32)
+    return (d.sum(-1).to(torch.int32).contiguous(),
+            torch.argsort(d, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+
+
+def _prefix_mask_mod(doc: torch.Tensor):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, kv_idx] == doc[b, q_idx])
+    return mask_mod
+
+
 def _ttt_mask_mod(doc: torch.Tensor, T: int, last: torch.Tensor):
     """Token-level TTT mask for keys laid out as step*T + index; ``last`` = j as a 0-d tensor
     (a tensor, not a constant, so the compiled kernel is not rebuilt per step)."""
@@ -159,9 +210,12 @@ def _ttt_mask_mod(doc: torch.Tensor, T: int, last: torch.Tensor):
 
 def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask,
                   scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]; ``mask`` is
-    step j's flex BlockMask (keys padded to num_steps*T) or dense bool mask. -> [B,T,Hq*D]."""
+    """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]; ``mask`` is a
+    dense bool mask (sdpa), the prefix BlockMask of :meth:`TTTMask.prefix_block` (flex) or step j's
+    BlockMask over keys padded to num_steps*T (flex_stacked). -> [B,T,Hq*D]."""
     gqa = q.shape[1] != ks[0].shape[1]
+    if not isinstance(mask, torch.Tensor) and mask.seq_lengths[1] == ks[0].shape[2]:
+        return _prefix_plus_diagonals(q, ks, vs, mask, scale, gqa).transpose(1, 2).flatten(2)
     if isinstance(mask, torch.Tensor):
         k = torch.cat(list(ks), dim=2)
         v = torch.cat(list(vs), dim=2)
@@ -171,8 +225,39 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
         zeros = [torch.zeros_like(ks[0])] * pad
         k = torch.cat(list(ks) + zeros, dim=2)
         v = torch.cat(list(vs) + zeros, dim=2)
-        out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
+                                        kernel_options=FLEX_KERNEL_OPTIONS or None)
     return out.transpose(1, 2).flatten(2)
+
+
+def _prefix_plus_diagonals(q, ks, vs, prefix_mask, scale, gqa) -> torch.Tensor:
+    """flex over the step-0 prefix, then the diagonals of steps 1..j merged in. -> [B,Hq,T,D]."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
+                                         return_aux=AuxRequest(lse=True), kernel_options=FLEX_KERNEL_OPTIONS or None)
+    return merge_diagonals(q, out, aux.lse, ks[1:], vs[1:], scale)
+
+
+def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention over (prefix keys + one diagonal key per step in ``kd``) from the prefix's own
+    output ``out`` [B,Hq,T,D] and log-sum-exp ``lse`` [B,Hq,T] (natural log, of scale*q.k): one
+    softmax over [lse, s_1..s_j] weighs the prefix's output against each diagonal value. Exact,
+    differentiable through ``lse``; float32 inside, q's dtype out."""
+    if not kd:
+        return out
+    B, Hq, T, D = q.shape
+    Hkv = kd[0].shape[1]
+    g = Hq // Hkv
+    # elementwise products + reductions (fused by the compiler), not batched matmuls: the inner
+    # dimensions (j, D) are far too small for a GEMM kernel to pay
+    qg = q.view(1, B, Hkv, g, T, D).float()
+    s = (qg * torch.stack(kd).unsqueeze(3).float()).sum(-1) * scale  # diagonal scores [j, B, Hkv, g, T]
+    w = torch.softmax(torch.cat([lse.float().view(1, B, Hkv, g, T), s]), dim=0)
+    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, D) \
+        + (w[1:, ..., None] * torch.stack(vd).unsqueeze(3).float()).sum(0)
+    return merged.view(B, Hq, T, D).to(q.dtype)
 
 
 def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> torch.Tensor:

@@ -89,10 +89,10 @@ class TTTModel(nn.Module):
         dtype = embeds.dtype
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
-        if backend == "flex" and embeds.device.type == "cpu" and torch.is_grad_enabled():
-            raise ValueError("train.attention=flex cannot train on CPU (torch's flex_attention has no CPU "
+        if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError(f"train.attention={backend} cannot train on CPU (torch's flex_attention has no CPU "
                              "backward); use train.attention=auto or sdpa there")
-        if backend == "flex" and T % FLEX_BLOCK:
+        if backend.startswith("flex") and T % FLEX_BLOCK:
             # flex's block map needs whole blocks: pad on the right with a padding document
             # (no loss positions), which changes nothing for the real positions
             extra = FLEX_BLOCK - T % FLEX_BLOCK
@@ -102,7 +102,12 @@ class TTTModel(nn.Module):
             T = T + extra
         with torch.no_grad():
             mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
-            masks = mask.blocks() if backend == "flex" else [mask.dense(j) for j in range(S)]
+            if backend == "flex":
+                masks = [mask.prefix_block()] * S
+            elif backend == "flex_stacked":
+                masks = mask.blocks()
+            else:
+                masks = [mask.dense(j) for j in range(S)]
         core = self._core
         if self.compile:
             if self._compiled_core is None:

@@ -90,9 +90,18 @@ class RegenerateConfig:
     seed: int = 0
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0
+    # vllm (batched serving engine; the default) | hf (transformers generate, batched with left
+    # padding: for a machine without vLLM, e.g. a GPU box where only torch is installed)
+    backend: str = "vllm"
+    # conversations per transformers generate call (backend=hf only)
+    hf_batch_size: int = 64
+
+    NON_SEMANTIC = ("kv_cache_gb", "hf_batch_size")
 
     def __post_init__(self):
         _check_positive("prepare.regen.max_tokens", self.max_tokens)
+        _check_choice("prepare.regen.backend", self.backend, ("vllm", "hf"))
+        _check_positive("prepare.regen.hf_batch_size", self.hf_batch_size)
 
 
 @dataclass
@@ -191,7 +200,7 @@ class TrainConfig:
     max_seq_len: int = 2048
     # auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU: fast only with AVX512-BF16/AMX, see eagle3/cpu.py)
     mixed_precision: str = "auto"
-    attention: str = "auto"  # auto | flex | sdpa
+    attention: str = "auto"  # auto | flex | flex_stacked | sdpa (eagle3/train/attention.py)
     seed: int = 0
     eval_every: int = 200
     save_every: int = 500
@@ -213,7 +222,7 @@ class TrainConfig:
         _check_positive("train.epochs", self.epochs)
         _check_positive("train.max_steps", self.max_steps, allow_zero=True)
         _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
-        _check_choice("train.attention", self.attention, ("auto", "flex", "sdpa"))
+        _check_choice("train.attention", self.attention, ("auto", "flex", "flex_stacked", "sdpa"))
         self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
@@ -238,6 +247,11 @@ class ExportConfig:
     eval_ks: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     eval_prompts: int = 32
     eval_max_tokens: int = 128
+    # Held-out prompts for verification and stage=eval from a JSONL file instead of the prepare
+    # stage's eval split: one per line, {"messages": [...]} (the chat template adds the assistant
+    # header; a trailing assistant turn is dropped) or {"prompt_token_ids": [...]}. Lets a draft
+    # trained elsewhere (export.from) be verified without a prepare run. Hashed by content.
+    prompts: str = ""
     kv_cache_gb: float = 1.0
     # How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
     # layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang.
@@ -247,7 +261,7 @@ class ExportConfig:
     verify_tolerance: float = 0.05
     device: str = "auto"  # offline evaluator (HF target): auto | cpu | cuda
 
-    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "device")
+    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "device", "prompts")
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))

@@ -15,7 +15,7 @@ log = logging.getLogger("eagle3.eval")
 
 def run(cfg, manifest):
     from eagle3.export.offline_eval import HFTarget, offline_acceptance
-    from eagle3.export.prompts import eval_prompts, stop_token_ids
+    from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
     from eagle3.export.sources import load_source, target_dtype
     from eagle3.target import resolve
 
@@ -27,7 +27,7 @@ def run(cfg, manifest):
     ks = [k] + sorted({int(x) for x in ecfg.eval_ks} - {k})
     config = {"k": k, "eval_ks": ks, "eval_prompts": ecfg.eval_prompts, "eval_max_tokens": ecfg.eval_max_tokens,
               "from": ecfg.from_, "from_layer_convention": ecfg.from_layer_convention, "from_identity": from_id,
-              "dtype": dtype}
+              "dtype": dtype, "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
     if job.done:
         print(f"eval: already complete ({job.config_hash[:12]}): acceptance length "
@@ -36,7 +36,7 @@ def run(cfg, manifest):
     import torch
 
     with job:
-        prompts = eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+        prompts = held_out_prompts(ecfg, prep, target.path)
         stops = stop_token_ids(target.path)
         device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)

@@ -27,7 +27,10 @@ def run(cfg, manifest):
     ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=ecfg.verify)
     check_embedding(ckpt, target, ecfg.include_embedding)
     dtype = target_dtype(cfg, target)
-    config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id}
+    from eagle3.export.prompts import prompts_identity
+
+    config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id,
+              "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("export", config=config, target=target.identity(), inputs=inputs)
     if job.done:
         log.info("export: already complete for this config (%s)", job.config_hash[:12])
@@ -60,10 +63,10 @@ def run(cfg, manifest):
                  "vocab_size": c.vocab_size, "dtype": dtype, "fingerprint": marker["fingerprint"],
                  "model_dir": str(model_dir.relative_to(manifest.exp_dir)), "source": ckpt.source}
         if ecfg.verify:
-            from eagle3.export.prompts import eval_prompts, stop_token_ids
+            from eagle3.export.prompts import held_out_prompts, stop_token_ids
             from eagle3.export.verify import verify_export
 
-            prompts = eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+            prompts = held_out_prompts(ecfg, prep, target.path)
             facts.update(verify_export(
                 model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
                 reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,

@@ -698,6 +698,57 @@ def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):
     assert m.current("export") is None
 
 
+@pytest.mark.vllm
+def test_export_from_verified_on_a_prompts_file_without_other_stages(experiment, target, tmp_path):
+    """export.from + export.prompts: a draft trained elsewhere is verified in vLLM on the user's own
+    prompts (chat messages, a trailing assistant turn dropped, or token ids) in an experiment where
+    no other stage ran; the prompts file is part of the run's identity."""
+    from transformers import AutoTokenizer
+
+    from eagle3.__main__ import compose_config
+    from eagle3.cli import run
+    from eagle3.manifest import Manifest
+
+    src = specforge_checkpoint(target, experiment["kept"], tmp_path / "sf")
+    tok = AutoTokenizer.from_pretrained(str(target.path))
+    ids = tok.apply_chat_template([{"role": "user", "content": "sea wind?"}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(3, seed=7) + [{"prompt_token_ids": list(ids)}])
+    ws = tmp_path / "ws"
+    base = [f"target.path={target.path}", f"workspace={ws}", "experiment=elsewhere", "stage=export",
+            f"export.from={src}", f"export.prompts={prompts}", "export.eval_prompts=10", f"export.eval_ks=[{K}]",
+            f"export.eval_max_tokens={MAX_TOKENS}", f"export.num_speculative_tokens={K}", "export.kv_cache_gb=0.25",
+            "export.device=cpu", "progress=false", "logger=jsonl"]
+    run(compose_config(base))
+    m = Manifest(ws / "elsewhere")
+    assert all(m.current(s) is None for s in ("prepare", "extract", "train"))
+    rec = m.current("export")
+    assert rec.facts["num_prompts"] == 4 and rec.facts["acceptance_length"] == K + 1
+    # other prompts, another run; the same file again, no new run
+    run(compose_config(base))
+    runs = lambda: m.read()["stages"]["export"]["runs"]  # noqa: E731
+    assert len(runs()) == 1
+    write_jsonl(prompts, conversations(2, seed=8))
+    run(compose_config(base))
+    assert len(runs()) == 2 and m.current("export").facts["num_prompts"] == 2
+
+
+def test_bad_prompts_file_is_named(target, tmp_path):
+    from eagle3.export.errors import ExportError
+    from eagle3.export.prompts import file_prompts
+
+    with pytest.raises(ExportError, match="does not exist"):
+        file_prompts(tmp_path / "none.jsonl", 4, target.path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "hello"}\n')
+    with pytest.raises(ExportError, match=r"bad.jsonl:2: expected \{'messages'"):
+        file_prompts(bad, 4, target.path)
+    # a prompt is the conversation up to the assistant header, also when it ends on an answer
+    one = file_prompts(bad, 1, target.path)[0]
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    assert file_prompts(bad, 1, target.path)[0] == one
+
+
 def test_unknown_format_and_bad_export_config(compose):
     for override, msg in [("export.format=onnx", "export.format='onnx' is not one of"),
                           ("export.eval_ks=[0]", "eval_ks"), ("export.verify_tolerance=2", "verify_tolerance"),

@@ -40,6 +40,69 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval") -> list:
     return out
 
 
+def held_out_prompts(ecfg, prep, target_path) -> list:
+    """The prompts verification and stage=eval run: ``export.prompts`` if set, else the prepare
+    stage's eval split."""
+    if ecfg.prompts:
+        return file_prompts(ecfg.prompts, ecfg.eval_prompts, target_path)
+    return eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+
+
+def prompts_identity(ecfg):
+    """Content hash of ``export.prompts`` for a stage's config hash (None without one)."""
+    if not ecfg.prompts:
+        return None
+    from ..hashing import sha256_file
+
+    if not Path(ecfg.prompts).expanduser().is_file():
+        raise ExportError(f"export.prompts={ecfg.prompts!r} does not exist")
+    return sha256_file(Path(ecfg.prompts).expanduser())
+
+
+def file_prompts(path, n: int, target_path) -> list:
+    """Up to ``n`` prompts (token ids) from ``export.prompts``: JSONL lines of {"messages": [...]}
+    (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]}."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ExportError(f"export.prompts={str(path)!r} does not exist (a JSONL file of {{'messages': [...]}} or "
+                          f"{{'prompt_token_ids': [...]}} lines)")
+    tok = None
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ExportError(f"{path}:{lineno}: not JSON ({e})") from None
+            if isinstance(rec, dict) and isinstance(rec.get("prompt_token_ids"), list) and rec["prompt_token_ids"]:
+                ids = [int(t) for t in rec["prompt_token_ids"]]
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list) and rec["messages"]:
+                msgs = list(rec["messages"])
+                if msgs[-1].get("role") == "assistant":
+                    msgs = msgs[:-1]
+                if not msgs:
+                    raise ExportError(f"{path}:{lineno}: no turn before the assistant's")
+                if tok is None:
+                    from transformers import AutoTokenizer
+
+                    tok = AutoTokenizer.from_pretrained(str(target_path))
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+                ids = [int(t) for t in ids]
+            else:
+                raise ExportError(f"{path}:{lineno}: expected {{'messages': [...]}} or {{'prompt_token_ids': [...]}}, "
+                                  f"got {line.strip()[:80]!r}")
+            out.append(ids)
+            if len(out) >= n:
+                break
+    if not out:
+        raise ExportError(f"export.prompts={str(path)!r} holds no prompts")
+    return out
+
+
 def stop_token_ids(target_path) -> set:
     """The ids a served request stops at: the tokenizer's eos and generation_config.json's eos ids."""
     from transformers import AutoTokenizer

@@ -103,6 +103,7 @@ def load_source(cfg, manifest, target, needs_prompts: bool):
     if ecfg.from_:
         from_id = directory_identity(ecfg.from_)
         ckpt = import_draft(ecfg.from_, target.config, ecfg.from_layer_convention)
+        needs_prompts = needs_prompts and not ecfg.prompts
         prep = manifest.consume("prepare", by="export", target_hash=target.hash) if needs_prompts else None
         return ckpt, ({"prepare": prep} if prep else {}), prep, from_id
     prep = manifest.consume("prepare", by="export", target_hash=target.hash)

@@ -52,7 +52,10 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
         elif sep and key.lstrip("+") == "export.from":
             arg = f"{key[:len(key) - len(key.lstrip('+'))]}export.from_={value}"
         out.append(arg)
-    return out + groups
+    # next to the last override: Hydra's parser takes the overrides as one run of positionals, so
+    # a group appended after a flag (`... --cfg job`) would be refused as an unknown argument
+    last = max((i for i, a in enumerate(out) if "=" in a and not a.startswith("-")), default=len(out) - 1)
+    return out[:last + 1] + groups + out[last + 1:]
 
 
 def compose_config(overrides: list[str] = ()):

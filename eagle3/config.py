@@ -90,6 +90,10 @@ class RegenerateConfig:
     seed: int = 0
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0
+    # auto: the dtype extraction and verification run the target in (target.dtype, else the
+    # checkpoint's) | bfloat16 | float16 | float32. (vLLM's own "auto" would run a float32
+    # checkpoint in bfloat16 on a CPU.)
+    dtype: str = "auto"
     # vllm (batched serving engine; the default) | hf (transformers generate, batched with left
     # padding: for a machine without vLLM, e.g. a GPU box where only torch is installed)
     backend: str = "vllm"
@@ -101,6 +105,7 @@ class RegenerateConfig:
     def __post_init__(self):
         _check_positive("prepare.regen.max_tokens", self.max_tokens)
         _check_choice("prepare.regen.backend", self.backend, ("vllm", "hf"))
+        _check_choice("prepare.regen.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_positive("prepare.regen.hf_batch_size", self.hf_batch_size)
 
 

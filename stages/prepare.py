@@ -168,8 +168,12 @@ def run(cfg, manifest):
         if cfg.prepare.regenerate:
             from eagle3.data.regenerate import regenerate
 
+            rdtype = cfg.prepare.regen.dtype
+            if rdtype == "auto":
+                rdtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
             conversations, regen_stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
-                                                    progress=cfg.progress)
+                                                    progress=cfg.progress, dtype=rdtype)
+            regen_stats["dtype"] = rdtype
             drops["regeneration_too_long"] += regen_stats.get("dropped_too_long", 0)
             drops["empty_regeneration"] += regen_stats.get("empty_response", 0)
             with open(out / "regenerated.jsonl", "w") as f:

@@ -22,9 +22,11 @@ def _regen(tiny_llama_dir, backend: str, **kw):
     from eagle3.data.regenerate import regenerate
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    dtype = kw.pop("dtype", "float32")
     cfg = RegenerateConfig(backend=backend, max_tokens=kw.pop("max_tokens", 12), max_model_len=kw.pop("max_model_len", 512),
                            kv_cache_gb=0.25, hf_batch_size=kw.pop("hf_batch_size", 2), **kw)
-    return regenerate([list(c) for c in CONVERSATIONS], tok, str(tiny_llama_dir), cfg, progress=False)
+    return regenerate([list(c) for c in CONVERSATIONS], tok, str(tiny_llama_dir), cfg, progress=False,
+                      dtype=dtype)
 
 
 def _check_shape(convs):
@@ -41,7 +43,8 @@ def _check_shape(convs):
 @pytest.mark.vllm
 def test_hf_backend_writes_what_vllm_writes(tiny_llama_dir):
     """Greedy regeneration through transformers (batched, left padded, batches of 2 over prompts of
-    different lengths) writes the same turns as vLLM, given the same float32 model."""
+    different lengths) writes the same turns as vLLM, both running the float32 model in float32
+    (vLLM's own dtype=auto would run it in bfloat16 on a CPU)."""
     hf, hf_stats = _regen(tiny_llama_dir, "hf")
     _check_shape(hf)
     vl, vl_stats = _regen(tiny_llama_dir, "vllm")

@@ -20,8 +20,8 @@ def _prompt_ids(tokenizer, messages) -> list[int]:
 
 
 def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, regen_cfg,
-               progress: bool = True) -> tuple[list[list[dict]], dict]:
-    """Conversations with every assistant turn written by the target, and counts."""
+               progress: bool = True, dtype: str = "float32") -> tuple[list[list[dict]], dict]:
+    """Conversations with every assistant turn written by the target (run in ``dtype``), and counts."""
     from tqdm.auto import tqdm
 
     # The assistant turns to produce: each existing assistant turn, plus one after a final user turn.
@@ -38,7 +38,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
     cursors = [0] * len(conversations)
     max_prompt = regen_cfg.max_model_len - regen_cfg.max_tokens
     generator = (_HFGenerator if regen_cfg.backend == "hf" else _VLLMGenerator)(target_path, tokenizer, regen_cfg,
-                                                                                progress)
+                                                                                progress, dtype)
     stats = {"regenerated_turns": 0, "truncated_turns": 0, "dropped_too_long": 0, "empty_response": 0}
     alive = [True] * len(conversations)
     try:
@@ -78,14 +78,14 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
 
 
 class _VLLMGenerator:
-    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool):
+    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str):
         from ..vllm_engine import build_llm, import_vllm
 
         vllm = import_vllm()
         self.params = vllm.SamplingParams(temperature=regen_cfg.temperature, top_p=regen_cfg.top_p,
                                           max_tokens=regen_cfg.max_tokens, seed=regen_cfg.seed)
         self.llm = build_llm(target_path, max_model_len=regen_cfg.max_model_len, kv_cache_gb=regen_cfg.kv_cache_gb,
-                             seed=regen_cfg.seed)
+                             seed=regen_cfg.seed, dtype=dtype)
 
     def generate(self, prompts: list[list[int]]) -> list[tuple[str, bool]]:
         """(text, hit max_tokens) per prompt, in order."""
@@ -102,7 +102,7 @@ class _HFGenerator:
     """transformers ``generate`` in batches of similar prompt length (left padded), on the GPU if
     there is one. Greedy when temperature is 0, else sampling with a seeded torch generator."""
 
-    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool):
+    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -110,9 +110,7 @@ class _HFGenerator:
         self.cfg = regen_cfg
         self.progress = progress
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # bf16 on a GPU (what serving would run); the checkpoint's own dtype on a CPU
-        dtype = torch.bfloat16 if self.device.type == "cuda" else "auto"
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.tokenizer = tokenizer
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
@@ -152,7 +150,12 @@ class _HFGenerator:
                 new = gen[r, width:].tolist()
                 stop = next((n for n, t in enumerate(new) if t in self.eos), None)
                 toks = new if stop is None else new[:stop]
-                out[i] = (self.tokenizer.decode(toks, skip_special_tokens=True), stop is None)
+                text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                if stop is None:
+                    # cut at max_tokens inside a multi-byte character: drop the replacement
+                    # character(s) of the incomplete bytes, as vLLM's detokenizer does
+                    text = text.rstrip("\ufffd")
+                out[i] = (text, stop is None)
         return out
 
     def close(self) -> None:

@@ -55,6 +55,15 @@ class TargetInfo:
     def torch_dtype(self) -> str:
         return str(self.text_config.get("torch_dtype") or self.text_config.get("dtype") or "float32")
 
+    def run_dtype(self, requested: str = "auto") -> str:
+        """The dtype the stages run this target in: ``requested`` (target.dtype), or for ``auto``
+        the checkpoint's own."""
+        dtype = requested if requested != "auto" else self.torch_dtype.replace("torch.", "")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise TargetError(f"the target's dtype {dtype!r} (config.json) is not float32, bfloat16 or float16; "
+                              f"set target.dtype explicitly")
+        return dtype
+
 
 def tokenizer_hash(path: Path) -> str:
     h = hashlib.sha256()

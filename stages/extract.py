@@ -22,16 +22,6 @@ import logging
 log = logging.getLogger("eagle3.extract")
 
 
-def _target_dtype(cfg, target) -> str:
-    from eagle3.target import TargetError
-
-    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise TargetError(f"the target's dtype {dtype!r} (config.json) is not float32, bfloat16 or float16; "
-                          f"set target.dtype explicitly")
-    return dtype
-
-
 def _record_outputs(job, splits) -> None:
     out = job.out_dir
     for split in splits:
@@ -62,7 +52,7 @@ def run(cfg, manifest):
                             f"would be read by another vocabulary. Re-run `python -m eagle3 stage=prepare`.")
     L, H = target.num_hidden_layers, target.hidden_size
     layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
-    target_dtype = _target_dtype(cfg, target)
+    target_dtype = target.run_dtype(cfg.target.dtype)
     store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype)
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
               "store_dtype": store_dtype, "target_dtype": target_dtype}

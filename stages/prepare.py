@@ -170,7 +170,7 @@ def run(cfg, manifest):
 
             rdtype = cfg.prepare.regen.dtype
             if rdtype == "auto":
-                rdtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
+                rdtype = target.run_dtype(cfg.target.dtype)
             conversations, regen_stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
                                                     progress=cfg.progress, dtype=rdtype)
             regen_stats["dtype"] = rdtype

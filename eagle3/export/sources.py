@@ -22,11 +22,7 @@ DRAFT_CONFIG_FILE = "draft_config.json"
 
 
 def target_dtype(cfg, target) -> str:
-    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else target.torch_dtype.replace("torch.", "")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ExportError(f"the target's dtype {dtype!r} (config.json) is not float32, bfloat16 or float16; "
-                          f"set target.dtype explicitly")
-    return dtype
+    return target.run_dtype(cfg.target.dtype)
 
 
 def _draft_config(d: dict) -> Eagle3DraftConfig:

@@ -40,6 +40,15 @@ from __future__ import annotations
 
 from ..errors import Eagle3Error
 
+
+def generation_prompt_ids(tokenizer, messages) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the assistant header, as a
+    served request sends them."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
 import json
 import re
 from bisect import bisect_left, bisect_right

@@ -12,17 +12,12 @@ import logging
 log = logging.getLogger("eagle3.regenerate")
 
 
-def _prompt_ids(tokenizer, messages) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, regen_cfg,
                progress: bool = True, dtype: str = "float32") -> tuple[list[list[dict]], dict]:
     """Conversations with every assistant turn written by the target (run in ``dtype``), and counts."""
     from tqdm.auto import tqdm
+
+    from .chat_template import generation_prompt_ids
 
     # The assistant turns to produce: each existing assistant turn, plus one after a final user turn.
     plans = []
@@ -51,7 +46,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
                 while cursors[c] < upto:
                     histories[c].append(msgs[cursors[c]])
                     cursors[c] += 1
-                ids = _prompt_ids(tokenizer, histories[c])
+                ids = generation_prompt_ids(tokenizer, histories[c])
                 if len(ids) > max_prompt:
                     alive[c] = False
                     stats["dropped_too_long"] += 1

@@ -62,6 +62,8 @@ def prompts_identity(ecfg):
 def file_prompts(path, n: int, target_path) -> list:
     """Up to ``n`` prompts (token ids) from ``export.prompts``: JSONL lines of {"messages": [...]}
     (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]}."""
+    from ..data.chat_template import generation_prompt_ids
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise ExportError(f"export.prompts={str(path)!r} does not exist (a JSONL file of {{'messages': [...]}} or "
@@ -88,10 +90,7 @@ def file_prompts(path, n: int, target_path) -> list:
                     from transformers import AutoTokenizer
 
                     tok = AutoTokenizer.from_pretrained(str(target_path))
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-                ids = [int(t) for t in ids]
+                ids = generation_prompt_ids(tok, msgs)
             else:
                 raise ExportError(f"{path}:{lineno}: expected {{'messages': [...]}} or {{'prompt_token_ids': [...]}}, "
                                   f"got {line.strip()[:80]!r}")

@@ -340,13 +340,7 @@ def main(argv=None):
     p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
                                                "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
-    p.add_argument("--flex-options", default="", help="JSON kernel_options for flex_attention (block sizes, "
-                                                       "warps, stages) to try against its defaults")
     a = p.parse_args(argv)
-    if a.flex_options:
-        from eagle3.train import attention
-
-        attention.FLEX_KERNEL_OPTIONS.update(json.loads(a.flex_options))
     if not torch.cuda.is_available():
         sys.exit("bench/train.py times a GPU step; no CUDA device is visible")
     device = torch.device("cuda")
@@ -378,8 +372,6 @@ def main(argv=None):
           "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
-    if a.flex_options:
-        print(f"flex kernel_options: {a.flex_options}")
     print(f"{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
           f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
     print(f"{'variant':<16}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"

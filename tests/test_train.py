@@ -95,7 +95,8 @@ def _dense_blocks(num, idx, ncols):
 
 def test_flex_block_structure_equals_create_block_mask():
     """The fused kernel only visits listed blocks: ours (built from block maps) must list exactly
-    what flex's own create_block_mask finds from the token-level mask, for every step."""
+    what flex's own create_block_mask finds from the token-level mask, for every step and for the
+    prefix-only mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     T, bs, S = 256, 32, 4
@@ -110,6 +111,15 @@ def test_flex_block_structure_equals_create_block_mask():
                             ("q_num_blocks", "q_indices", T // bs), ("full_q_num_blocks", "full_q_indices", T // bs)):
             assert torch.equal(_dense_blocks(getattr(mine, num), getattr(mine, idx), n),
                                _dense_blocks(getattr(ref, num), getattr(ref, idx), n)), (j, num)
+    # the flex backend's prefix-only mask (one for every step)
+    from eagle3.train.attention import _prefix_mask_mod
+
+    mine = mask.prefix_block()
+    ref = create_block_mask(_prefix_mask_mod(doc), B=2, H=None, Q_LEN=T, KV_LEN=T, device="cpu", BLOCK_SIZE=bs)
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        assert torch.equal(_dense_blocks(getattr(mine, num), getattr(mine, idx), T // bs),
+                           _dense_blocks(getattr(ref, num), getattr(ref, idx), T // bs)), num
 
 
 # -- target head ---------------------------------------------------------------------------------

@@ -40,11 +40,6 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-# kernel_options passed to every flex_attention call (bench/train.py --flex-options tries others);
-# empty = torch's defaults for the device
-FLEX_KERNEL_OPTIONS: dict = {}
-
-
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -93,6 +88,21 @@ class TTTMask:
             self._cache[("dense", j)] = torch.cat([prefix] + [diag] * j, dim=-1)[:, None]
         return self._cache[("dense", j)]
 
+    def prefix_maps(self):
+        """Block maps of the step-0 prefix (document-causal), as (partial, full) bool [B, n, n]."""
+        if "prefix_maps" not in self._cache:
+            T, bs, doc = self.T, self.block_size, self.doc_ids
+            if T % bs:
+                raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
+                                 f"its block size {bs}; pad the batch (TTTModel does)")
+            n = T // bs
+            q = torch.arange(T, device=doc.device)
+            allowed = (doc[:, :, None] == doc[:, None, :]) & (q[:, None] >= q[None, :])
+            blocks = allowed.view(self.B, n, bs, n, bs)
+            full = blocks.all(4).all(2)
+            self._cache["prefix_maps"] = (blocks.any(4).any(2) & ~full, full)
+        return self._cache["prefix_maps"]
+
     def block_maps(self):
         """Block-level maps of every step, as (partial, full) bool [S, B, 1, n, S*n] with n = T/bs.
 
@@ -102,15 +112,8 @@ class TTTMask:
         """
         if "maps" not in self._cache:
             T, bs, S, dev = self.T, self.block_size, self.num_steps, self.doc_ids.device
-            if T % bs:
-                raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
-                                 f"its block size {bs}; pad the batch (TTTModel does)")
+            partial0, full0 = self.prefix_maps()
             n = T // bs
-            q = torch.arange(T, device=dev)
-            allowed = (self.doc_ids[:, :, None] == self.doc_ids[:, None, :]) & (q[:, None] >= q[None, :])
-            blocks = allowed.view(self.B, n, bs, n, bs)
-            full0 = blocks.all(4).all(2)
-            partial0 = blocks.any(4).any(2) & ~full0
             eye = torch.eye(n, dtype=torch.bool, device=dev)
             # diag[j, i] = step i's diagonal is visible at step j (1 <= i <= j)
             steps = torch.arange(S, device=dev)
@@ -129,15 +132,7 @@ class TTTMask:
             from torch.nn.attention.flex_attention import BlockMask
 
             T, bs, doc = self.T, self.block_size, self.doc_ids
-            if T % bs:
-                raise ValueError(f"flex TTT attention needs the row length ({T}) to be a multiple of "
-                                 f"its block size {bs}; pad the batch (TTTModel does)")
-            n = T // bs
-            q = torch.arange(T, device=doc.device)
-            allowed = (doc[:, :, None] == doc[:, None, :]) & (q[:, None] >= q[None, :])
-            blocks = allowed.view(self.B, n, bs, n, bs)
-            full = blocks.all(4).all(2)
-            partial = blocks.any(4).any(2) & ~full
+            partial, full = self.prefix_maps()
             kv_num, kv_idx = _ordered(partial[:, None])
             q_num, q_idx = _ordered(partial[:, None].transpose(-2, -1))
             fkv_num, fkv_idx = _ordered(full[:, None])
@@ -225,8 +220,7 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
         zeros = [torch.zeros_like(ks[0])] * pad
         k = torch.cat(list(ks) + zeros, dim=2)
         v = torch.cat(list(vs) + zeros, dim=2)
-        out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                        kernel_options=FLEX_KERNEL_OPTIONS or None)
+        out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
 
@@ -236,7 +230,7 @@ def _prefix_plus_diagonals(q, ks, vs, prefix_mask, scale, gqa) -> torch.Tensor:
 
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
-                                         return_aux=AuxRequest(lse=True), kernel_options=FLEX_KERNEL_OPTIONS or None)
+                                         return_aux=AuxRequest(lse=True))
     return merge_diagonals(q, out, aux.lse, ks[1:], vs[1:], scale)
 
 

@@ -532,12 +532,18 @@ def build(seed: int = SEED) -> list[dict]:
                                              "into simple English for a child.", "Can you explain why you "
                                              "chose those words?"]))])
 
+    return _shuffled_records(items, rng, "", 3)
+
+
+def _shuffled_records(items: list, rng: random.Random, prefix: str, width: int) -> list[dict]:
+    """(category, messages) items shuffled, as records with ids numbered per category."""
     rng.shuffle(items)
     counters: dict[str, int] = {}
     out = []
     for category, messages in items:
         counters[category] = counters.get(category, 0) + 1
-        out.append({"id": f"{category}-{counters[category]:03d}", "category": category, "messages": messages})
+        out.append({"id": f"{prefix}{category}-{counters[category]:0{width}d}", "category": category,
+                    "messages": messages})
     return out
 
 
@@ -706,13 +712,7 @@ def build_large(size: int = LARGE_SIZE, seed: int = SEED + 1) -> list[dict]:
         else:
             kind = rng.randrange(3)
             add("math", [_user(_word_problem(rng)[0] if kind == 0 else _algebra(rng)[0] if kind == 1 else _arithmetic(rng))])
-    rng.shuffle(items)
-    counters: dict[str, int] = {}
-    out = []
-    for category, messages in items:
-        counters[category] = counters.get(category, 0) + 1
-        out.append({"id": f"large-{category}-{counters[category]:05d}", "category": category, "messages": messages})
-    return out
+    return _shuffled_records(items, rng, "large-", 5)
 
 
 def main():

@@ -94,3 +94,11 @@ def test_embedded_default_and_path_overrides(compose):
     user = compose("target.path=/m", "data.path=/d.jsonl")
     assert user.prepare.regenerate is False and user.target.path == "/m"
     assert compose("target.gguf=/x.gguf").target.gguf == "/x.gguf"
+
+
+def test_path_keys_work_before_hydra_flags():
+    """`target.gguf=FILE --cfg job`: the group a path key selects goes next to the overrides, not
+    after the flag (Hydra's parser refused it there as an unknown argument)."""
+    out = _run_cli("target.gguf=/x.gguf", "data.path=/d.jsonl", "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    assert "gguf: /x.gguf" in out.stdout and "regenerate: false" in out.stdout

@@ -266,7 +266,18 @@ class ShardWriter:
             except BaseException as e:  # noqa: BLE001 - reported to the producer by poll()/close()
                 self._error = e
                 self._discard_all()
-            self.cpu_seconds += time.thread_time() - t0
+            self._add_cpu(time.thread_time() - t0)
+
+    def _add_cpu(self, seconds: float) -> None:
+        with self._lock:  # three kinds of threads add to it
+            self.cpu_seconds += seconds
+
+    def _pwrite_rows(self, fd: int, t, offset: int) -> None:
+        t0 = time.thread_time()
+        try:
+            _pwrite_tensor(fd, t, offset)
+        finally:
+            self._add_cpu(time.thread_time() - t0)
 
     def _handle(self, op: str, arg) -> None:
         if op == "begin":
@@ -294,7 +305,7 @@ class ShardWriter:
             if self._error is None:
                 self._error = e
         finally:
-            self.cpu_seconds += time.thread_time() - t0
+            self._add_cpu(time.thread_time() - t0)
 
     def _write(self, batch: CapturedBatch) -> None:
         import torch
@@ -318,7 +329,7 @@ class ShardWriter:
                 jobs.append((shard.fd, last[a:b], last_off + (a - rs) * shard.last_row))
         # Wait for this batch's rows before the next op: "end" then finds every row written, and
         # the batch's buffers are released only after the copies.
-        for f in [self._rows.submit(_pwrite_tensor, *job) for job in jobs]:
+        for f in [self._rows.submit(self._pwrite_rows, *job) for job in jobs]:
             f.result()
 
     def _discard_all(self) -> None:

@@ -11,6 +11,8 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
     python bench/train.py --variants flex_compiled --seq 4096
     python bench/train.py --variants flex_compiled --profile --sync-check --loop auto
         # GPU time by kernel class and idle gaps; host-device syncs of a step; the train loop itself
+    python bench/train.py --variants flex_compiled,flex_compiled+torchclip,flex_compiled+eagerhead
+        # what folding the clip into AdamW and compiling the target head gain
 
 Measurements and what made the difference: bench/train.md.
 
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.metrics import peak_flops, ttt_flops_per_token  # noqa: E402
+from eagle3.train.optim import can_fold, fold_clip  # noqa: E402
 from eagle3.train.step import model_inputs  # noqa: E402
 from eagle3.train.target_head import TargetHead  # noqa: E402
 from eagle3.train.ttt import TTTModel  # noqa: E402
@@ -46,6 +49,10 @@ VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TT
     "flex_compiled": ("flex", True),
     "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (not used by the train loop)
 }
+# options appended to a variant name, for measuring what each part of the train loop's step gains:
+# "+torchclip": clip with torch.nn.utils.clip_grad_norm_ (a separate pass over the gradients)
+# instead of folding the clip into fused AdamW; "+eagerhead": the target head not compiled
+OPTIONS = ("torchclip", "eagerhead")
 
 
 def make_config(a, vocab=None, draft_vocab=None) -> Eagle3DraftConfig:
@@ -55,7 +62,8 @@ def make_config(a, vocab=None, draft_vocab=None) -> Eagle3DraftConfig:
                              aux_layer_ids=list(range(a.n_aux)), rope_theta=500000.0)
 
 
-def make_head(cfg: Eagle3DraftConfig, device, dtype, gen) -> TargetHead:
+def make_head(cfg: Eagle3DraftConfig, device, dtype, gen) -> tuple:
+    """(TargetHead, its tensors {'embed', 'norm', 'lm_head'} in target order)."""
     V, H = cfg.vocab_size, cfg.hidden_size
     embed = torch.randn(V, H, generator=gen, device=device).mul_(0.02).to(dtype)
     lm_head = torch.randn(V, H, generator=gen, device=device).mul_(0.02).to(dtype)
@@ -64,7 +72,7 @@ def make_head(cfg: Eagle3DraftConfig, device, dtype, gen) -> TargetHead:
     # larger kept rows: the target's argmax falls in the draft vocabulary at (nearly) every
     # position, as on real data, so every position is scored (worst case for the step time)
     lm_head[kept] *= 3
-    return TargetHead(embed, norm, lm_head, cfg.rms_norm_eps, kept)
+    return TargetHead(embed, norm, lm_head, cfg.rms_norm_eps, kept), {"embed": embed, "norm": norm, "lm_head": lm_head}
 
 
 def make_batch(cfg, B, T, device, dtype, gen, docs=1) -> dict:
@@ -82,25 +90,52 @@ def make_batch(cfg, B, T, device, dtype, gen, docs=1) -> dict:
     }
 
 
-def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float):
+PHASES = ("target head", "forward", "backward", "clip", "adamw")
+
+
+def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float, fold: bool = True,
+               marks: list | None = None):
+    """One step as the train loop runs it. ``fold``: clipping folded into fused AdamW's kernel
+    (eagle3/train/optim.py, what the loop does on one GPU) or torch's clip_grad_norm_.
+    ``marks``: CUDA events appended at the phase boundaries (PHASES), which time each phase on
+    the GPU without a host sync."""
+    def mark():
+        if marks is not None:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+    mark()
     inputs = model_inputs(head, batch, compute_dtype)
+    mark()
     with torch.autocast(batch["loss_mask"].device.type, dtype=torch.bfloat16, enabled=autocast):
         loss, stats = model(**inputs)
+    mark()
     loss.backward()
-    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    mark()
+    if opt is not None and fold and can_fold(opt):
+        gnorm = fold_clip(opt, model.parameters(), clip)
+    else:
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    mark()
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
+    mark()
     return loss.detach(), stats, gnorm
 
 
 def run_variant(a, name, device) -> dict:
-    attention, compile_ = VARIANTS[name]
+    base, *opts = name.split("+")
+    if base not in VARIANTS or not set(opts) <= set(OPTIONS):
+        raise ValueError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}, with options from "
+                         + ", ".join(f"'+{o}'" for o in OPTIONS))
+    attention, compile_ = VARIANTS[base]
+    fold = "torchclip" not in opts
     torch.cuda.empty_cache()
     gen = torch.Generator(device=device).manual_seed(0)
     cfg = make_config(a)
     draft = Eagle3Draft(cfg).to(device)  # fp32 master weights
-    head = make_head(cfg, device, torch.bfloat16, gen)
+    head, _ = make_head(cfg, device, torch.bfloat16, gen)
+    head.compile = bool(compile_) and "eagerhead" not in opts  # as the train loop sets it
     draft.set_vocab_mapping(head.kept_ids - torch.arange(cfg.draft_vocab_size, device=device),
                             torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, head.kept_ids, True))
     model = TTTModel(draft, num_steps=a.ttt, decay=0.8, attention=attention, compile=compile_)
@@ -109,7 +144,7 @@ def run_variant(a, name, device) -> dict:
     batches = [make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen) for _ in range(2)]
     t0 = time.time()
     for i in range(a.warmup):
-        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
     torch.cuda.synchronize()
     warm_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
@@ -118,7 +153,7 @@ def run_variant(a, name, device) -> dict:
     for i in range(a.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss, _, _ = train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+        loss, _, _ = train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
         end.record()
         end.synchronize()
         synced.append(start.elapsed_time(end) / 1e3)
@@ -131,18 +166,26 @@ def run_variant(a, name, device) -> dict:
         start.record()
         h0 = time.perf_counter()
         for i in range(a.steps):
-            train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5)
+            train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
         host.append((time.perf_counter() - h0) / a.steps)  # host time to issue a step (no sync inside)
         end.record()
         end.synchronize()
         blocks.append(start.elapsed_time(end) / 1e3 / a.steps)
     med = statistics.median(blocks)
+    # GPU time per phase: events at the phase boundaries of back-to-back steps (no host sync)
+    marks = []
+    for i in range(a.steps):
+        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold, marks)
+    marks[-1].synchronize()
+    n = len(PHASES) + 1
+    phases = {p: statistics.median(marks[s * n + k].elapsed_time(marks[s * n + k + 1]) for s in range(a.steps))
+              for k, p in enumerate(PHASES)}
     times = blocks
     with torch.no_grad():
         in_vocab = float(head.targets(batches[0]["last_hidden_state"], torch.bfloat16)[1].float().mean())
     if a.profile:
-        profile_steps(model, head, batches[0], opt)
-    syncs = sync_check(model, head, batches[0], opt) if a.sync_check else None
+        profile_steps(model, head, batches[0], opt, fold)
+    syncs = sync_check(model, head, batches[0], opt, fold) if a.sync_check else None
     tokens = a.batch * a.seq
     flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
     peak = peak_flops(torch.cuda.get_device_name())
@@ -150,7 +193,7 @@ def run_variant(a, name, device) -> dict:
            "step_ms_synced": statistics.median(synced) * 1e3, "host_ms": statistics.median(host) * 1e3,
            "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
-           "mfu": flops / med / peak if peak else None, "warmup_s": warm_s, "in_vocab": in_vocab, "sync_sites": syncs, "losses": losses}
+           "mfu": flops / med / peak if peak else None, "phase_ms": phases, "warmup_s": warm_s, "in_vocab": in_vocab, "sync_sites": syncs, "losses": losses}
     del model, draft, head, opt, batches
     return res
 
@@ -171,7 +214,7 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     cfg = make_config(a)
     gen = torch.Generator().manual_seed(0)
-    head = make_head(cfg, "cpu", torch.bfloat16, gen)
+    head, tensors = make_head(cfg, "cpu", torch.bfloat16, gen)
     items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", torch.bfloat16, gen).items()
               if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
     for it in items:
@@ -191,8 +234,7 @@ def run_loop(a, device, compile_mode: str) -> dict:
     kept = head.kept_ids
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[kept] = True
-    inputs = TrainInputs(Store(), None, {"embed": head.embed_weight, "norm": head.norm_weight,
-                                         "lm_head": head.lm_head_weight}, cfg.rms_norm_eps,
+    inputs = TrainInputs(Store(), None, tensors, cfg.rms_norm_eps,
                          kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
     # eagle3.config.TrainConfig's fields and defaults (that module needs hydra, which the GPU box lacks)
     tcfg = SimpleNamespace(model=SimpleNamespace(lm_head_init="target"), ttt_steps=a.ttt, decay=0.8, lr=1e-4,
@@ -212,7 +254,7 @@ def run_loop(a, device, compile_mode: str) -> dict:
             "wall_s": wall, "windows": [(r["step"], r["tokens_per_s"], r["train/loss"]) for r in recs if "train/loss" in r]}
 
 
-def sync_check(model, head, batch, opt):
+def sync_check(model, head, batch, opt, fold):
     """Run one step with CUDA sync debugging: every host<->device synchronisation (which stalls the
     pipeline of queued GPU work) is printed with the Python stack that caused it."""
     import traceback
@@ -233,7 +275,7 @@ def sync_check(model, head, batch, opt):
             warnings.simplefilter("always")
             warnings.showwarning = show
             torch.cuda.set_sync_debug_mode("warn")
-            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5)
+            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5, fold)
             torch.cuda.set_sync_debug_mode("default")
     finally:
         warnings.showwarning = old
@@ -241,7 +283,7 @@ def sync_check(model, head, batch, opt):
     return len(seen)
 
 
-def profile_steps(model, head, batch, opt):
+def profile_steps(model, head, batch, opt, fold):
     """torch.profiler over two steps: GPU kernel time by class and the idle gaps between kernels
     (host launch overhead shows up as gaps, not as kernel time)."""
     import collections
@@ -251,7 +293,7 @@ def profile_steps(model, head, batch, opt):
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
-            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5)
+            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5, fold)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
@@ -266,19 +308,27 @@ def profile_steps(model, head, batch, opt):
             if any(k in n for k in keys):
                 return c
         return "aten elementwise/copy"
-    by, top = collections.Counter(), collections.Counter()
+    by, top, count = collections.Counter(), collections.Counter(), collections.Counter()
     for e in ev:
         by[cls(e["name"])] += e["dur"] / 2e3
-        top[e["name"][:100]] += e["dur"] / 2e3
-    gaps, end = 0.0, ev[0]["ts"] + ev[0]["dur"]
-    for e in ev[1:]:
-        gaps += max(0.0, e["ts"] - end)
+        top[e["name"][:90]] += e["dur"] / 2e3
+        count[e["name"][:90]] += 1
+    gaps, end, big = 0.0, ev[0]["ts"] + ev[0]["dur"], []
+    for prev, e in zip(ev, ev[1:]):
+        gap = e["ts"] - end
+        if gap > 0:
+            gaps += gap
+            big.append((gap, prev["name"][:60], e["name"][:60]))
         end = max(end, e["ts"] + e["dur"])
     busy = sum(by.values())
     print(f"profile (ms per step): kernels {busy:.1f}, idle gaps {gaps / 2e3:.1f}; " +
           ", ".join(f"{c} {t:.1f}" for c, t in by.most_common()), flush=True)
-    for name, t in top.most_common(12):
-        print(f"  {t:7.2f} ms  {name}", flush=True)
+    print("profile top kernels (ms per step, launches per step):", flush=True)
+    for name, t in top.most_common(30):
+        print(f"  {t:7.2f} ms {count[name] / 2:6.0f}x  {name}", flush=True)
+    print("profile largest idle gaps (ms, kernel before -> after):", flush=True)
+    for gap, a, b in sorted(big, reverse=True)[:10]:
+        print(f"  {gap / 1e3:7.3f} ms  {a} -> {b}", flush=True)
 
 
 def correctness_check(device, checks=CHECKS) -> list:
@@ -289,7 +339,7 @@ def correctness_check(device, checks=CHECKS) -> list:
     a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.n_aux = 256, 4, 2, 64, 512, 3
     cfg = make_config(a, vocab=1000, draft_vocab=300)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    head_cpu = make_head(cfg, "cpu", torch.float32, gen)
+    head_cpu, tensors = make_head(cfg, "cpu", torch.float32, gen)
     batch_cpu = make_batch(cfg, 2, 200, "cpu", torch.float32, gen, docs=3)  # 200: exercises flex padding
     batch_cpu["loss_mask"] = (torch.rand(2, 200, generator=gen) > 0.3).long()
     torch.manual_seed(0)
@@ -298,8 +348,8 @@ def correctness_check(device, checks=CHECKS) -> list:
     def run(dev, attention, compile_, autocast):
         draft = Eagle3Draft(cfg).to(dev)
         draft.load_state_dict(draft_cpu.state_dict())
-        head = TargetHead(*(t.to(dev) for t in (head_cpu.embed_weight, head_cpu.norm_weight, head_cpu.lm_head_weight)),
-                          cfg.rms_norm_eps, head_cpu.kept_ids.to(dev))
+        head = TargetHead(*(tensors[k].to(dev) for k in ("embed", "norm", "lm_head")),
+                          cfg.rms_norm_eps, head_cpu.kept_ids.to(dev), compile=bool(compile_))
         batch = {k: v.to(dev) for k, v in batch_cpu.items()}
         model = TTTModel(draft, num_steps=7, attention=attention, compile=compile_)
         dtype = torch.bfloat16 if autocast else torch.float32
@@ -374,20 +424,25 @@ def main(argv=None):
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
     print(f"{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
           f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
-    print(f"{'variant':<16}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
+    print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
           f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")
     for r in out["results"]:
         if "error" in r:
-            print(f"{r['variant']:<16} {r['error'][:80]}")
+            print(f"{r['variant']:<24} {r['error'][:80]}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         if r["variant"].startswith("loop"):
-            print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{'':>9}{mfu:>7}"
+            print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{'':>9}{mfu:>7}"
                   f"{r['peak_alloc_gib']:>11.2f}{'':>10}{'':>11}{'':>9}{r['wall_s']:>8.0f}")
             continue
-        print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
+        print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
               f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['step_ms_synced']:>11.1f}"
               f"{r.get('host_ms', float('nan')):>9.1f}{r['warmup_s']:>8.0f}")
+    print("GPU ms per phase (events at the phase boundaries, steps back to back):")
+    print(f"{'variant':<24}" + "".join(f"{p:>13}" for p in PHASES))
+    for r in out["results"]:
+        if "phase_ms" in r:
+            print(f"{r['variant']:<24}" + "".join(f"{r['phase_ms'][p]:>13.2f}" for p in PHASES))
 
 
 if __name__ == "__main__":

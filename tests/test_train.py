@@ -419,3 +419,93 @@ def test_two_processes_and_accumulation_train_the_same_model_as_one(store_dir, t
     assert np.allclose([x for _, x, _ in la], [x for _, x, _ in lb], rtol=1e-5)
     assert np.allclose([g for _, _, g in la if g], [g for _, _, g in lb if g], rtol=1e-4)
     assert len({round(x, 6) for _, x, _ in la}) > 2  # the model did change between steps
+
+
+def test_target_head_ties_resolve_as_full_vocab_argmax():
+    """Exact ties between a kept and an other token (as bf16 logits often have): in_vocab follows
+    argmax over the full row, i.e. the lower target id wins, whichever side of the split it is on."""
+    V, H = 12, 4
+    lm = torch.zeros(V, H)
+    lm[:, 0] = torch.arange(V, dtype=torch.float32) * 0.01  # distinct, small
+    kept = torch.tensor([1, 3, 4, 8, 10])
+    lm[3] = lm[6] = torch.tensor([0.0, 2.0, 0.0, 0.0])  # kept 3 ties other 6: 3 wins
+    lm[7] = lm[10] = torch.tensor([0.0, 0.0, 2.0, 1.0])  # other 7 ties kept 10: 7 wins
+    lm[5] = torch.tensor([0.0, 0.0, 0.0, 3.0])  # an other token alone at the top
+    lm[8] = torch.tensor([0.0, -4.0, 0.0, 0.0])  # a kept token alone at the top
+    head = TargetHead(torch.zeros(V, H), torch.ones(H), lm, 1e-6, kept, vocab_chunk=2, row_chunk=3)
+    x = torch.tensor([[0.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, 1.0], [0.0, -1.0, 0.0, 0.0],
+                      [1.0, 0.0, -1.0, -1.0]])
+    probs, in_vocab = head.targets(x)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    full = xn @ lm.T
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    assert full.argmax(-1).tolist() == [3, 7, 5, 8, 11]
+    assert in_vocab.tolist() == t2d[full.argmax(-1)].tolist() == [True, False, False, True, False]
+    assert torch.allclose(probs, full[:, kept].softmax(-1), atol=1e-6)
+    assert torch.equal(head.kept_lm_head(), lm[kept])
+
+
+def test_clip_folded_into_fused_adamw_is_clip_grad_norm():
+    """fold_clip + fused AdamW takes the steps clip_grad_norm_ + fused AdamW takes, for gradients
+    above and below the clipping norm, and returns the same norm."""
+    from eagle3.train.optim import can_fold, fold_clip
+
+    def run(fold):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
+        opt = torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+        assert can_fold(opt)
+        norms = []
+        for i in range(6):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * (3.0 if i % 2 else 1e-3)
+            norms.append(float(fold_clip(opt, ps, 0.5) if fold else torch.nn.utils.clip_grad_norm_(ps, 0.5)))
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().flatten() for p in ps]), norms
+
+    (folded, n1), (plain, n2) = run(True), run(False)
+    assert n1 == pytest.approx(n2, rel=1e-6) and max(n1) > 0.5 > min(n1)  # both regimes occur
+    assert torch.allclose(folded, plain, rtol=0, atol=1e-6)
+    assert not can_fold(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True))
+
+
+def test_ttt_forward_traces_as_one_graph():
+    """The unrolled TTT forward is compiled as one graph on GPU (train.compile=auto); a graph
+    break (an op dynamo cannot trace, e.g. reading a tensor's storage offset) silently splits it
+    and runs the rest op by op (measured: 70 -> 90 ms per step on the H200). Traced here with
+    fullgraph=True through AOTAutograd (forward and backward), on the sdpa path: everything but
+    the attention call is the code the flex path runs."""
+    torch.manual_seed(0)
+    cfg = _small_cfg()
+    draft = Eagle3Draft(cfg)
+    B, T, S = 2, 24, 3
+    args = (torch.randn(B, T, 3 * 64), torch.randn(B, T, 64),
+            torch.softmax(torch.randn(B, T, cfg.draft_vocab_size), -1), torch.rand(B, T) > 0.2,
+            torch.ones(B, T, dtype=torch.long), torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long))
+    eager = TTTModel(draft, num_steps=S, attention="sdpa")
+    ref_loss, ref_stats = eager(*args)
+    traced = TTTModel(draft, num_steps=S, attention="sdpa")
+    traced._core = torch.compile(traced._core, fullgraph=True, backend="aot_eager", dynamic=False)
+    loss, stats = traced(*args)  # raises on any graph break
+    loss.backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5) and torch.equal(stats, ref_stats)
+    assert all(p.grad is not None for p in draft.parameters())
+
+
+def test_compiled_target_head_traces_as_one_graph_and_equals_eager():
+    """The target head is compiled on GPU with the TTT model (train.compile=auto): traced whole
+    (fullgraph, AOTAutograd) it gives what the eager head gives, several row and vocab chunks."""
+    g = torch.Generator().manual_seed(3)
+    V, H = 97, 16
+    kept = torch.randperm(V, generator=g)[:30].sort().values
+    head = TargetHead(torch.randn(V, H, generator=g), torch.rand(H, generator=g) + 0.5, torch.randn(V, H, generator=g),
+                      1e-6, kept, vocab_chunk=16, row_chunk=7)
+    x = torch.randn(3, 10, H, generator=g)
+    probs, in_vocab = head.targets(x)
+    head.compile = True
+    head._compiled = torch.compile(head._targets, fullgraph=True, backend="aot_eager", dynamic=False)
+    cprobs, cin = head.targets(x)
+    assert torch.equal(cin, in_vocab) and 0 < in_vocab.float().mean() < 1
+    assert torch.allclose(cprobs, probs, rtol=0, atol=1e-7)

@@ -27,6 +27,7 @@ import torch
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .data import MicroBatches, plan_epoch, steps_per_epoch, to_device
 from .metrics import JsonlLogger, peak_flops, step_summary, ttt_flops_per_token
+from .optim import clip_gradients
 from .step import model_inputs
 from .target_head import TargetHead
 from .ttt import STAT_NAMES, TTTModel, loss_denominators
@@ -166,8 +167,9 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     head = head.to(device=device, dtype=dtype if use_cuda or mp == "bf16" else head.embed_weight.dtype)
     compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
+    head.compile = compile_
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas),
-                                  weight_decay=tcfg.weight_decay, fused=device.type == "cuda")
+                                  weight_decay=tcfg.weight_decay, fused=device.type in ("cuda", "cpu"))
     schedule = Schedule(inputs.train_store.lengths, tcfg, W)
     total = schedule.total_steps()
     # the scheduler is stepped by hand once per optimizer step (Accelerate's prepared scheduler
@@ -219,7 +221,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
                     loss, stats = model(**mi, denominators=den)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+                    grad_norm = clip_gradients(accelerator, model, optimizer, tcfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             window += stats.detach()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum over rows of weight * (-sum_v target_v * log_softmax(logits)_v), in float32.
+def soft_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row: -sum_v target_v * log_softmax(logits)_v, in float32 (float64 stays float64).
 
     Written as logsumexp * sum(target) - <target, logits> so that a target stored in bf16 (whose
     probabilities sum to 1 only up to rounding) still gives the exact cross-entropy of that
@@ -14,8 +14,12 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch
     acc = torch.promote_types(logits.dtype, torch.float32)  # float32 at least (float64 stays)
     x = logits.to(acc)
     p = target.to(acc)
-    ce = torch.logsumexp(x, dim=-1) * p.sum(-1) - (p * x).sum(-1)
-    return (ce * weight).sum()
+    return torch.logsumexp(x, dim=-1) * p.sum(-1) - (p * x).sum(-1)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum over rows of weight * soft_cross_entropy_rows(logits, target)."""
+    return (soft_cross_entropy_rows(logits, target) * weight).sum()
 
 
 def reference_soft_cross_entropy(logits, target, weight):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..model.draft import Eagle3Draft
 from .attention import TTTMask, resolve_backend, ttt_attention
-from .loss import soft_cross_entropy
+from .loss import soft_cross_entropy_rows
 
 # per-step statistics returned by the forward (summed over rows; reduce across ranks by sum)
 STAT_NAMES = ("ce_sum", "scored", "counted", "correct", "cond_correct", "cond_total")
@@ -138,29 +138,35 @@ class TTTModel(nn.Module):
         norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
         h = F.linear(aux, draft.fc.weight.to(dtype))
         ks, vs = [], []
-        loss = torch.zeros((), device=aux.device, dtype=torch.promote_types(dtype, torch.float32))
-        rows = []
-        chain = torch.ones(B, T, dtype=torch.bool, device=aux.device)
+        outs = []
         for j in range(S):
             cos, sin = draft.rope(position_ids + j, dtype)
             q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
             ks.append(k)
             vs.append(v)
-            out = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
-            target = target_pad[:, j + 1: j + 1 + T]
-            w = scored[j].to(torch.float32)
-            logits = draft.logits(out, norm_w, lm_head_w)
-            loss = loss + (self.decay ** j) * (soft_cross_entropy(logits, target, w) / denominators[j])
-            with torch.no_grad():
-                lf = logits.detach().to(loss.dtype)
-                tf = target.to(loss.dtype)
-                ce = torch.logsumexp(lf, -1) * tf.sum(-1) - (tf * lf).sum(-1)
-                correct = lf.argmax(-1) == target_arg[:, j + 1: j + 1 + T]
-                sc = scored[j]
-                cond = chain & sc
-                rows.append(torch.stack([(ce.double() * w.double()).sum(), sc.sum().double(),
-                                         counted[j].sum().double(), (correct & sc).sum().double(),
-                                         (cond & correct).sum().double(), cond.sum().double()]))
-                chain = chain & sc & correct
-            h = out
-        return loss, torch.stack(rows)
+            h = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
+            outs.append(h)
+        # The draft head of all steps at once: no step needs another's logits (step j+1 is fed the
+        # pre-norm output), so the lm_head runs as one matmul over S*B*T rows, and its weight
+        # gradient as one matmul too, instead of S matmuls whose S outputs are then summed.
+        logits = draft.logits(torch.stack(outs), norm_w, lm_head_w)  # [S, B, T, Vd]
+        # step j's targets are rows j+1 .. j+T of the padded targets: windows of one view, not a copy
+        target = target_pad.unfold(1, T, 1)[:, 1:S + 1].permute(1, 0, 3, 2)  # [S, B, T, Vd]
+        acc = torch.promote_types(dtype, torch.float32)
+        # per-row cross-entropy once, for the loss and (detached) for the statistics: one pass of
+        # reductions (logsumexp, <p, logits> and the argmax) over all steps' logits
+        ce = soft_cross_entropy_rows(logits, target)  # [S, B, T]
+        coef = (self.decay ** torch.arange(S, device=aux.device, dtype=acc)) / denominators.to(acc)
+        loss = (ce * (scored.to(acc) * coef[:, None, None])).sum()
+        with torch.no_grad():
+            correct = logits.detach().argmax(-1) == target_arg.unfold(1, T, 1)[:, 1:S + 1].transpose(0, 1)
+            ok = scored & correct
+            # chain[j]: steps 0..j-1 all scored and correct (what conditional accuracy is given)
+            chain = torch.cat([torch.ones_like(ok[:1]), ok[:-1].int().cumprod(0).bool()])
+            cond = chain & scored
+
+            def per_step(x):
+                return x.double().sum((1, 2))
+            stats = torch.stack([per_step(ce.detach() * scored), per_step(scored), per_step(counted), per_step(ok),
+                                 per_step(cond & correct), per_step(cond)], dim=1)
+        return loss, stats

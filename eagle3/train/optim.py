@@ -1,0 +1,42 @@
+"""Gradient-norm clipping folded into the fused AdamW kernel.
+
+``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then rewrites
+every gradient (a read and a write of 4 bytes per parameter) to scale it, before AdamW reads
+them a third time. The fused AdamW kernel already divides each gradient by an optional
+``grad_scale`` tensor (the hook ``torch.amp.GradScaler`` uses), so the clip coefficient is
+handed to it instead: the same update (g * c == g / (1/c) up to rounding), one pass over the
+gradients less. The norm is computed as torch's clip does, on the device, without a host sync.
+"""
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def can_fold(optimizer) -> bool:
+    """Whether ``optimizer`` applies ``grad_scale`` itself: torch's fused Adam/AdamW."""
+    return isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+
+
+def fold_clip(optimizer, params, max_norm: float) -> torch.Tensor:
+    """Total 2-norm of the gradients; sets ``optimizer.grad_scale`` so that its next step uses the
+    gradients clipped to ``max_norm`` (``optimizer`` must satisfy :func:`can_fold`)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    # clip_grad_norm_ multiplies by min(max_norm / (norm + eps), 1); the kernel divides by its inverse
+    optimizer.grad_scale = torch.clamp((norm.float() + EPS) / max_norm, min=1.0)
+    return norm
+
+
+def clip_gradients(accelerator, model, optimizer, max_norm: float) -> torch.Tensor:
+    """Clip before ``optimizer.step()``; returns the total norm. Folded into fused AdamW on one
+    process or DDP (gradients whole on every rank, no loss scaler); Accelerate's own clipping
+    elsewhere (FSDP shards need its sharded norm, fp16 its scaler, which sets grad_scale itself)."""
+    from accelerate.utils import DistributedType
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps it
+    if (can_fold(inner) and accelerator.scaler is None
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
+        return fold_clip(inner, model.parameters(), max_norm)
+    return accelerator.clip_grad_norm_(model.parameters(), max_norm)

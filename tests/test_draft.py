@@ -63,13 +63,17 @@ def test_config_from_target_and_vllm_config_json():
     assert Eagle3DraftConfig.from_target(new_style, [1, 4, 5], 100).rope_scaling == cfg.rope_scaling
 
 
-def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions):
-    """vLLM's llama_eagle3 forward written out (float64), RoPE from transformers' own Llama code."""
+def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions, differentiable: bool = False):
+    """vLLM's llama_eagle3 forward written out (float64), RoPE from transformers' own Llama code.
+    ``differentiable``: on the draft's own (float64) parameters, for comparing gradients."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     c = draft.config
-    W = {k: v.double() for k, v in draft.state_dict().items() if v.is_floating_point()}
+    if differentiable:
+        W = dict(draft.named_parameters())
+    else:
+        W = {k: v.double() for k, v in draft.state_dict().items() if v.is_floating_point()}
 
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps))
@@ -124,6 +128,34 @@ def test_forward_matches_vllm_arithmetic(norm_before_residual, architecture):
     other = Eagle3Draft(_cfg(norm_before_residual=not norm_before_residual, architecture=architecture))
     other.load_state_dict(draft.state_dict())
     assert not torch.allclose(other(aux, emb, pos)[1], out, atol=1e-3)
+
+
+@pytest.mark.parametrize("norm_before_residual,architecture", [(True, "llama"), (False, "qwen3")])
+def test_gradients_match_vllm_arithmetic(norm_before_residual, architecture):
+    """The forward computes q/k/v as two matmuls with input_layernorm's weight folded into the
+    embedding half (so the backward needs no gradient of the normalised embeddings): every
+    parameter's gradient equals that of vLLM's concat form, in float64."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(_cfg(norm_before_residual=norm_before_residual, architecture=architecture)).double()
+    with torch.no_grad():
+        for n, p in draft.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    aux, emb = torch.randn(2, 24, 3 * 128, dtype=torch.float64), torch.randn(2, 24, 128, dtype=torch.float64)
+    pos = torch.arange(24).expand(2, 24)
+    r = torch.randn(2, 24, draft.config.draft_vocab_size, dtype=torch.float64)
+
+    def grads(logits):
+        draft.zero_grad()
+        (logits * r).sum().backward()
+        return {n: p.grad.clone() for n, p in draft.named_parameters()}
+    mine = grads(draft(aux, emb, pos)[0])
+    ref = grads(_vllm_reference(draft, aux, emb, pos, differentiable=True)[0])
+    assert mine.keys() == ref.keys() and ref["midlayer.input_layernorm.weight"].abs().sum() > 0
+    for n in ref:
+        # 1e-6, not 1e-12: the reference's RoPE comes from transformers in float32 (~1e-7 relative)
+        err = float((mine[n] - ref[n]).norm() / ref[n].norm())
+        assert err < 1e-6, (n, err)
 
 
 def test_export_state_dict_dtypes():

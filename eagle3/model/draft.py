@@ -128,12 +128,13 @@ def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> 
     return d
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in float32, scale in the input dtype (as vLLM's and HF's Llama RMSNorm)."""
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """Normalise in float32, scale in the input dtype (as vLLM's and HF's Llama RMSNorm);
+    ``weight=None``: normalised only (the weight applied elsewhere)."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(dtype) * weight.to(dtype)
+    return xf.to(dtype) if weight is None else xf.to(dtype) * weight.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -161,12 +162,13 @@ class Eagle3Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
-        """q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied (one matmul: w['qkv'] packs
-        q_proj, k_proj, v_proj row-wise, as vLLM's qkv_proj)."""
+    def qkv(self, e: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied, from the normalised token
+        embeddings ``e`` and the hidden input ``x`` (vLLM's qkv_proj of concat(e, x), its columns
+        split in two: w['qkv_e'] and w['qkv_h'], each packing q_proj, k_proj, v_proj row-wise)."""
         B, T, _ = x.shape
         D, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = F.linear(x, w["qkv"]).split([nq * D, nkv * D, nkv * D], dim=-1)
+        q, k, v = (F.linear(e, w["qkv_e"]) + F.linear(x, w["qkv_h"])).split([nq * D, nkv * D, nkv * D], dim=-1)
         q, k, v = q.view(B, T, nq, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
         if self.q_norm is not None:
             q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
@@ -198,12 +200,23 @@ class Eagle3MidLayer(nn.Module):
 
     def weights(self, dtype: Optional[torch.dtype] = None) -> dict:
         """The layer's weights for one forward: q/k/v and gate/up packed for one matmul each,
-        cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters)."""
+        cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters).
+
+        q/k/v's columns come in two halves: those that multiply the token embeddings (with the
+        input norm's weight folded in: qkv(norm(e) * w) == qkv * w applied to norm(e)) and those
+        that multiply the hidden input. The embeddings are constants, so with the norm's weight
+        folded into the matrix nothing needs the gradient of the normalised embeddings: the
+        backward skips that matmul (2 x T x H x (Hq+2Hkv)*D per step) and gets the norm weight's
+        gradient from the weight's instead (an elementwise product and a column sum)."""
         a, m = self.self_attn, self.mlp
+        H = self.input_layernorm.weight.shape[0]
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-        w = {"input_layernorm": self.input_layernorm.weight, "hidden_norm": self.hidden_norm.weight,
+        proj = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+        w = {"hidden_norm": self.hidden_norm.weight,
              "post_attention_layernorm": self.post_attention_layernorm.weight,
-             "qkv": torch.cat([cast(a.q_proj.weight), cast(a.k_proj.weight), cast(a.v_proj.weight)]),
+             # folded in the parameters' dtype (float32), then cast once
+             "qkv_e": torch.cat([p[:, :H] for p in proj]) * self.input_layernorm.weight,
+             "qkv_h": torch.cat([cast(p[:, H:]) for p in proj]),
              "o": a.o_proj.weight,
              "gate_up": torch.cat([cast(m.gate_proj.weight), cast(m.up_proj.weight)]), "down": m.down_proj.weight}
         if a.q_norm is not None:
@@ -214,14 +227,14 @@ class Eagle3MidLayer(nn.Module):
         """(q, k, v, residual) for one step from its hidden input [B,T,H] and token embeddings."""
         w = w if w is not None else self.weights()
         eps = self.hidden_norm.eps
-        e = rms_norm(embeds, w["input_layernorm"], eps)
+        e = rms_norm(embeds, None, eps)  # input_layernorm's weight is folded into w["qkv_e"]
         if self.norm_before_residual:
             x = rms_norm(hidden, w["hidden_norm"], eps)
             residual = x
         else:
             residual = hidden
             x = rms_norm(hidden, w["hidden_norm"], eps)
-        q, k, v = self.self_attn.qkv(torch.cat([e, x], dim=-1), cos, sin, w)
+        q, k, v = self.self_attn.qkv(e, x, cos, sin, w)
         return q, k, v, residual
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:

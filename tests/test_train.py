@@ -509,3 +509,23 @@ def test_compiled_target_head_traces_as_one_graph_and_equals_eager():
     cprobs, cin = head.targets(x)
     assert torch.equal(cin, in_vocab) and 0 < in_vocab.float().mean() < 1
     assert torch.allclose(cprobs, probs, rtol=0, atol=1e-7)
+
+
+def test_fsdp_must_wrap_the_draft_as_one_unit():
+    """FSDP only runs on GPU process groups (Accelerate turns it off on CPU), so the accelerator is
+    a stand-in here: a wrap policy that would shard submodules apart is refused with the fix."""
+    import functools
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from eagle3.train.loop import check_fsdp_wrapping
+
+    def acc(kind, policy):
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=SimpleNamespace(auto_wrap_policy=policy)))
+    check_fsdp_wrapping(acc(DistributedType.FSDP, None))  # NO_WRAP
+    check_fsdp_wrapping(acc(DistributedType.MULTI_GPU, functools.partial(size_based_auto_wrap_policy)))
+    with pytest.raises(ValueError, match="NO_WRAP") as e:
+        check_fsdp_wrapping(acc(DistributedType.FSDP, functools.partial(size_based_auto_wrap_policy, min_num_params=10)))
+    assert "size_based_auto_wrap_policy" in str(e.value)

@@ -52,3 +52,49 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     capsys.readouterr()
     run(cfg)  # same config: nothing to do
     assert "already complete" in capsys.readouterr().out
+
+
+def test_train_stage_under_two_processes(tiny_llama_dir, tmp_path):
+    """The stage launched on two processes (`accelerate launch -m eagle3 stage=train`; here torchrun
+    with ACCELERATE_USE_CPU, what `accelerate launch --cpu` sets: gloo): the main process records
+    one complete run with one metrics stream, and the draft is the one a single process trains on
+    the same global batch (2 x 1 row against 1 x 2 rows)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from conftest import chat_records, write_jsonl
+
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(24))
+    common = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp_path / 'ws'}", "experiment=mp",
+              "logger=jsonl", "progress=false", "prepare.draft_vocab_size=128", "extract.backend=hf",
+              "train.max_steps=3", "train.ttt_steps=2", "train.warmup_steps=1", "train.lr=1e-3", "train.log_every=1",
+              "train.eval_every=3", "train.max_seq_len=128"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def cli(*args, launcher=()):
+        out = subprocess.run([sys.executable, *launcher, "-m", "eagle3", *args, *common], capture_output=True,
+                             text=True, timeout=900, env=env)
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        return out
+
+    for stage in ("prepare", "extract"):
+        cli(f"stage={stage}")
+    cli("stage=train", "train.batch_size=2")
+    env["ACCELERATE_USE_CPU"] = "1"
+    cli("stage=train", "train.batch_size=1",
+        launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"))
+    manifest = json.loads((tmp_path / "ws" / "mp" / "manifest.json").read_text())
+    runs = manifest["stages"]["train"]["runs"]
+    assert len(runs) == 2 and all(r["status"] == "complete" for r in runs.values())
+    one, two = (Manifest(tmp_path / "ws" / "mp").record("train", h) for h in runs)
+    if one.data["config"]["train"]["batch_size"] != 2:
+        one, two = two, one
+    for rec in (one, two):  # one line per step and one eval: nothing written twice
+        lines = [json.loads(x) for x in (rec.out_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in lines if "train/loss" in r] == [1, 2, 3]
+        assert [r["step"] for r in lines if "eval/loss" in r] == [3]
+    a, b = (load_file(str(r.out_dir / "draft.safetensors")) for r in (one, two))
+    assert max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point()) < 1e-5

@@ -175,6 +175,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     # the scheduler is stepped by hand once per optimizer step (Accelerate's prepared scheduler
     # would step once per process and so run N times faster with N processes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg.warmup_steps, total, tcfg.min_lr_ratio))
+    check_fsdp_wrapping(accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = LoopState(S)
     accelerator.register_for_checkpointing(scheduler, state)
@@ -269,6 +270,25 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
         _write_draft(full_state, draft_cfg, out_dir)
     accelerator.end_training()
     return result
+
+
+def check_fsdp_wrapping(accelerator) -> None:
+    """FSDP must shard the draft as one unit (auto wrap policy NO_WRAP, Accelerate's default).
+
+    The TTT forward reads the layer's weights directly (packed, cast once per step) instead of
+    calling each submodule's forward, and FSDP gathers a separately wrapped submodule's shards only
+    inside that submodule's forward: they would arrive sharded. The draft is one decoder layer, so
+    one unit costs nothing: its parameters and optimizer state are still sharded across ranks."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    policy = getattr(accelerator.state.fsdp_plugin, "auto_wrap_policy", None)
+    if policy is not None:
+        name = getattr(getattr(policy, "func", policy), "__name__", str(policy))
+        raise ValueError(f"FSDP auto wrap policy {name!r}: the draft must be wrapped as one unit; set "
+                         "fsdp_auto_wrap_policy: NO_WRAP in the accelerate config (or --fsdp_auto_wrap_policy "
+                         "NO_WRAP), the TTT forward reads the layer's weights outside the submodules' forward")
 
 
 def model_backend_is_flex(tcfg, device) -> bool:

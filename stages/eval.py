@@ -16,13 +16,13 @@ log = logging.getLogger("eagle3.eval")
 def run(cfg, manifest):
     from eagle3.export.offline_eval import HFTarget, offline_acceptance
     from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
-    from eagle3.export.sources import load_source, target_dtype
+    from eagle3.export.sources import load_source
     from eagle3.target import resolve
 
     ecfg = cfg.export
     target = resolve(cfg.target, cfg.workspace)
     ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=True)
-    dtype = target_dtype(cfg, target)
+    dtype = target.run_dtype(cfg.target.dtype)
     k = ecfg.num_speculative_tokens
     ks = [k] + sorted({int(x) for x in ecfg.eval_ks} - {k})
     config = {"k": k, "eval_ks": ks, "eval_prompts": ecfg.eval_prompts, "eval_max_tokens": ecfg.eval_max_tokens,

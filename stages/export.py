@@ -18,7 +18,7 @@ def run(cfg, manifest):
     from eagle3.export.importers import MARKER
     from eagle3.export.model_card import model_card
     from eagle3.export.outdir import fingerprint, precheck_destination, publish
-    from eagle3.export.sources import check_embedding, load_source, target_dtype
+    from eagle3.export.sources import check_embedding, load_source
     from eagle3.hashing import semantic_dict
     from eagle3.target import resolve
 
@@ -26,7 +26,7 @@ def run(cfg, manifest):
     target = resolve(cfg.target, cfg.workspace)
     ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=ecfg.verify)
     check_embedding(ckpt, target, ecfg.include_embedding)
-    dtype = target_dtype(cfg, target)
+    dtype = target.run_dtype(cfg.target.dtype)
     from eagle3.export.prompts import prompts_identity
 
     config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id,

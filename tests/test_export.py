@@ -707,13 +707,12 @@ def test_export_from_verified_on_a_prompts_file_without_other_stages(experiment,
 
     from eagle3.__main__ import compose_config
     from eagle3.cli import run
+    from eagle3.data.chat_template import generation_prompt_ids
     from eagle3.manifest import Manifest
 
     src = specforge_checkpoint(target, experiment["kept"], tmp_path / "sf")
-    tok = AutoTokenizer.from_pretrained(str(target.path))
-    ids = tok.apply_chat_template([{"role": "user", "content": "sea wind?"}], add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(3, seed=7) + [{"prompt_token_ids": list(ids)}])
+    ids = generation_prompt_ids(AutoTokenizer.from_pretrained(str(target.path)), [{"role": "user", "content": "sea wind?"}])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", conversations(3, seed=7) + [{"prompt_token_ids": ids}])
     ws = tmp_path / "ws"
     base = [f"target.path={target.path}", f"workspace={ws}", "experiment=elsewhere", "stage=export",
             f"export.from={src}", f"export.prompts={prompts}", "export.eval_prompts=10", f"export.eval_ks=[{K}]",

@@ -38,22 +38,13 @@ and carries that header whitespace too.
 """
 from __future__ import annotations
 
-from ..errors import Eagle3Error
-
-
-def generation_prompt_ids(tokenizer, messages) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template and the assistant header, as a
-    served request sends them."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
 import json
 import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
+
+from ..errors import Eagle3Error
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -71,6 +62,15 @@ _PROBES = (
 )
 _SUPPLY = ("Supply a template with target.chat_template=PATH_OR_TEXT (ideally one that wraps each "
            "assistant reply in {% generation %}...{% endgeneration %}).")
+
+
+def generation_prompt_ids(tokenizer, messages) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the assistant header, as a
+    served request sends them."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 class ChatTemplateError(Eagle3Error, ValueError):

@@ -85,14 +85,11 @@ def read_hf(path: Path, fmt: str, split: str) -> Iterator[Record]:
 
 def generated_records(name: str) -> list[dict]:
     """The records of a generated built-in set (``data.path=builtin:large``), deterministic."""
-    import importlib.util
-
     if name not in BUILTIN_GENERATED:
         raise DataError(f"unknown built-in prompt set {name!r}; known: {sorted(BUILTIN_GENERATED)}")
-    spec = importlib.util.spec_from_file_location("eagle3_make_prompts", BUILTIN_PROMPTS.parent / "make_prompts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, BUILTIN_GENERATED[name])()
+    from .builtin import make_prompts
+
+    return getattr(make_prompts, BUILTIN_GENERATED[name])()
 
 
 def generated_identity(name: str) -> str:

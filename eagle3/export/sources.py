@@ -21,10 +21,6 @@ DRAFT_FILE = "draft.safetensors"
 DRAFT_CONFIG_FILE = "draft_config.json"
 
 
-def target_dtype(cfg, target) -> str:
-    return target.run_dtype(cfg.target.dtype)
-
-
 def _draft_config(d: dict) -> Eagle3DraftConfig:
     names = {f.name for f in dataclasses.fields(Eagle3DraftConfig)}
     return Eagle3DraftConfig(**{k: v for k, v in d.items() if k in names})

@@ -131,10 +131,6 @@ class _OpenShard:
 _PIECE = 16 << 20
 
 
-def _pwrite_tensor(fd: int, t, offset: int) -> None:
-    _pwrite(fd, _raw(t), offset)
-
-
 def _raw(t):
     """A contiguous CPU tensor as a writable-free byte buffer (no copy)."""
     import torch
@@ -275,7 +271,7 @@ class ShardWriter:
     def _pwrite_rows(self, fd: int, t, offset: int) -> None:
         t0 = time.thread_time()
         try:
-            _pwrite_tensor(fd, t, offset)
+            _pwrite(fd, _raw(t), offset)
         finally:
             self._add_cpu(time.thread_time() - t0)
 

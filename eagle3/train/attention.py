@@ -159,11 +159,10 @@ class TTTMask:
             T, bs, S, doc = self.T, self.block_size, self.num_steps, self.doc_ids
             partial, full = self.block_maps()
 
-            ordered = _ordered
-            kv_num, kv_idx = ordered(partial)
-            q_num, q_idx = ordered(partial.transpose(-2, -1))
-            full_kv_num, full_kv_idx = ordered(full[0])
-            full_q_num, full_q_idx = ordered(full[0].transpose(-2, -1))
+            kv_num, kv_idx = _ordered(partial)
+            q_num, q_idx = _ordered(partial.transpose(-2, -1))
+            full_kv_num, full_kv_idx = _ordered(full[0])
+            full_q_num, full_q_idx = _ordered(full[0].transpose(-2, -1))
             lasts = torch.arange(S, device=doc.device)
             masks = []
             for j in range(S):

@@ -203,19 +203,16 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
 
 
-def run_loop(a, device, compile_mode: str) -> dict:
-    """The train stage's own loop (eagle3.train.loop.train: Accelerate, data loader, packing,
-    metrics) on an in-memory store of random samples of the bench shape (no disk I/O)."""
-    import tempfile
-
-    from types import SimpleNamespace
-
-    from eagle3.train.loop import TrainInputs, train
+def loop_inputs(a, dtype=torch.bfloat16):
+    """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
+    shape (64 rows of ``a.seq`` tokens cycling over 4 distinct samples; no disk I/O) and a random
+    target head. Seeded: every process builds the same inputs."""
+    from eagle3.train.loop import TrainInputs
 
     cfg = make_config(a)
     gen = torch.Generator().manual_seed(0)
-    head, tensors = make_head(cfg, "cpu", torch.bfloat16, gen)
-    items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", torch.bfloat16, gen).items()
+    head, tensors = make_head(cfg, "cpu", dtype, gen)
+    items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", dtype, gen).items()
               if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
     for it in items:
         it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
@@ -234,24 +231,47 @@ def run_loop(a, device, compile_mode: str) -> dict:
     kept = head.kept_ids
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[kept] = True
-    inputs = TrainInputs(Store(), None, tensors, cfg.rms_norm_eps,
-                         kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
-    # eagle3.config.TrainConfig's fields and defaults (that module needs hydra, which the GPU box lacks)
-    tcfg = SimpleNamespace(model=SimpleNamespace(lm_head_init="target"), ttt_steps=a.ttt, decay=0.8, lr=1e-4,
-                           min_lr_ratio=0.0, warmup_steps=2, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=0.5,
-                           batch_size=a.batch, grad_accum=1, epochs=1, max_steps=a.loop_steps, max_seq_len=a.seq,
-                           mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
-                           keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode)
+    return TrainInputs(Store(), None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+
+
+def loop_config(a, compile_mode: str, **overrides):
+    """eagle3.config.TrainConfig's fields and defaults (that module needs hydra, which the GPU box
+    lacks), with the bench's shape and step count; ``overrides`` replace any field."""
+    from types import SimpleNamespace
+
+    fields = dict(model=SimpleNamespace(lm_head_init="target"), ttt_steps=a.ttt, decay=0.8, lr=1e-4,
+                  min_lr_ratio=0.0, warmup_steps=2, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=0.5,
+                  batch_size=a.batch, grad_accum=1, epochs=1, max_steps=a.loop_steps, max_seq_len=a.seq,
+                  mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
+                  keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def loop_summary(name: str, recs: list, batch_tokens: int, wall: float) -> dict:
+    """Throughput of a loop run from its metrics.jsonl records (tokens/s are global: all processes)."""
+    steady = [r for r in recs if "train/loss" in r][1:]  # the first window holds the compilation
+    tps = statistics.median(r["tokens_per_s"] for r in steady)
+    return {"variant": name, "tokens_per_s": tps, "step_ms": batch_tokens / tps * 1e3,
+            "peak_alloc_gib": max(r.get("peak_mem_gib", 0) for r in recs),
+            "mfu": statistics.median(r.get("mfu", 0.0) for r in steady), "wall_s": wall,
+            "windows": [(r["step"], r["tokens_per_s"], r["train/loss"]) for r in recs if "train/loss" in r]}
+
+
+def run_loop(a, device, compile_mode: str) -> dict:
+    """The train stage's own loop (eagle3.train.loop.train: Accelerate, data loader, packing,
+    metrics) on an in-memory store of random samples of the bench shape (no disk I/O)."""
+    import tempfile
+
+    from eagle3.train.loop import train
+
+    inputs, tcfg = loop_inputs(a), loop_config(a, compile_mode)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)
         wall = time.time() - t0
         recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in recs if "train/loss" in r][1:]  # the first window holds the compilation
-    tps = statistics.median(r["tokens_per_s"] for r in steady)
-    return {"variant": f"loop ({compile_mode})", "tokens_per_s": tps, "step_ms": a.batch * a.seq / tps * 1e3,
-            "peak_alloc_gib": max(r.get("peak_mem_gib", 0) for r in recs), "mfu": statistics.median(r.get("mfu", 0.0) for r in steady),
-            "wall_s": wall, "windows": [(r["step"], r["tokens_per_s"], r["train/loss"]) for r in recs if "train/loss" in r]}
+    return loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
 
 
 def sync_check(model, head, batch, opt, fold):
@@ -368,8 +388,8 @@ def correctness_check(device, checks=CHECKS) -> list:
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(p) -> None:
+    """The draft's shape (default Llama-3.1-8B-shaped) and the batch: shared with bench/train_dist.py."""
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -381,6 +401,16 @@ def main(argv=None):
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
+
+
+def describe_shape(a) -> str:
+    return (f"H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP {a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, "
+            f"TTT {a.ttt}, {a.batch}x{a.seq}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -422,8 +452,7 @@ def main(argv=None):
           "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
-    print(f"{out['device']}, torch {out['torch']}: H {a.hidden}, heads {a.heads}/{a.kv_heads}, MLP "
-          f"{a.intermediate}, vocab {a.vocab}->{a.draft_vocab}, TTT {a.ttt}, {a.batch}x{a.seq} tokens, bf16")
+    print(f"{out['device']}, torch {out['torch']}: {describe_shape(a)} tokens, bf16")
     print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
           f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")
     for r in out["results"]:

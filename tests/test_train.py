@@ -529,3 +529,47 @@ def test_fsdp_must_wrap_the_draft_as_one_unit():
     with pytest.raises(ValueError, match="NO_WRAP") as e:
         check_fsdp_wrapping(acc(DistributedType.FSDP, functools.partial(size_based_auto_wrap_policy, min_num_params=10)))
     assert "size_based_auto_wrap_policy" in str(e.value)
+
+
+def test_checkpoints_hold_only_trained_state_and_the_draft_the_vocab_mapping(store_dir, target_dir, tmp_path):
+    """What the loop shards, checkpoints and gathers is the trained parameters alone (Accelerate's
+    FSDP2 loading takes every state-dict entry for a sharded parameter, so a buffer there fails);
+    the vocabulary mapping, an input, is written into draft.safetensors as given."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from eagle3.train.loop import train
+
+    inputs = make_inputs(store_dir, target_dir, eval_split=None)
+    V, Vd = inputs.t2d.numel(), inputs.d2t.numel()
+    kept = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:Vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[kept] = True
+    inputs = dataclasses.replace(inputs, d2t=kept - torch.arange(Vd), t2d=t2d)
+    train(TrainConfig(ttt_steps=2, max_steps=2, batch_size=2, max_seq_len=128, save_every=2), inputs, tmp_path,
+          progress=False)
+    saved = load_file(str(tmp_path / "checkpoints" / "step-00000002" / "model.safetensors"))
+    params = {"draft." + n for n, _ in Eagle3Draft(inputs.draft_config).named_parameters()}
+    assert set(saved) == params
+    draft = load_file(str(tmp_path / "draft.safetensors"))
+    assert torch.equal(draft["d2t"], kept - torch.arange(Vd)) and torch.equal(draft["t2d"], t2d)
+    assert set(draft) == {n[len("draft."):] for n in params} | {"d2t", "t2d"}
+
+
+def test_accelerate_launch_trains_the_one_process_model(tmp_path):
+    """`accelerate launch --multi_gpu` as users start the loop (here gloo processes, with
+    ACCELERATE_USE_CPU): bench/train_dist.py's check trains one process with batch 2 and two with
+    batch 1 each, kills the second run's last checkpoint and resumes it; all must agree. On GPUs
+    the same script checks FSDP2 (bench/train.md)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "train_dist.py"), "--cpu", "--parts", "check",
+                        "--modes", "ddp", "--check-steps", "4", "--keep", str(tmp_path / "runs")],
+                       env=dict(_env(), OUT=str(out)), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (row,) = json.loads((out / "bench_train_dist.json").read_text())["check"][1:]
+    assert row["mode"] == "ddp" and row["processes"] == 2 and row["steps"] == 4 and row["ok"]
+    assert row["resumed_steps_logged"] == 4 and row["resumed_draft_max_abs_diff"] < 1e-5
+    log = (tmp_path / "runs" / "launch.log").read_text()
+    assert "accelerate.commands.launch --num_processes 2" in log and "--multi_gpu" in log

@@ -158,6 +158,12 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     draft_cfg = inputs.draft_config
     draft = Eagle3Draft(draft_cfg)
     draft.set_vocab_mapping(inputs.d2t, inputs.t2d)
+    # The vocabulary mapping is an input, not trained state: kept out of the state dict that the
+    # loop shards, checkpoints and gathers (Accelerate's FSDP2 loading takes every state-dict entry
+    # for a sharded parameter) and written back into the draft at the end.
+    vocab_mapping = {name: getattr(draft, name).clone() for name in ("d2t", "t2d")}
+    for name, value in vocab_mapping.items():
+        draft.register_buffer(name, value.clone(), persistent=False)
     head = TargetHead(inputs.target["embed"], inputs.target["norm"], inputs.target["lm_head"],
                       inputs.rms_norm_eps, draft.kept_token_ids.clone())
     if tcfg.model.lm_head_init == "target":
@@ -267,7 +273,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     result = {"steps": total, "train": last_train, "eval": last_eval}
     full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
     if accelerator.is_main_process:
-        _write_draft(full_state, draft_cfg, out_dir)
+        _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, draft_cfg, out_dir)
     accelerator.end_training()
     return result
 

@@ -39,4 +39,5 @@ def clip_gradients(accelerator, model, optimizer, max_norm: float) -> torch.Tens
     if (can_fold(inner) and accelerator.scaler is None
             and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)):
         return fold_clip(inner, model.parameters(), max_norm)
-    return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor

@@ -148,7 +148,7 @@ def check(args, root: Path, log: Path) -> list:
 def speed(args, root: Path, log: Path) -> list:
     shape = {k: getattr(args, k) for k in SMALL}
     rows, port = [], 29711
-    for mode in ["one"] + args.modes.split(","):
+    for mode in ([] if args.no_single else ["one"]) + args.modes.split(","):
         n = 1 if mode == "one" else args.gpus
         out = root / f"speed-{mode}"
         spec = dict(shape=shape, train=dict(max_steps=args.loop_steps, compile=args.compile), dtype="bfloat16",
@@ -183,6 +183,7 @@ def main(argv=None):
                                                           "difference the check accepts")
     p.add_argument("--loop-steps", type=int, default=30)
     p.add_argument("--compile", default="auto", help="train.compile of the speed runs")
+    p.add_argument("--no-single", action="store_true", help="skip the one-GPU speed run (no scaling column)")
     p.add_argument("--cpu", action="store_true", help="gloo processes on the CPU (DDP only; a smoke test)")
     p.add_argument("--keep", default="", help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)

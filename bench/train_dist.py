@@ -207,7 +207,8 @@ def main(argv=None):
     finally:
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "bench_train_dist.json").write_text(json.dumps(out, indent=2))
-            shutil.copy(log, Path(os.environ["OUT"], "train_dist_launch.log")) if log.exists() else None
+            if log.exists():
+                shutil.copy(log, Path(os.environ["OUT"], "train_dist_launch.log"))
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\n{dev} x {args.gpus}, torch {torch.__version__}")

@@ -162,8 +162,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     # loop shards, checkpoints and gathers (Accelerate's FSDP2 loading takes every state-dict entry
     # for a sharded parameter) and written back into the draft at the end.
     vocab_mapping = {name: getattr(draft, name).clone() for name in ("d2t", "t2d")}
-    for name, value in vocab_mapping.items():
-        draft.register_buffer(name, value.clone(), persistent=False)
+    for name in vocab_mapping:
+        draft.register_buffer(name, getattr(draft, name), persistent=False)
     head = TargetHead(inputs.target["embed"], inputs.target["norm"], inputs.target["lm_head"],
                       inputs.rms_norm_eps, draft.kept_token_ids.clone())
     if tcfg.model.lm_head_init == "target":

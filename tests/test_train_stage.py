@@ -56,7 +56,7 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
 
 def test_train_stage_under_two_processes(tiny_llama_dir, tmp_path):
     """The stage launched on two processes (`accelerate launch -m eagle3 stage=train`; here torchrun
-    with ACCELERATE_USE_CPU, what `accelerate launch --cpu` sets: gloo): the main process records
+    with ACCELERATE_USE_CPU, the variable `accelerate launch --cpu` sets: gloo): the main process records
     one complete run with one metrics stream, and the draft is the one a single process trains on
     the same global batch (2 x 1 row against 1 x 2 rows)."""
     import os

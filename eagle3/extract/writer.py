@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..atomic import atomic_write_json, fsync_dir
 from ..store import ShardPlan, StoreLayout, StoreWriteError, shard_header, sidecar_path
 
 _HASH_CHUNK = 16 << 20
@@ -107,15 +108,9 @@ class _OpenShard:
         rec = {"file": self.plan.name, "first_sample": self.plan.first, "num_samples": self.plan.num_samples,
                "num_tokens": self.plan.num_tokens, "size": self.size, "sha256": h.hexdigest()}
         # The sidecar goes first: a shard file that exists always has its record.
-        side = sidecar_path(self.final.parent, self.plan.name)
-        tmp_side = side.with_name(f".{side.name}.tmp{os.getpid()}")
-        with open(tmp_side, "w") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_side, side)
+        atomic_write_json(sidecar_path(self.final.parent, self.plan.name), rec, indent=None)
         os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         return dict(rec, split=self.plan.split, k=self.plan.k)
 
     def discard(self) -> None:
@@ -144,14 +139,6 @@ def _pwrite(fd: int, data, offset: int) -> None:
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_stale_temps(split_dir: Path, name: str) -> None:

@@ -33,12 +33,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .artifacts import INDEX_JSON, STORE_JSON
 from .atomic import atomic_write_json
 from .errors import Eagle3Error
 
 FORMAT = "eagle3.hidden_states/1"
-STORE_JSON = "store.json"
-INDEX_JSON = "index.json"
 _ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
 
 

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..artifacts import EXPORT_MARKER
 from ..model.draft import Eagle3DraftConfig
 from ..model.rope import rope_parameters
 from .checkpoint import EMBED_NAME, DraftCheckpoint
@@ -29,7 +30,7 @@ from .errors import ImportDraftError
 
 log = logging.getLogger("eagle3.export")
 
-MARKER = "eagle3_export.json"
+MARKER = EXPORT_MARKER
 CONVENTIONS = ("auto", "vllm", "sglang")
 _UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 

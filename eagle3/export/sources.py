@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
+from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE
 from ..model.draft import Eagle3DraftConfig
 from .checkpoint import MAPPING_NAMES, DraftCheckpoint
 from .errors import ExportError
 
-DRAFT_FILE = "draft.safetensors"
-DRAFT_CONFIG_FILE = "draft_config.json"
 
 
 def _draft_config(d: dict) -> Eagle3DraftConfig:

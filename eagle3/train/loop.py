@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..artifacts import (CHECKPOINT_COMPLETE, CHECKPOINTS_DIR, DRAFT_CONFIG_FILE, DRAFT_FILE,  # noqa: F401
+                         METRICS_FILE, VLLM_CONFIG_FILE)
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .data import MicroBatches, plan_epoch, steps_per_epoch, to_device
 from .metrics import JsonlLogger, peak_flops, step_summary, ttt_flops_per_token
@@ -34,12 +36,7 @@ from .ttt import STAT_NAMES, TTTModel, loss_denominators
 
 log = logging.getLogger("eagle3.train")
 
-DRAFT_FILE = "draft.safetensors"
-DRAFT_CONFIG_FILE = "draft_config.json"
-VLLM_CONFIG_FILE = "draft_vllm_config.json"
-METRICS_FILE = "metrics.jsonl"
-CKPT_DIR = "checkpoints"
-COMPLETE = "COMPLETE"
+CKPT_DIR, COMPLETE = CHECKPOINTS_DIR, CHECKPOINT_COMPLETE
 
 
 @dataclass

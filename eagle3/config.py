@@ -159,7 +159,9 @@ class ExtractConfig:
                     "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index")
 
     def __post_init__(self):
-        _check_choice("extract.backend", self.backend, ("vllm", "vllm_connector", "hf"))
+        from .extract.backend import BACKENDS  # the registry: a new backend is valid once registered there
+
+        _check_choice("extract.backend", self.backend, tuple(BACKENDS))
         _check_choice("extract.store_dtype", self.store_dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_positive("extract.samples_per_shard", self.samples_per_shard)
         _check_positive("extract.tensor_parallel_size", self.tensor_parallel_size)

@@ -198,6 +198,28 @@ def test_missing_vllm_names_the_extra(monkeypatch, layout, target, tmp_path):
         make_extractor("vllm", target, layout, "float32", ExtractConfig(), 64, tmp_path)
 
 
+# -- the backend interface -------------------------------------------------------------------------
+
+def test_backend_registry_and_protocol(layout, target, tmp_path):
+    """Every registered backend resolves lazily to a class named like its key; an unknown name lists
+    the valid ones (in make_extractor and in the config); an HF extractor is an Extractor."""
+    from eagle3.extract import BACKENDS, Extractor, backend_class, make_extractor
+
+    assert set(BACKENDS) == {"vllm", "vllm_connector", "hf"}
+    for name in BACKENDS:
+        cls = backend_class(name)
+        assert cls.name == name and callable(cls.run) and callable(cls.close)
+    with pytest.raises(ValueError, match="'sglang' is not one of 'vllm', 'vllm_connector', 'hf'"):
+        make_extractor("sglang", target, layout, "float32", ExtractConfig(), 64, tmp_path)
+    with pytest.raises(ValueError, match="extract.backend='sglang'"):
+        ExtractConfig(backend="sglang")
+    ex = make_extractor("hf", target, layout, "float32", ExtractConfig(device="cpu", batch_size=2), 64, tmp_path)
+    try:
+        assert isinstance(ex, Extractor) and ex.last_stats is None
+    finally:
+        ex.close()
+
+
 # -- the stage ------------------------------------------------------------------------------------
 
 def _cli(*args, timeout=400):

@@ -5,8 +5,10 @@ notebooks call it): it writes every shard assigned to this process that is not c
 (resume = skip complete shards), and finalizes the store (index + store.json) once every shard of
 every split exists, whichever process wrote them.
 
-Backends (``extract.backend``): ``vllm`` (default; vllm_backend + vllm_worker), ``vllm_connector``
-(vLLM's extract_hidden_states + hidden-states connector), ``hf`` (transformers reference).
+Backends (``extract.backend``, registered in ``backend.BACKENDS``, all implementing
+``backend.Extractor``): ``vllm`` (default; vllm_backend + vllm_worker), ``vllm_connector`` (vLLM's
+extract_hidden_states + hidden-states connector), ``hf`` (transformers reference). Each supplies
+what a shard's samples produce; the shard loop is ``writer.write_shards``.
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ import numpy as np
 
 from ..store import (ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards,
                      shard_ranges)
+from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 
 log = logging.getLogger("eagle3.extract")
 
 __all__ = ["Samples", "DatasetSamples", "extract_store", "make_extractor", "resolve_layer_ids",
-           "default_layer_ids", "resolve_store_dtype", "LayerIdError", "ExtractResult"]
+           "default_layer_ids", "resolve_store_dtype", "LayerIdError", "ExtractResult", "Extractor", "Progress",
+           "BACKENDS", "backend_class"]
 
 
 class Samples:
@@ -76,25 +80,6 @@ class ExtractResult:
     stats: Optional[dict] = None  # backend's accounting (CPU seconds of capture / writer), if any
 
 
-def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                   work_dir, **kwargs):
-    """A backend with the target loaded; ``extractor.run(plans, store_dir, progress)`` writes shards.
-    ``work_dir``: scratch space on the store's filesystem (the connector's per-request files)."""
-    if backend == "vllm":
-        from .vllm_backend import VLLMExtractor
-
-        return VLLMExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, **kwargs)
-    if backend == "vllm_connector":
-        from .vllm_connector_backend import VLLMConnectorExtractor
-
-        return VLLMConnectorExtractor(str(target_path), layout, target_dtype, ecfg, max_model_len, work_dir)
-    if backend == "hf":
-        from .hf_backend import HFExtractor
-
-        return HFExtractor(str(target_path), layout, target_dtype, ecfg)
-    raise ValueError(f"extract.backend={backend!r} is not one of 'vllm', 'vllm_connector', 'hf'")
-
-
 def _max_model_len(splits: dict) -> int:
     longest = max((int(s.lengths.max()) for s in splits.values() if len(s)), default=1)
     return -(-(longest + 1) // 16) * 16  # room for the one sampled token, rounded up
@@ -108,8 +93,6 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
     ``extractor``: an already built backend to reuse (the benchmark does); else one is built when
     there is work and closed afterwards."""
     import time
-
-    from .vllm_backend import Progress
 
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)

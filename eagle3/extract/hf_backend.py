@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..store import ShardPlan, StoreLayout
-from .writer import CapturedBatch, HostStager, ShardWriter
+from .writer import CapturedBatch, HostStager, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
 
@@ -20,8 +20,10 @@ log = logging.getLogger("eagle3.extract")
 class HFExtractor:
     name = "hf"
 
-    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, ecfg, model=None):
-        """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built)."""
+    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, ecfg, model=None, *,
+                 max_model_len: int = 0, work_dir=None):
+        """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built).
+        ``max_model_len`` and ``work_dir`` (the common constructor's) are not needed here."""
         import torch
         from transformers import AutoModel
 
@@ -48,6 +50,7 @@ class HFExtractor:
             self._hooks.append(layers[k].register_forward_pre_hook(self._pre_hook(k), with_kwargs=True))
         self._hooks.append(layers[-1].register_forward_hook(self._post_hook(layout.last_layer_id)))
         self.stager = HostStager()
+        self.last_stats = None
         log.info("extract: transformers %s on %s, %s, batch %d", type(self.model).__name__, self.device,
                  target_dtype, self.batch_size)
 
@@ -82,33 +85,25 @@ class HFExtractor:
         last = self._captured[self.layout.last_layer_id][keep].to(dtype)
         return aux, last
 
+    def _produce(self, plan: ShardPlan, progress):
+        key = (plan.split, plan.k)
+        # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
+        order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]), key=lambda j: (-int(plan.lengths[j]), j))
+        for a in range(0, len(order), self.batch_size):
+            batch = [(j, plan.input_ids[j]) for j in order[a:a + self.batch_size]]
+            aux, last = self._forward(batch)
+            segments, row = [], 0
+            for j, x in batch:
+                segments.append((key, j, 0, row, row + len(x)))
+                row += len(x)
+            aux_h, last_h, event, release = self.stager.stage(aux, last)
+            yield CapturedBatch(segments, aux_h, last_h, event, release)
+            progress.update(row)
+
     def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
-        done = []
-        try:
-            for plan in plans:
-                writer.begin(plan)
-                key = (plan.split, plan.k)
-                # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
-                order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]),
-                               key=lambda j: (-int(plan.lengths[j]), j))
-                for a in range(0, len(order), self.batch_size):
-                    batch = [(j, plan.input_ids[j]) for j in order[a:a + self.batch_size]]
-                    aux, last = self._forward(batch)
-                    segments, row = [], 0
-                    for j, x in batch:
-                        segments.append((key, j, 0, row, row + len(x)))
-                        row += len(x)
-                    aux_h, last_h, event, release = self.stager.stage(aux, last)
-                    writer.write(CapturedBatch(segments, aux_h, last_h, event, release))
-                    progress.update(row)
-                writer.end(key)
-                done += writer.poll()
-            done += writer.close()
-            self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
-        except BaseException:
-            writer.abort()
-            raise
+        done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
+        self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
         return done
 
     def close(self) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from ..errors import Eagle3Error
 from ..store import ShardPlan, StoreLayout, StoreWriteError
+from .backend import Progress
+from .writer import write_shards
 
 log = logging.getLogger("eagle3.extract")
 
@@ -69,31 +71,13 @@ def sampling_params(tag=None):
                           extra_args={"eagle3": list(tag)} if tag is not None else None)
 
 
-class Progress:
-    """Token-level progress bar plus a throughput log line per shard."""
-
-    def __init__(self, total_tokens: int, desc: str, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total_tokens, desc=desc, unit="tok", unit_scale=True, disable=not enabled)
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-
-    def update(self, n: int) -> None:
-        self.tokens += n
-        self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 class VLLMExtractor:
     """Drives an in-process vLLM engine shard by shard; the rank-0 worker writes the shards."""
 
     name = "vllm"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 aux_setup: str = "auto"):
+                 aux_setup: str = "auto", *, work_dir=None):
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
@@ -121,14 +105,6 @@ class VLLMExtractor:
     def _rpc(self, method: str, *args):
         return self.llm.collective_rpc(method, args=args)[0]
 
-    def _check(self, reply: str) -> list:
-        r = json.loads(reply)
-        if r.get("error"):
-            if r.get("kind") == "StoreWriteError" or "disk full" in r["error"]:
-                raise StoreWriteError(r["error"])
-            raise ExtractError(f"hidden-state capture failed in the vLLM worker: {r['error']}")
-        return r.get("done", [])
-
     def start_capture(self, store_dir: Path) -> None:
         cfg = {"store_dir": str(store_dir), "layout": self.layout.to_json(), "aux_setup": self.aux_setup,
                "capture_ids": list(self.layout.layer_ids) + [self.layout.last_layer_id]}
@@ -137,39 +113,26 @@ class VLLMExtractor:
                  self.capture_info["aux_layers"])
 
     # -- extraction ------------------------------------------------------------------------------
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
-        from .vllm_worker import plan_to_payload
-
+    def _produce(self, plan: ShardPlan, progress: Progress):
+        """Submits a shard's samples and steps the engine until they are done. The rows are written
+        by the worker (between execute_model() and sample_tokens()), so nothing is yielded but
+        ``None`` per step: the shard loop polls the worker's writer in between."""
         engine = self.llm.llm_engine
+        for j, ids in enumerate(plan.input_ids):
+            if len(ids):
+                engine.add_request(f"{plan.split}-{plan.first + j}", {"prompt_token_ids": [int(x) for x in ids]},
+                                   sampling_params((plan.split, plan.k, j)))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    progress.update(len(out.prompt_token_ids))
+            yield None
+
+    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+        sink = _WorkerWriter(self)
         self.start_capture(store_dir)
-        done: list[dict] = []
-        try:
-            for plan in plans:
-                self._rpc("eagle3_begin_shard", plan_to_payload(plan))
-                for j, ids in enumerate(plan.input_ids):
-                    if len(ids):
-                        engine.add_request(f"{plan.split}-{plan.first + j}",
-                                           {"prompt_token_ids": [int(x) for x in ids]},
-                                           sampling_params((plan.split, plan.k, j)))
-                last_poll = time.perf_counter()
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            progress.update(len(out.prompt_token_ids))
-                    if time.perf_counter() - last_poll > 2.0:  # surface a writer/capture failure early
-                        done += self._check(self._rpc("eagle3_poll"))
-                        last_poll = time.perf_counter()
-                self._rpc("eagle3_end_shard", plan.split, plan.k)
-                done += self._check(self._rpc("eagle3_poll"))
-            reply = self._rpc("eagle3_capture_stop")
-            done += self._check(reply)
-            self.last_stats = json.loads(reply).get("stats")
-        except BaseException:
-            try:
-                self._rpc("eagle3_capture_abort")
-            except Exception:  # the engine may be dead; the original error matters
-                pass
-            raise
+        done = write_shards(sink, plans, lambda plan: self._produce(plan, progress))
+        self.last_stats = sink.stats
         return done
 
     def aux_off(self) -> None:
@@ -181,3 +144,47 @@ class VLLMExtractor:
 
         shutdown_llm(self.llm)
         self.llm = None
+
+
+class _WorkerWriter:
+    """The shard writer in vLLM's rank-0 worker, seen from the driver (a :class:`~.writer.ShardSink`).
+    Rows never pass through here: the worker's capture writes them; begin/end/poll/close/abort
+    travel as RPCs, whose replies are JSON."""
+
+    def __init__(self, ex: VLLMExtractor):
+        self.ex = ex
+        self.stats = None
+
+    def _check(self, reply: str) -> list:
+        r = json.loads(reply)
+        if r.get("error"):
+            if r.get("kind") == "StoreWriteError" or "disk full" in r["error"]:
+                raise StoreWriteError(r["error"])
+            raise ExtractError(f"hidden-state capture failed in the vLLM worker: {r['error']}")
+        return r.get("done", [])
+
+    def begin(self, plan: ShardPlan) -> None:
+        from .vllm_worker import plan_to_payload
+
+        self.ex._rpc("eagle3_begin_shard", plan_to_payload(plan))
+
+    def write(self, batch) -> None:
+        raise TypeError("the vllm backend's rows are written inside the worker, not sent from the driver")
+
+    def end(self, key) -> None:
+        self.ex._rpc("eagle3_end_shard", key[0], key[1])
+
+    def poll(self) -> list:
+        return self._check(self.ex._rpc("eagle3_poll"))
+
+    def close(self) -> list:
+        reply = self.ex._rpc("eagle3_capture_stop")
+        done = self._check(reply)
+        self.stats = json.loads(reply).get("stats")
+        return done
+
+    def abort(self) -> None:
+        try:
+            self.ex._rpc("eagle3_capture_abort")
+        except Exception:  # the engine may be dead; the original error matters
+            pass

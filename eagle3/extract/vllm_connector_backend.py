@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from ..store import ShardPlan, StoreLayout
-from .vllm_backend import ExtractError, Progress, engine_kwargs, extract_hidden_states_spec, pin_v1_runner
-from .writer import CapturedBatch, ShardWriter
+from .backend import Progress
+from .vllm_backend import ExtractError, engine_kwargs, extract_hidden_states_spec, pin_v1_runner
+from .writer import CapturedBatch, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
 
@@ -59,15 +60,16 @@ class VLLMConnectorExtractor:
     name = "vllm_connector"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 tmp_root: str | Path):
+                 work_dir: str | Path):
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
         pin_v1_runner()
         cpu = on_cpu()
         self.layout = layout
+        self.last_stats = None
         # The connector's per-request files: next to the store (same filesystem), removed on close.
-        self.tmp = Path(tmp_root) / f".connector_tmp{os.getpid()}"
+        self.tmp = Path(work_dir) / f".connector_tmp{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -103,58 +105,52 @@ class VLLMConnectorExtractor:
                 engine.step()
             time.sleep(0.001)
 
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+    def _produce(self, plan: ShardPlan, progress: Progress):
         import torch
         from safetensors.torch import load_file
 
         from .vllm_backend import sampling_params
 
         engine = self.llm.llm_engine
+        key = (plan.split, plan.k)
+        ids_of = {}
+        for j, ids in enumerate(plan.input_ids):
+            if len(ids):
+                rid = f"{plan.split}-{plan.first + j}"
+                ids_of[rid] = j
+                engine.add_request(rid, {"prompt_token_ids": [int(x) for x in ids]}, sampling_params())
+        paths = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    params = out.kv_transfer_params or {}
+                    if "hidden_states_path" not in params:
+                        raise ExtractError(f"request {out.request_id} finished without a hidden_states_path "
+                                           f"(kv_transfer_params={params})")
+                    paths[out.request_id] = params["hidden_states_path"]
+                    progress.update(len(out.prompt_token_ids))
+            yield None
+        self._collect(paths)
+        for rid, path in sorted(paths.items(), key=lambda kv: ids_of[kv[0]]):
+            j = ids_of[rid]
+            data = load_file(path)
+            hs, tok = data["hidden_states"], data["token_ids"]
+            want = torch.as_tensor([int(x) for x in plan.input_ids[j]], dtype=tok.dtype)
+            if hs.shape[0] != len(want) or not torch.equal(tok, want):
+                raise ExtractError(f"connector file {path} holds {hs.shape[0]} tokens that do not match "
+                                   f"sample {plan.first + j} ({len(want)} tokens)")
+            if hs.shape[1] != self.layout.n_aux + 1:
+                raise ExtractError(f"connector file {path} has {hs.shape[1]} layers, expected "
+                                   f"{self.layout.n_aux + 1}")
+            yield CapturedBatch([(key, j, 0, 0, hs.shape[0])], hs[:, :-1], hs[:, -1])
+            os.remove(path)
+            if os.path.exists(path + ".lock"):
+                os.remove(path + ".lock")
+
+    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
-        done = []
-        try:
-            for plan in plans:
-                writer.begin(plan)
-                key = (plan.split, plan.k)
-                ids_of = {}
-                for j, ids in enumerate(plan.input_ids):
-                    if len(ids):
-                        rid = f"{plan.split}-{plan.first + j}"
-                        ids_of[rid] = j
-                        engine.add_request(rid, {"prompt_token_ids": [int(x) for x in ids]}, sampling_params())
-                paths = {}
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            params = out.kv_transfer_params or {}
-                            if "hidden_states_path" not in params:
-                                raise ExtractError(f"request {out.request_id} finished without a hidden_states_path "
-                                                   f"(kv_transfer_params={params})")
-                            paths[out.request_id] = params["hidden_states_path"]
-                            progress.update(len(out.prompt_token_ids))
-                self._collect(paths)
-                for rid, path in sorted(paths.items(), key=lambda kv: ids_of[kv[0]]):
-                    j = ids_of[rid]
-                    data = load_file(path)
-                    hs, tok = data["hidden_states"], data["token_ids"]
-                    want = torch.as_tensor([int(x) for x in plan.input_ids[j]], dtype=tok.dtype)
-                    if hs.shape[0] != len(want) or not torch.equal(tok, want):
-                        raise ExtractError(f"connector file {path} holds {hs.shape[0]} tokens that do not match "
-                                           f"sample {plan.first + j} ({len(want)} tokens)")
-                    if hs.shape[1] != self.layout.n_aux + 1:
-                        raise ExtractError(f"connector file {path} has {hs.shape[1]} layers, expected "
-                                           f"{self.layout.n_aux + 1}")
-                    writer.write(CapturedBatch([(key, j, 0, 0, hs.shape[0])], hs[:, :-1], hs[:, -1]))
-                    os.remove(path)
-                    if os.path.exists(path + ".lock"):
-                        os.remove(path + ".lock")
-                writer.end(key)
-                done += writer.poll()
-            done += writer.close()
-            self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
-        except BaseException:
-            writer.abort()
-            raise
+        done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
+        self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
         return done
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import numpy as np
 
@@ -319,6 +319,50 @@ class ShardWriter:
         for shard in self._open.values():
             shard.discard()
         self._open.clear()
+
+
+class ShardSink(Protocol):
+    """Where the shard loop sends a backend's output: :class:`ShardWriter`, or a proxy for one that
+    runs elsewhere (the vllm backend's writer lives in vLLM's worker process)."""
+
+    def begin(self, plan: ShardPlan) -> None: ...
+    def write(self, batch: CapturedBatch) -> None: ...
+    def end(self, key) -> None: ...
+    def poll(self) -> list: ...
+    def close(self) -> list: ...
+    def abort(self) -> None: ...
+
+
+def write_shards(sink: ShardSink, plans: Iterable[ShardPlan],
+                 produce: Callable[[ShardPlan], Iterable[Optional[CapturedBatch]]], poll_every: float = 2.0) -> list:
+    """The shard loop, once for every backend.
+
+    For each plan (in order): ``sink.begin(plan)``; every item of ``produce(plan)`` is written (a
+    :class:`CapturedBatch`) or skipped (``None``: the producer made progress whose rows it hands to
+    the writer itself, e.g. inside vLLM's worker); the sink is polled at least every
+    ``poll_every`` seconds so a writer failure stops the producer early; then ``sink.end(key)``.
+    Shards are produced one after another: a shard's rows come only from its own samples, so its
+    bytes do not depend on what else this run writes (resume and scale-out give the same files).
+    Finally ``sink.close()`` waits for every shard. On any error the sink is aborted (open shards'
+    temp files removed) and the error re-raised. Returns the finished shards' records."""
+    done: list = []
+    try:
+        for plan in plans:
+            sink.begin(plan)
+            last_poll = time.perf_counter()
+            for batch in produce(plan):
+                if batch is not None:
+                    sink.write(batch)
+                if time.perf_counter() - last_poll > poll_every:
+                    done += sink.poll()
+                    last_poll = time.perf_counter()
+            sink.end((plan.split, plan.k))
+            done += sink.poll()
+        done += sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    return done
 
 
 class HostStager:

@@ -220,6 +220,105 @@ def test_backend_registry_and_protocol(layout, target, tmp_path):
         ex.close()
 
 
+def test_hf_writes_the_bytes_of_the_plain_path(tmp_path, hf_store, samples, layout, target, monkeypatch):
+    """The HF backend as it runs now (rows picked with a host-built index or, for batches without
+    padding, a reshape; pipelined writer) against the path it replaced (rows picked by a boolean mask
+    on the device, one row thread, every shard flushed and then read back to hash it):
+    byte-identical stores, for batches with and without padding."""
+    import functools
+
+    import eagle3.extract.hf_backend as hb
+    from eagle3.extract.writer import ShardWriter
+
+    class MaskGather(hb.HFExtractor):
+        def _forward(self, batch):
+            lengths = [len(x) for _, x in batch]
+            ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+            mask = torch.zeros(len(batch), max(lengths), dtype=torch.long)
+            for b, (_, x) in enumerate(batch):
+                ids[b, : len(x)] = torch.as_tensor([int(t) for t in x], dtype=torch.long)
+                mask[b, : len(x)] = 1
+            self._captured.clear()
+            with torch.inference_mode():
+                self.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            keep = mask.bool()
+            aux = torch.stack([self._captured[k][keep] for k in self.layout.layer_ids], dim=1)
+            return aux, self._captured[self.layout.last_layer_id][keep]
+
+    ecfg = ExtractConfig(**ECFG)
+    rng = random.Random(1)
+    equal = {"eq": Samples([[rng.randrange(3, 380) for _ in range(40)] for _ in range(9)])}  # no padding
+    new = extract_store(tmp_path / "new", equal, layout, backend="hf", target_path=target, target_dtype="float32",
+                        ecfg=ecfg, progress=False)
+    monkeypatch.setattr(hb, "ShardWriter", functools.partial(ShardWriter, stream_hash=False, early_writeback=False,
+                                                             row_threads=1))
+    for name, smp in (("old", samples), ("old-eq", equal)):
+        ex = MaskGather(target, layout, "float32", ecfg)
+        res = extract_store(tmp_path / name, smp, layout, backend="hf", target_path=target, target_dtype="float32",
+                            ecfg=ecfg, progress=False, extractor=ex)
+        ex.close()
+        assert res.complete
+    assert new.complete and _store_bytes(tmp_path / "old-eq") == _store_bytes(tmp_path / "new")
+    assert _store_bytes(tmp_path / "old") == _store_bytes(hf_store)
+
+
+_HF_RESUME_SCRIPT = """
+import json, sys, time
+from eagle3.config import ExtractConfig
+from eagle3.extract import Samples, extract_store
+from eagle3.store import StoreLayout
+import eagle3.extract.hf_backend as hb
+
+a = json.load(open(sys.argv[1]))
+if a["slow"]:  # slow the forward passes down so that the test can kill the run between shards
+    orig = hb.HFExtractor._forward
+    def slow(self, batch):
+        time.sleep(0.4)
+        return orig(self, batch)
+    hb.HFExtractor._forward = slow
+samples = {s: Samples(*v) for s, v in a["samples"].items()}
+res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="hf", target_path=a["target"],
+                    target_dtype="float32", ecfg=ExtractConfig(**a["ecfg"]), progress=False)
+print("COMPLETE" if res.complete else "INCOMPLETE")
+"""
+
+
+def test_hf_resume_after_kill_is_byte_identical(tmp_path, hf_store, samples, layout, target):
+    """kill -9 in the middle of the HF backend's pipelined writer (hash threads, writeback, finisher
+    running), then run again: the complete shards are kept, the rest written, and the store is
+    byte-identical to an uninterrupted run's, with no temp file left."""
+    script = tmp_path / "run.py"
+    script.write_text(_HF_RESUME_SCRIPT)
+    store = tmp_path / "store"
+    args = {"store": str(store), "layout": layout.to_json(), "target": str(target), "ecfg": ECFG, "slow": True,
+            "samples": {s: [v.input_ids, v.loss_mask] for s, v in samples.items()}}
+    (tmp_path / "a.json").write_text(json.dumps(args))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "a.json")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if len(list(store.glob("*/shard-*.safetensors"))) >= 1:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read().decode()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done_before = sorted(p.name for p in store.glob("*/shard-*.safetensors"))
+    assert 1 <= len(done_before) < 4 and not (store / "store.json").exists()
+    args["slow"] = False
+    (tmp_path / "a.json").write_text(json.dumps(args))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "a.json")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "COMPLETE" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert _store_bytes(store) == _store_bytes(hf_store)
+    assert not list(store.rglob(".*.tmp*")), "temp files of the killed run must be gone"
+
+
 # -- the stage ------------------------------------------------------------------------------------
 
 def _cli(*args, timeout=400):

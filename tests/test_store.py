@@ -30,10 +30,10 @@ def _samples(n=11, seed=0, max_len=40):
     return ids, mask, states
 
 
-def _write_store(store_dir, ids, mask, states, layout=LAYOUT, sps=4, chunk_seed=0, splits=("train",)):
+def _write_store(store_dir, ids, mask, states, layout=LAYOUT, sps=4, chunk_seed=0, splits=("train",), **writer_kw):
     """Write every shard with chunks of random sizes in a random order, like interleaved prefill steps."""
     rng = random.Random(chunk_seed)
-    writer = ShardWriter(store_dir, layout)
+    writer = ShardWriter(store_dir, layout, **writer_kw)
     for split in splits:
         ranges = shard_ranges(len(ids), sps)
         for k, (first, count) in enumerate(ranges):
@@ -104,6 +104,64 @@ def test_bytes_do_not_depend_on_chunking_or_order(tmp_path):
 
     assert side["sha256"] == hashlib.sha256(a[side_path := next(k for k in a if k.name == side["file"])]).hexdigest()
     assert side_path.name == "shard-00001-of-00003.safetensors"
+
+
+def _sidecars_match_files(d):
+    import hashlib
+
+    sides = sorted(d.rglob("shard-*.json"))
+    assert sides
+    for side in sides:
+        rec = json.loads(side.read_text())
+        assert hashlib.sha256((side.parent / rec["file"]).read_bytes()).hexdigest() == rec["sha256"], side
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipelined_writer_writes_the_bytes_of_the_plain_writer(tmp_path, monkeypatch, dtype):
+    """Hashing while writing (rows out of order, many small pieces on several row threads, hash reads
+    in small chunks) and early writeback give the files and sidecars of the plain writer (one row
+    thread, shard flushed and then read back to hash it)."""
+    import eagle3.extract.writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "_PIECE", 200)  # pieces of a few rows: many per chunk, finishing in any order
+    monkeypatch.setattr(writer_mod, "_HASH_CHUNK", 1000)
+    layout = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype=dtype)
+    ids, mask, states = _samples(n=13, max_len=60)
+    reads = []
+    real = writer_mod._hash_file
+    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size: reads.append(size) or real(fd, size))
+    _write_store(tmp_path / "plain", ids, mask, states, layout=layout, chunk_seed=3, stream_hash=False,
+                 early_writeback=False, row_threads=1)
+    assert len(reads) == 4  # every shard read back after its fsync
+    _write_store(tmp_path / "piped", ids, mask, states, layout=layout, chunk_seed=4)
+    assert len(reads) == 4  # every shard hashed while written: nothing read back at the end
+    a, b = _files(tmp_path / "plain"), _files(tmp_path / "piped")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    _sidecars_match_files(tmp_path / "piped")
+
+
+def test_rows_written_twice_hash_the_final_file(tmp_path, monkeypatch):
+    """Rows sent again with other values (a recomputed chunk): the file holds the last values and
+    the sidecar's sha256 is that file's, though the streamed hash may have read the first ones."""
+    import eagle3.extract.writer as writer_mod
+
+    reads = []
+    real = writer_mod._hash_file
+    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size: reads.append(size) or real(fd, size))
+    ids, mask = [[1] * 6, [2] * 3], [[1] * 6, [0] * 3]
+    x, y, z = torch.randn(6, 4, H), torch.randn(6, 4, H), torch.randn(3, 4, H)
+    w = ShardWriter(tmp_path, LAYOUT)
+    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    w.write(CapturedBatch([(("train", 0), 0, 0, 0, 6)], x[:, :3], x[:, 3]))
+    w.write(CapturedBatch([(("train", 0), 0, 2, 2, 6)], y[:, :3], y[:, 3]))  # rows 2..5 of sample 0 again
+    w.write(CapturedBatch([(("train", 0), 1, 0, 0, 3)], z[:, :3], z[:, 3]))
+    w.end(("train", 0))
+    w.close()
+    assert len(reads) == 1  # the streamed hash was dropped: the final file was hashed
+    _sidecars_match_files(tmp_path)
+    finalize_store(tmp_path, LAYOUT, {"train": [6, 3]}, 256)
+    got = open_hidden_states(tmp_path)[0]["aux_hidden_states"]
+    assert torch.equal(got[:2], x[:2, :3]) and torch.equal(got[2:], y[2:, :3])
 
 
 def test_bfloat16_store(tmp_path):

@@ -65,24 +65,36 @@ class HFExtractor:
         return hook
 
     def _forward(self, samples: list) -> tuple:
-        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample order)."""
+        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample order).
+        Nothing here waits for the device: the rows are picked with an index built on the host
+        (a boolean mask on the device would make the host wait for the forward to end)."""
+        import numpy as np
         import torch
 
         lengths = [len(ids) for _, ids in samples]
         width = max(lengths)
         ids = torch.zeros(len(samples), width, dtype=torch.long)
-        mask = torch.zeros(len(samples), width, dtype=torch.long)
         for b, (_, x) in enumerate(samples):
-            ids[b, : len(x)] = torch.as_tensor([int(t) for t in x], dtype=torch.long)
-            mask[b, : len(x)] = 1
+            ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         self._captured.clear()
         with torch.inference_mode():
             # Right padding: causal attention keeps real tokens independent of the padding.
             self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
-        keep = mask.to(self.device).bool()
-        dtype = getattr(torch, self.layout.dtype)
-        aux = torch.stack([self._captured[k][keep] for k in self.layout.layer_ids], dim=1).to(dtype)
-        last = self._captured[self.layout.last_layer_id][keep].to(dtype)
+            if min(lengths) == width:
+                def rows(x):
+                    return x.reshape(-1, x.shape[-1])
+            else:
+                keep = torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
+                keep = keep.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else keep
+
+                def rows(x):
+                    return x.reshape(-1, x.shape[-1]).index_select(0, keep)
+
+            dtype = getattr(torch, self.layout.dtype)
+            aux = torch.stack([rows(self._captured[k]) for k in self.layout.layer_ids], dim=1).to(dtype)
+            last = rows(self._captured[self.layout.last_layer_id]).to(dtype)
+        self._captured.clear()
         return aux, last
 
     def _produce(self, plan: ShardPlan, progress):
@@ -102,8 +114,9 @@ class HFExtractor:
 
     def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
+        wait0 = self.stager.wait_seconds
         done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
-        self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
+        self.last_stats = {"writer_cpu_s": writer.cpu_seconds, "stager_wait_s": self.stager.wait_seconds - wait0}
         return done
 
     def close(self) -> None:

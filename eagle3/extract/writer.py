@@ -4,8 +4,19 @@ Every sample's length is known before extraction (the prepare stage tokenized it
 safetensors header and the byte offset of every row are known when the shard begins. Captured
 chunks (a prefill chunk of one request, or one HF batch row) are written with ``pwrite`` to their
 final offsets as they arrive, in any order; nothing is buffered per sample, so memory stays at a
-few engine steps whatever the shard size. The writer runs in its own thread so that device->host
-copies (on GPU), dtype conversion and disk writes overlap the next forward pass.
+few engine steps whatever the shard size.
+
+Nothing of the store's work waits in the forward loop (GPU): :class:`HostStager` packs a step's
+states on the compute stream and copies them to a ring of pinned host buffers on its own CUDA
+stream; the writer thread waits for that copy and hands 16 MiB pieces to row threads (``pwrite``
+releases the GIL), which also start the pieces' writeback to disk at once (``sync_file_range``),
+so the disk works while the GPU computes instead of in one fsync per shard. Each open shard has a
+hash thread that follows the contiguously written prefix of the file and hashes it from the page
+cache (rows arrive out of order; sha256 needs file order), so at the end of a shard only the bytes
+written last remain to hash and flush. Finishing (fsync, the rest of the hash, sidecar, rename)
+runs on a finisher thread while the next shard is written. The guarantees are those of a writer
+that hashes the finished file: fsync before rename, the sidecar's sha256 is the file's (a range
+written twice makes the shard hash its whole file again), the same bytes whatever the order.
 
 It runs wherever the states are: in the driver process (hf, vllm_connector backends) or inside
 vLLM's rank-0 worker (vllm backend), so hidden states never travel through vLLM's RPC.
@@ -14,13 +25,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import heapq
 import json
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Protocol
@@ -50,7 +63,8 @@ class CapturedBatch:
 
 
 class _OpenShard:
-    def __init__(self, split_dir: Path, plan: ShardPlan, layout: StoreLayout):
+    def __init__(self, split_dir: Path, plan: ShardPlan, layout: StoreLayout, stream_hash: bool = True,
+                 on_cpu: Callable[[float], None] = lambda s: None):
         self.plan = plan
         self.final = split_dir / plan.name
         self.tmp = split_dir / f".{plan.name}.tmp{os.getpid()}"
@@ -59,8 +73,21 @@ class _OpenShard:
         self.aux_row = layout.n_aux * layout.hidden_size * layout.itemsize
         self.last_row = layout.hidden_size * layout.itemsize
         self.written = np.zeros(plan.num_samples, dtype=np.int64)
+        self.hash: Optional[_StreamHash] = None
         _remove_stale_temps(split_dir, plan.name)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self._start(header)
+        except BaseException:
+            self.discard()  # e.g. a full disk: no temp file stays behind
+            raise
+        if stream_hash:
+            # Everything but the hidden states is written: hashing can start.
+            self.hash = _StreamHash(self.fd, self.size, [(0, self.off["aux_hidden_states"]),
+                                                         (self.off["loss_mask"], self.size)], on_cpu)
+
+    def _start(self, header: bytes) -> None:
+        plan = self.plan
         try:
             # Reserve the whole shard now: a full disk fails here, before any compute is spent on it.
             os.posix_fallocate(self.fd, 0, self.size)
@@ -85,9 +112,15 @@ class _OpenShard:
             raise StoreWriteError(f"capture error: sample {self.plan.first + j} got rows [{pos}, {pos + n}) but has "
                                   f"{length} tokens and {int(self.written[j])} written so far (a gap means tokens were "
                                   f"skipped, e.g. by prefix caching)")
+        if pos < self.written[j] and self.hash is not None:
+            self.hash.rewritten()  # rows computed again (e.g. a preempted request): hash the final file
         self.written[j] = max(self.written[j], pos + n)
         row0 = int(self.plan.offsets[j]) + pos
         return self.off["aux_hidden_states"] + row0 * self.aux_row, self.off["last_hidden_state"] + row0 * self.last_row
+
+    def rows_written(self, offset: int, nbytes: int) -> None:
+        if self.hash is not None:
+            self.hash.add(offset, offset + nbytes)
 
     def finish(self) -> dict:
         short = np.nonzero(self.written != self.plan.lengths)[0]
@@ -96,17 +129,14 @@ class _OpenShard:
             raise StoreWriteError(f"capture error: shard {self.plan.name} ended with sample {self.plan.first + j} "
                                   f"incomplete ({int(self.written[j])}/{int(self.plan.lengths[j])} tokens captured; "
                                   f"{short.size} samples incomplete)")
+        if self.hash is not None:
+            self.hash.input_done()  # the hash thread reads the rest while fsync flushes
         os.fsync(self.fd)
-        h = hashlib.sha256()
-        pos = 0
-        while pos < self.size:
-            chunk = os.pread(self.fd, min(_HASH_CHUNK, self.size - pos), pos)
-            h.update(chunk)
-            pos += len(chunk)
+        digest = self.hash.result() if self.hash is not None else _hash_file(self.fd, self.size)
         os.close(self.fd)
         self.fd = -1
         rec = {"file": self.plan.name, "first_sample": self.plan.first, "num_samples": self.plan.num_samples,
-               "num_tokens": self.plan.num_tokens, "size": self.size, "sha256": h.hexdigest()}
+               "num_tokens": self.plan.num_tokens, "size": self.size, "sha256": digest}
         # The sidecar goes first: a shard file that exists always has its record.
         atomic_write_json(sidecar_path(self.final.parent, self.plan.name), rec, indent=None)
         os.replace(self.tmp, self.final)
@@ -114,6 +144,8 @@ class _OpenShard:
         return dict(rec, split=self.plan.split, k=self.plan.k)
 
     def discard(self) -> None:
+        if self.hash is not None:
+            self.hash.cancel()  # before the fd is closed: the thread reads through it
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -123,15 +155,137 @@ class _OpenShard:
             pass
 
 
+def _read_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (no new buffer per read)."""
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read at offset {offset} while hashing a shard")
+        view, offset = view[n:], offset + n
+
+
+def _hash_file(fd: int, size: int) -> str:
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(min(_HASH_CHUNK, max(size, 1))))
+    pos = 0
+    while pos < size:
+        n = min(len(buf), size - pos)
+        _read_into(fd, buf[:n], pos)
+        h.update(buf[:n])
+        pos += n
+    return h.hexdigest()
+
+
+class _StreamHash:
+    """sha256 of a shard file in file order while its ranges are written in any order.
+
+    ``add(a, b)`` reports bytes [a, b) written; a thread hashes the contiguously written prefix of
+    the file from the page cache as it grows. ``result()`` (after every byte is written) returns
+    the digest once the thread has read the rest. If a range is written twice (``rewritten()``),
+    the streamed hash may have seen old bytes: the whole file is hashed again at the end."""
+
+    def __init__(self, fd: int, size: int, written: list, on_cpu: Callable[[float], None]):
+        self.fd, self.size = fd, size
+        self._h = hashlib.sha256()
+        self._pos = 0            # bytes hashed
+        self._frontier = 0       # [0, frontier) is written
+        self._ahead: list = []   # written ranges past the frontier (heap)
+        self._cond = threading.Condition()
+        self._done = self._cancel = self._restart = False
+        self._error: Optional[BaseException] = None
+        self._on_cpu = on_cpu
+        for a, b in written:
+            self._add(a, b)
+        self._thread = threading.Thread(target=self._run, name="eagle3-shard-hash", daemon=True)
+        self._thread.start()
+
+    def _add(self, a: int, b: int) -> None:
+        if b <= a:
+            return
+        if a > self._frontier:
+            heapq.heappush(self._ahead, (a, b))
+            return
+        self._frontier = max(self._frontier, b)
+        while self._ahead and self._ahead[0][0] <= self._frontier:
+            self._frontier = max(self._frontier, heapq.heappop(self._ahead)[1])
+
+    def add(self, a: int, b: int) -> None:
+        with self._cond:
+            self._add(a, b)
+            self._cond.notify()
+
+    def rewritten(self) -> None:
+        with self._cond:
+            self._restart = True
+            self._cond.notify()
+
+    def input_done(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        t0 = time.thread_time()
+        try:
+            buf = memoryview(bytearray(min(_HASH_CHUNK, max(self.size, 1))))
+            while True:
+                with self._cond:
+                    while not (self._cancel or self._restart or self._done or self._frontier > self._pos):
+                        self._cond.wait()
+                    if self._cancel or self._restart or self._frontier <= self._pos:
+                        return
+                    end = self._frontier
+                while self._pos < end:
+                    n = min(len(buf), end - self._pos)
+                    _read_into(self.fd, buf[:n], self._pos)
+                    self._h.update(buf[:n])
+                    self._pos += n
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+        finally:
+            self._on_cpu(time.thread_time() - t0)
+
+    def result(self) -> str:
+        self.input_done()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._restart or self._pos != self.size:
+            return _hash_file(self.fd, self.size)
+        return self._h.hexdigest()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancel = True
+            self._cond.notify()
+        self._thread.join()
+
+
+def _writeback_starter() -> Optional[Callable[[int, int, int], Any]]:
+    """``sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing a range to
+    disk without waiting for it. Only a head start for the fsync that finishing still does."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return lambda fd, offset, n: fn(fd, offset, n, 2)  # 2 = SYNC_FILE_RANGE_WRITE; errors only lose the head start
+
+
 _PIECE = 16 << 20
 
 
 def _raw(t):
-    """A contiguous CPU tensor as a writable-free byte buffer (no copy)."""
+    """A CPU tensor's bytes as a flat uint8 array (no copy when it is contiguous)."""
     import torch
 
     t = t.contiguous()
-    return t.view(torch.uint8).numpy() if t.numel() else b""
+    return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
 
 
 def _pwrite(fd: int, data, offset: int) -> None:
@@ -160,23 +314,31 @@ class ShardWriter:
     """Writes shards from captured batches in a background thread.
 
     ``begin(plan)`` opens a shard, ``write(key, batch)`` queues rows, ``end(key)`` finalizes it
-    (coverage check, fsync, sha256, sidecar, rename) in a second thread, so that hashing and
-    flushing one shard overlap writing the rows of the next. ``poll()`` returns finished shard records and
-    raises :class:`StoreWriteError` if the thread failed; ``close()`` waits for everything."""
+    (coverage check, fsync, sha256, sidecar, rename) in a finisher thread, so that flushing and
+    hashing one shard overlap writing the rows of the next. ``poll()`` returns finished shard records and
+    raises :class:`StoreWriteError` if the thread failed; ``close()`` waits for everything.
 
-    def __init__(self, store_dir: str | Path, layout: StoreLayout, max_pending: int = 4):
+    ``stream_hash`` (hash each shard while it is written) and ``early_writeback`` (start writing
+    pieces to disk as they land in the page cache) change only when the work is done, never the
+    bytes or the records: with both off, each shard is flushed and then read back to hash it."""
+
+    def __init__(self, store_dir: str | Path, layout: StoreLayout, max_pending: int = 8, stream_hash: bool = True,
+                 early_writeback: bool = True, row_threads: int = 4):
         self.store_dir = Path(store_dir)
         self.layout = layout
+        self.stream_hash = stream_hash
+        self._writeback = _writeback_starter() if early_writeback else None
         self._q: queue.Queue = queue.Queue(maxsize=max_pending)
         self._open: dict = {}
         self._done: list = []
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self.cpu_seconds = 0.0  # CPU time of the writer threads (the benchmark accounts it)
-        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-shard-finisher")
+        self._finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="eagle3-shard-finisher")
         # Row copies into the page cache run on a few threads (pwrite releases the GIL): one thread
         # tops out well below a fast disk's bandwidth.
-        self._rows = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="eagle3-rows")
+        self._rows = ThreadPoolExecutor(max_workers=max(1, min(row_threads, os.cpu_count() or 1)),
+                                        thread_name_prefix="eagle3-rows")
         self._thread = threading.Thread(target=self._loop, name="eagle3-shard-writer", daemon=True)
         self._thread.start()
 
@@ -255,17 +417,21 @@ class ShardWriter:
         with self._lock:  # three kinds of threads add to it
             self.cpu_seconds += seconds
 
-    def _pwrite_rows(self, fd: int, t, offset: int) -> None:
+    def _pwrite_rows(self, shard: "_OpenShard", t, offset: int) -> None:
         t0 = time.thread_time()
         try:
-            _pwrite(fd, _raw(t), offset)
+            data = _raw(t)
+            _pwrite(shard.fd, data, offset)
+            if self._writeback is not None:
+                self._writeback(shard.fd, offset, len(data))
+            shard.rows_written(offset, len(data))
         finally:
             self._add_cpu(time.thread_time() - t0)
 
     def _handle(self, op: str, arg) -> None:
         if op == "begin":
             key = (arg.split, arg.k)
-            self._open[key] = _OpenShard(self.store_dir / arg.split, arg, self.layout)
+            self._open[key] = _OpenShard(self.store_dir / arg.split, arg, self.layout, self.stream_hash, self._add_cpu)
         elif op == "write":
             try:
                 self._write(arg)
@@ -308,11 +474,14 @@ class ShardWriter:
             step = max(1, _PIECE // shard.aux_row)  # pieces of ~16 MiB spread over the row threads
             for a in range(rs, re, step):
                 b = min(re, a + step)
-                jobs.append((shard.fd, aux[a:b], aux_off + (a - rs) * shard.aux_row))
-                jobs.append((shard.fd, last[a:b], last_off + (a - rs) * shard.last_row))
-        # Wait for this batch's rows before the next op: "end" then finds every row written, and
-        # the batch's buffers are released only after the copies.
-        for f in [self._rows.submit(self._pwrite_rows, *job) for job in jobs]:
+                jobs.append((shard, aux[a:b], aux_off + (a - rs) * shard.aux_row))
+                jobs.append((shard, last[a:b], last_off + (a - rs) * shard.last_row))
+        # Wait for all of this batch's rows before the next op: "end" then finds every row written,
+        # the batch's buffers are released only after the copies, and after a failure no row thread
+        # still writes through a file descriptor that is about to be closed.
+        futures = [self._rows.submit(self._pwrite_rows, *job) for job in jobs]
+        wait(futures)
+        for f in futures:
             f.result()
 
     def _discard_all(self) -> None:
@@ -366,14 +535,22 @@ def write_shards(sink: ShardSink, plans: Iterable[ShardPlan],
 
 
 class HostStager:
-    """Device -> pinned host copies issued on the compute stream without waiting for them (CUDA); the
-    writer thread waits on the event. A fixed pool of buffers bounds memory and gives backpressure
-    when the disk is slower than the GPU. On CPU the tensors pass through untouched."""
+    """Device -> pinned host copies that the compute stream never waits for (CUDA); the writer
+    thread waits on the returned event. On CPU the tensors pass through untouched.
 
-    def __init__(self, depth: int = 3):
+    ``stage`` packs a step's states into one device buffer on the compute stream (a device copy:
+    the sources may be overwritten by the next step, e.g. a CUDA graph's static outputs), then
+    copies it to a pinned buffer on the stager's own stream, so the next forward pass runs while
+    the copy engine moves the bytes. A ring of ``depth`` pinned buffers bounds host memory and
+    gives backpressure when the disk is slower than the GPU; ``wait_seconds`` is how long the
+    producer waited for a free buffer."""
+
+    def __init__(self, depth: int = 4):
         self.depth = depth
         self._free: queue.Queue = queue.Queue()
         self._created = 0
+        self._stream = None
+        self.wait_seconds = 0.0
 
     def _buffer(self, nbytes: int):
         import torch
@@ -381,7 +558,9 @@ class HostStager:
         if self._free.empty() and self._created < self.depth:
             self._created += 1
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        t0 = time.perf_counter()
         buf = self._free.get()
+        self.wait_seconds += time.perf_counter() - t0
         if buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return buf
@@ -395,12 +574,20 @@ class HostStager:
         na = aux.numel() * aux.element_size()
         nl = last.numel() * last.element_size()
         buf = self._buffer(na + nl)
+        compute = torch.cuda.current_stream(aux.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(aux.device)
+        packed = torch.empty(na + nl, dtype=torch.uint8, device=aux.device)
+        packed[:na].view(aux.dtype).view(aux.shape).copy_(aux)
+        packed[na:].view(last.dtype).view(last.shape).copy_(last)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            buf[:na + nl].copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        packed.record_stream(self._stream)  # its memory is not reused before the copy has read it
         aux_h = buf[:na].view(aux.dtype).view(aux.shape)
         last_h = buf[na:na + nl].view(last.dtype).view(last.shape)
-        aux_h.copy_(aux, non_blocking=True)
-        last_h.copy_(last, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
         return aux_h, last_h, event, lambda: self._free.put(buf)
 
 

@@ -198,6 +198,39 @@ def install_profile(timers: Timers) -> None:
     writer_mod.ShardWriter.close = timers.timed(writer_mod.ShardWriter.close, "close")
 
 
+class GpuTimeline:
+    """CUDA events at the start and end of every forward of ``model`` (its own hooks): when the GPU
+    began the first forward, how long the forwards ran, the gaps between them, and how long the run
+    went on after the last forward ended (the store's tail)."""
+
+    def __init__(self, model):
+        self.events: list = []
+        self.t0 = None
+        model.register_forward_pre_hook(lambda m, args: self._rec())
+        model.register_forward_hook(lambda m, args, out: self._rec())
+
+    def _rec(self):
+        if self.t0 is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+    def start(self):
+        torch.cuda.synchronize()
+        self.events = []
+        self.t0 = torch.cuda.Event(enable_timing=True)
+        self.t0.record()
+
+    def stop(self, wall: float) -> dict:
+        torch.cuda.synchronize()
+        ts = [self.t0.elapsed_time(e) / 1e3 for e in self.events]
+        self.t0 = None
+        starts, ends = ts[0::2], ts[1::2]
+        busy = sum(e - s for s, e in zip(starts, ends))
+        return {"first_start": starts[0], "forward_busy": busy, "gaps": ends[-1] - starts[0] - busy,
+                "last_end": ends[-1], "after_last": wall - ends[-1], "forwards": len(starts)}
+
+
 def ceilings(root: Path, device: str) -> dict:
     """This machine's rates for the pieces of the writer path."""
     import numpy as np
@@ -351,20 +384,26 @@ def main() -> None:
     plain()  # warm-up
     runs = ["plain"] + variants
     times = {k: [] for k in runs}
-    prof: dict = {k: [] for k in variants}
+    prof: dict = {k: [] for k in runs}
+    timeline = GpuTimeline(model) if a.profile and device == "cuda" else None
     digests = []
     size = 0
     for rep in range(a.reps):
         for what in (runs if rep % 2 == 0 else runs[::-1]):
             timers.take()
+            if timeline:
+                timeline.start()
             t0 = time.perf_counter()
             if what == "plain":
                 plain()
             else:
                 store, res = extract(rep, what)
             times[what].append(time.perf_counter() - t0)
-            if what != "plain":
-                p = timers.take()
+            tl = timeline.stop(times[what][-1]) if timeline else {}
+            if what == "plain":
+                prof[what].append(tl)
+            else:
+                p = dict(timers.take(), **tl)
                 p["writer_cpu"] = (res.stats or {}).get("writer_cpu_s", float("nan"))
                 prof[what].append(p)
                 size = sum(f.stat().st_size for f in store.rglob("*.safetensors"))
@@ -405,6 +444,15 @@ def main() -> None:
             vals = [best[k], bp.get("producer_wait", 0.0), bp.get("close", 0.0), bp["writer_cpu"],
                     bp.get("sha256", 0.0), bp.get("read_back", 0.0), bp.get("fsync", 0.0), bp.get("pwrite", 0.0)]
             print(f"{tag + ' ' + k:<44}" + "".join(f"{v:>11.3f}" for v in vals))
+        if timeline:
+            print("GPU timeline of each row's best run, seconds from its start (CUDA events at every forward's "
+                  "start and end): first forward began, forwards ran, gaps between them, last ended, run went on")
+            heads = ["first start", "forwards", "gaps", "last end", "after last"]
+            print(f"{'run':<44}" + "".join(f"{h:>12}" for h in heads))
+            for k in runs:
+                bp = prof[k][times[k].index(best[k])]
+                vals = [bp["first_start"], bp["forward_busy"], bp["gaps"], bp["last_end"], bp["after_last"]]
+                print(f"{(tag + ' ' + k) if k != 'plain' else 'plain forward':<44}" + "".join(f"{v:>12.3f}" for v in vals))
 
 if __name__ == "__main__":
     main()

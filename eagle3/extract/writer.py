@@ -27,6 +27,7 @@ import errno
 import hashlib
 import heapq
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -164,15 +165,44 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+class _FileBytes:
+    """Ranges of a file handed to sha256 without a copy: a read-only map of the file (the page
+    cache itself, coherent with pwrite), or reads into one reused buffer where mapping fails."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd = fd
+        self._map = None
+        try:
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError, AttributeError):
+            self._buf = memoryview(bytearray(min(_HASH_CHUNK, max(size, 1))))
+
+    def update(self, h, a: int, b: int) -> None:
+        """h.update(file[a:b]) in chunks (hashlib releases the GIL for each)."""
+        while a < b:
+            n = min(_HASH_CHUNK, b - a)
+            if self._map is not None:
+                with memoryview(self._map) as whole, whole[a:a + n] as chunk:
+                    h.update(chunk)
+            else:
+                chunk = self._buf[:n]
+                _read_into(self.fd, chunk, a)
+                h.update(chunk)
+            a += n
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
 def _hash_file(fd: int, size: int) -> str:
     h = hashlib.sha256()
-    buf = memoryview(bytearray(min(_HASH_CHUNK, max(size, 1))))
-    pos = 0
-    while pos < size:
-        n = min(len(buf), size - pos)
-        _read_into(fd, buf[:n], pos)
-        h.update(buf[:n])
-        pos += n
+    src = _FileBytes(fd, size)
+    try:
+        src.update(h, 0, size)
+    finally:
+        src.close()
     return h.hexdigest()
 
 
@@ -226,8 +256,9 @@ class _StreamHash:
 
     def _run(self) -> None:
         t0 = time.thread_time()
+        src = None
         try:
-            buf = memoryview(bytearray(min(_HASH_CHUNK, max(self.size, 1))))
+            src = _FileBytes(self.fd, self.size)
             while True:
                 with self._cond:
                     while not (self._cancel or self._restart or self._done or self._frontier > self._pos):
@@ -235,14 +266,15 @@ class _StreamHash:
                     if self._cancel or self._restart or self._frontier <= self._pos:
                         return
                     end = self._frontier
-                while self._pos < end:
-                    n = min(len(buf), end - self._pos)
-                    _read_into(self.fd, buf[:n], self._pos)
-                    self._h.update(buf[:n])
+                while self._pos < end and not self._cancel:
+                    n = min(_HASH_CHUNK, end - self._pos)
+                    src.update(self._h, self._pos, self._pos + n)
                     self._pos += n
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
             self._error = e
         finally:
+            if src is not None:
+                src.close()
             self._on_cpu(time.thread_time() - t0)
 
     def result(self) -> str:

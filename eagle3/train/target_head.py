@@ -121,12 +121,3 @@ class TargetHead(nn.Module):
                                                         & (self.kept_ids[kept_arg] < self.row_ids[best_row]))
         return probs.reshape(*lead, Vd), in_vocab.reshape(lead)
 
-
-def target_head_from_tensors(tensors: dict, rms_norm_eps: float, kept_ids: torch.Tensor,
-                             device=None, dtype: Optional[torch.dtype] = None) -> TargetHead:
-    """A TargetHead from {'embed', 'norm', 'lm_head'} tensors (see eagle3.target_weights)."""
-    def prep(t):
-        t = t.to(device) if device is not None else t
-        return t.to(dtype) if dtype is not None else t
-    return TargetHead(prep(tensors["embed"]), prep(tensors["norm"]), prep(tensors["lm_head"]),
-                      rms_norm_eps, kept_ids.to(device) if device is not None else kept_ids)

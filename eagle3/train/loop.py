@@ -30,8 +30,7 @@ from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .data import MicroBatches, plan_epoch, steps_per_epoch, to_device
 from .metrics import JsonlLogger, peak_flops, step_summary, ttt_flops_per_token
 from .optim import clip_gradients
-from .step import model_inputs
-from .target_head import TargetHead
+from .target_head import TargetHead, model_inputs
 from .ttt import STAT_NAMES, TTTModel, loss_denominators
 
 log = logging.getLogger("eagle3.train")

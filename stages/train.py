@@ -75,23 +75,20 @@ def run(cfg, manifest):
     def record(result):
         for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):
             job.add_output(job.out_dir / name)
-        tr, ev = result["train"], result["eval"]
+        tr, ev = result.train, result.eval
         S = tcfg.ttt_steps
+        nothing = [None] * S  # no window logged (a run resumed at its last step)
         job.facts.update(
             draft_file=DRAFT_FILE, draft_config_file=DRAFT_CONFIG_FILE, vllm_config_file=VLLM_CONFIG_FILE,
-            metrics_file=METRICS_FILE, steps=result["steps"], layer_ids=layer_ids,
+            metrics_file=METRICS_FILE, steps=result.steps, layer_ids=layer_ids,
             draft_vocab_size=draft_cfg.draft_vocab_size, ttt_steps=S,
-            train_loss=tr.get("train/loss"),
-            train_loss_per_step=[tr.get(f"train/loss_step_{j}") for j in range(S)],
-            train_acc_per_step=[tr.get(f"train/acc_step_{j}") for j in range(S)],
-            train_accept_len=[tr.get(f"train/accept_len_k{k}") for k in range(1, S + 1)])
+            train_loss=tr.loss if tr else None,
+            train_loss_per_step=tr.loss_per_step if tr else nothing,
+            train_acc_per_step=tr.acc_per_step if tr else nothing,
+            train_accept_len=tr.accept_len if tr else nothing)
         if ev:
-            job.facts.update(
-                eval_loss=ev.get("eval/loss"),
-                eval_loss_per_step=[ev.get(f"eval/loss_step_{j}") for j in range(S)],
-                eval_acc_per_step=[ev.get(f"eval/acc_step_{j}") for j in range(S)],
-                eval_cond_acc_per_step=[ev.get(f"eval/cond_acc_step_{j}") for j in range(S)],
-                eval_accept_len=[ev.get(f"eval/accept_len_k{k}") for k in range(1, S + 1)])
+            job.facts.update(eval_loss=ev.loss, eval_loss_per_step=ev.loss_per_step, eval_acc_per_step=ev.acc_per_step,
+                             eval_cond_acc_per_step=ev.cond_acc_per_step, eval_accept_len=ev.accept_len)
 
     if not main:
         train(tcfg, inputs, job.out_dir, tracker=None, progress=False)
@@ -99,10 +96,9 @@ def run(cfg, manifest):
     with job:
         result = train(tcfg, inputs, job.out_dir, tracker=tracker, progress=cfg.progress)
         record(result)
-    final = result["eval"] or result["train"]
-    prefix = "eval" if result["eval"] else "train"
-    print(f"train: {result['steps']} steps; {prefix} acc per TTT step "
-          + " ".join(f"{final.get(f'{prefix}/acc_step_{j}', float('nan')):.3f}" for j in range(tcfg.ttt_steps))
+    final, prefix = (result.eval, "eval") if result.eval else (result.train, "train")
+    acc = final.acc_per_step if final else [float("nan")] * tcfg.ttt_steps
+    print(f"train: {result.steps} steps; {prefix} acc per TTT step " + " ".join(f"{a:.3f}" for a in acc)
           + f"; expected acceptance length (k={tcfg.ttt_steps}) "
-          + f"{final.get(f'{prefix}/accept_len_k{tcfg.ttt_steps}', float('nan')):.2f}")
+          + f"{final.accept_len[-1] if final else float('nan'):.2f}")
     return job.record

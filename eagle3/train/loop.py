@@ -28,7 +28,7 @@ from ..artifacts import (CHECKPOINT_COMPLETE, CHECKPOINTS_DIR, DRAFT_CONFIG_FILE
                          METRICS_FILE, VLLM_CONFIG_FILE)
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .data import MicroBatches, plan_epoch, steps_per_epoch, to_device
-from .metrics import JsonlLogger, peak_flops, step_summary, ttt_flops_per_token
+from .metrics import JsonlLogger, StepMetrics, peak_flops, ttt_flops_per_token
 from .optim import clip_gradients
 from .target_head import TargetHead, model_inputs
 from .ttt import STAT_NAMES, TTTModel, loss_denominators
@@ -47,6 +47,13 @@ class TrainInputs:
     d2t: torch.Tensor
     t2d: torch.Tensor
     draft_config: Eagle3DraftConfig
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    train: Optional[StepMetrics]  # the last logged window; None if the run resumed at its last step
+    eval: Optional[StepMetrics]  # the last eval; None without an eval split (or resumed at its last step)
 
 
 class LoopState:
@@ -128,8 +135,9 @@ def _micro_batch_rows(schedule: Schedule, start: int, total: int, rank: int, tcf
     return rows
 
 
-def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = None, progress: bool = True) -> dict:
-    """Train the draft; returns the summary recorded as the stage's facts.
+def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = None,
+          progress: bool = True) -> TrainResult:
+    """Train the draft; returns the last metrics, which the stage records as facts.
 
     ``tracker``: {'project': ..., 'init_kwargs': {...}} for Accelerate's wandb tracker, or None."""
     from accelerate import Accelerator
@@ -209,7 +217,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
 
     window = state.window.to(device)
     window_tokens = torch.tensor(float(state.window_tokens), device=device)
-    last_train, last_eval, grad_norm = {}, {}, torch.zeros((), device=device)
+    last_train, last_eval, grad_norm = None, None, torch.zeros((), device=device)
     t_window = time.perf_counter()
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
     while state.step < total:
@@ -238,14 +246,14 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
             g_window = accelerator.reduce(window, reduction="sum")
             g_tokens = float(accelerator.reduce(window_tokens, reduction="sum"))
             elapsed = time.perf_counter() - t_window
-            record = _metrics_record("train", g_window, S, tcfg.decay)
+            last_train = StepMetrics.from_stats(g_window, tcfg.decay)
+            record = last_train.to_log("train")
             record.update(step=step, epoch=schedule.locate(step - 1)[0], lr=lr_used,
                           grad_norm=float(grad_norm), tokens=g_tokens, tokens_per_s=g_tokens / max(elapsed, 1e-9))
             if device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 if peak:
                     record["mfu"] = flops_tok * record["tokens_per_s"] / (peak * W)
-            last_train = record
             if accelerator.is_main_process:
                 metrics.log(record)
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
@@ -255,10 +263,10 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
             t_window = time.perf_counter()
         if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
             last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-            last_eval["step"] = step
+            record = {**last_eval.to_log("eval"), "step": step}
             if accelerator.is_main_process:
-                metrics.log(last_eval)
-            accelerator.log({k: v for k, v in last_eval.items() if isinstance(v, (int, float))}, step=step)
+                metrics.log(record)
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
         if step % tcfg.save_every == 0 or step == total:
             state.window = accelerator.reduce(window, reduction="sum").cpu()
             state.window_tokens = int(accelerator.reduce(window_tokens, reduction="sum"))
@@ -266,7 +274,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     bar.close()
 
     accelerator.wait_for_everyone()
-    result = {"steps": total, "train": last_train, "eval": last_eval}
+    result = TrainResult(steps=total, train=last_train, eval=last_eval)
     full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
     if accelerator.is_main_process:
         _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, draft_cfg, out_dir)
@@ -299,25 +307,8 @@ def model_backend_is_flex(tcfg, device) -> bool:
     return resolve_backend(tcfg.attention, device) == "flex"
 
 
-def _metrics_record(prefix: str, stats: torch.Tensor, S: int, decay: float) -> dict:
-    s = step_summary(stats.cpu(), STAT_NAMES)
-    rows = stats.cpu().tolist()
-    counted = [r[STAT_NAMES.index("counted")] for r in rows]
-    ce = [r[STAT_NAMES.index("ce_sum")] for r in rows]
-    objective = sum(decay ** j * ce[j] / max(counted[j], 1.0) for j in range(S))
-    rec = {f"{prefix}/loss": objective}
-    for j in range(S):
-        rec[f"{prefix}/loss_step_{j}"] = s["loss"][j]
-        rec[f"{prefix}/acc_step_{j}"] = s["acc"][j]
-        rec[f"{prefix}/cond_acc_step_{j}"] = s["cond_acc"][j]
-    for k, v in enumerate(s["accept_len"], start=1):
-        rec[f"{prefix}/accept_len_k{k}"] = v
-    rec[f"{prefix}/scored_positions"] = s["scored"][0]
-    return rec
-
-
 @torch.no_grad()
-def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> dict:
+def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
     """Loss/accuracy/acceptance on a held-out split (every row once, shared over processes)."""
     W, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     plan = plan_epoch(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False)
@@ -335,7 +326,7 @@ def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> dict:
             _, stats = model(**mi)
         total += stats
     model.train(was_training)
-    return _metrics_record("eval", accelerator.reduce(total, reduction="sum"), S, tcfg.decay)
+    return StepMetrics.from_stats(accelerator.reduce(total, reduction="sum"), tcfg.decay)
 
 
 def _save(accelerator, out_dir: Path, step: int, keep_last: int) -> None:

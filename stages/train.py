@@ -17,6 +17,7 @@ log = logging.getLogger("eagle3.train")
 
 
 def run(cfg, manifest):
+    from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
     from eagle3.data.vocab import load_vocab
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
@@ -24,8 +25,7 @@ def run(cfg, manifest):
     from eagle3.store import open_hidden_states
     from eagle3.target import resolve
     from eagle3.target_weights import read_target_head
-    from eagle3.train.loop import (DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE, TrainInputs,
-                                   train)
+    from eagle3.train.loop import TrainInputs, train
 
     tcfg = cfg.train
     target = resolve(cfg.target, cfg.workspace)

@@ -583,7 +583,7 @@ def test_step_metrics_log_under_the_keys_dashboards_read():
     names = ("ce_sum", "scored", "counted", "correct", "cond_correct", "cond_total")
     assert STAT_NAMES == names
     stats = torch.tensor([[8.0, 4, 5, 2, 2, 4], [9.0, 3, 4, 3, 1, 2], [0.0, 0, 3, 0, 0, 0]], dtype=torch.float64)
-    m = StepMetrics.from_stats(stats, decay=0.5)
+    m = step_metrics(stats, decay=0.5)
     assert m.loss == pytest.approx(8 / 5 + 0.5 * 9 / 4 + 0.25 * 0 / 3)
     log = m.to_log("eval")
     assert set(log) == {"eval/loss", "eval/scored_positions", *(f"eval/{k}_step_{j}" for k in ("loss", "acc", "cond_acc")

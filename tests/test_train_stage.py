@@ -5,7 +5,8 @@ import json
 
 import torch
 
-from eagle3.cli import run
+from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, VLLM_CONFIG_FILE
+from eagle3.runner import run
 from eagle3.config import (Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig,
                            TrainConfig)
 from eagle3.manifest import Manifest
@@ -28,18 +29,18 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     rec = manifest.current("train")
     assert rec.status == "complete"
     f = rec.facts
-    assert f["steps"] == 12 and f["layer_ids"] == [1, 2, 3] and f["draft_vocab_size"] == 200
-    assert len(f["eval_acc_per_step"]) == 3 and len(f["eval_accept_len"]) == 3 and len(f["train_loss_per_step"]) == 3
-    assert 1.0 <= f["eval_accept_len"][0] <= f["eval_accept_len"][-1] <= 4.0
+    assert f.steps == 12 and f.layer_ids == [1, 2, 3] and f.draft_vocab_size == 200
+    assert len(f.eval.acc_per_step) == 3 and len(f.eval.accept_len) == 3 and len(f.train.loss_per_step) == 3
+    assert 1.0 <= f.eval.accept_len[0] <= f.eval.accept_len[-1] <= 4.0
 
     # the draft: vLLM names, loads strictly into the model its config describes, vocab from prepare
-    dcfg = Eagle3DraftConfig.from_dict(json.loads(rec.path(f["draft_config_file"]).read_text()))
-    tensors = load_file(str(rec.path(f["draft_file"])))
+    dcfg = Eagle3DraftConfig.from_dict(json.loads(rec.path(DRAFT_CONFIG_FILE).read_text()))
+    tensors = load_file(str(rec.path(DRAFT_FILE)))
     draft = Eagle3Draft(dcfg)
     draft.load_state_dict(tensors, strict=True)
     prep_vocab = load_file(str(manifest.current("prepare").path("vocab.safetensors")))
     assert torch.equal(tensors["d2t"], prep_vocab["d2t"]) and torch.equal(tensors["t2d"], prep_vocab["t2d"])
-    vllm_cfg = json.loads(rec.path(f["vllm_config_file"]).read_text())
+    vllm_cfg = json.loads(rec.path(VLLM_CONFIG_FILE).read_text())
     assert vllm_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and vllm_cfg["num_aux_hidden_states"] == 3
 
     lines = [json.loads(x) for x in rec.path("metrics.jsonl").read_text().splitlines()]

@@ -19,6 +19,7 @@ from typing import List, Optional
 import torch
 
 from ..artifacts import CHECKPOINT_COMPLETE, CHECKPOINTS_DIR
+from ..atomic import atomic_write_text
 from .ttt import STAT_NAMES
 
 
@@ -57,7 +58,7 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int) -> No
     accelerator.save_state(str(path))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (path / CHECKPOINT_COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        atomic_write_text(path / CHECKPOINT_COMPLETE, json.dumps({"step": step}) + "\n")
         for old in complete_checkpoints(out_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

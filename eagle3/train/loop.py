@@ -20,16 +20,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..atomic import atomic_write_bytes, atomic_write_text
 from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
 from .data import Epochs, MicroBatches, plan_epoch, to_device
-from .metrics import JsonlLogger, StepMetrics, peak_flops, ttt_flops_per_token
+from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import adamw, clip_gradients, lr_schedule
 from .target_head import TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
@@ -55,16 +56,17 @@ class TrainResult:
     eval: Optional[StepMetrics]  # the last eval; None without an eval split (or resumed at its last step)
 
 
-def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = None,
+def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[dict, int], None]] = None,
           progress: bool = True) -> TrainResult:
     """Train the draft; returns the last metrics, which the stage records as facts.
 
-    ``tracker``: {'project': ..., 'init_kwargs': {...}} for Accelerate's wandb tracker, or None."""
+    ``log_fn(numbers, step)``: where the main process sends every logged window and eval besides
+    metrics.jsonl (the stage job's wandb run: ``StageJob.log``), or None."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
-    accelerator, mp = _accelerator(tcfg, out_dir, tracker)
+    accelerator, mp = _accelerator(tcfg, out_dir)
     device, W, S = accelerator.device, accelerator.num_processes, tcfg.ttt_steps
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     set_seed(tcfg.seed)
@@ -93,9 +95,6 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
             metrics.truncate_after(state.step)
         else:  # a fresh run: old lines belong to an abandoned attempt
             metrics.path.unlink(missing_ok=True)
-    if tracker:
-        accelerator.init_trackers(tracker["project"], config=tracker.get("config"),
-                                  init_kwargs={"wandb": tracker.get("init_kwargs", {})})
 
     pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
     loader = torch.utils.data.DataLoader(
@@ -116,12 +115,12 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
         bar.update(1)
         step = state.step
         if step % tcfg.log_every == 0 or step == total:
-            last_train = _log_window(accelerator, metrics, window, tcfg.decay, flops_per_token, step=step,
+            last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token, step=step,
                                      epoch=epochs.locate(step - 1)[0], lr=lr, grad_norm=float(grad_norm))
             bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
         if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
             last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-            _log(accelerator, metrics, {**last_eval.to_log("eval"), "step": step})
+            _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
         if step % tcfg.save_every == 0 or step == total:
             _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
     bar.close()
@@ -137,7 +136,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
 
 # -- setup ---------------------------------------------------------------------------------------
 
-def _accelerator(tcfg, out_dir: Path, tracker: Optional[dict]):
+def _accelerator(tcfg, out_dir: Path):
     """(Accelerator, its mixed-precision mode): train.mixed_precision, ``auto`` = bf16 on CUDA."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -149,7 +148,7 @@ def _accelerator(tcfg, out_dir: Path, tracker: Optional[dict]):
 
         warn_if_slow_bf16(mp)
     accelerator = Accelerator(mixed_precision=mp, gradient_accumulation_steps=tcfg.grad_accum,
-                              log_with="wandb" if tracker else None, project_dir=str(out_dir),
+                              project_dir=str(out_dir),
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     return accelerator, mp
 
@@ -244,20 +243,24 @@ def _optimizer_step(accelerator, model, optimizer, head: TargetHead, micro: list
     return grad_norm
 
 
-def _log(accelerator, metrics: JsonlLogger, record: dict) -> None:
-    """One metrics.jsonl line (main process) and the tracker's record of the same step."""
-    if accelerator.is_main_process:
-        metrics.log(record)
-    accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+def _log(accelerator, sinks: tuple, record: dict) -> None:
+    """One metrics.jsonl line and the same numbers to ``log_fn`` (the main process only);
+    ``sinks`` = (JsonlLogger, log_fn or None)."""
+    metrics, log_fn = sinks
+    if not accelerator.is_main_process:
+        return
+    metrics.log(record)
+    if log_fn is not None:
+        log_fn({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
 
-def _log_window(accelerator, metrics: JsonlLogger, window: Window, decay: float, flops_per_token: float,
+def _log_window(accelerator, sinks: tuple, window: Window, decay: float, flops_per_token: float,
                 **fields) -> StepMetrics:
     """Logs the window's metrics over all processes, with ``fields`` (step, epoch, lr, grad_norm),
     its tokens and speed (and on CUDA peak memory and MFU); starts the next window."""
     stats, tokens = window.global_sums(accelerator)
     elapsed = time.perf_counter() - window.started
-    result = StepMetrics.from_stats(stats, decay)
+    result = step_metrics(stats, decay)
     record = {**result.to_log("train"), **fields, "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
     device = accelerator.device
     if device.type == "cuda":
@@ -265,7 +268,7 @@ def _log_window(accelerator, metrics: JsonlLogger, window: Window, decay: float,
         peak = peak_flops(torch.cuda.get_device_name())
         if peak:
             record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * accelerator.num_processes)
-    _log(accelerator, metrics, record)
+    _log(accelerator, sinks, record)
     window.restart()
     return result
 
@@ -288,7 +291,7 @@ def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> StepMetr
             _, stats = model(**mi)
         total += stats
     model.train(was_training)
-    return StepMetrics.from_stats(accelerator.reduce(total, reduction="sum"), tcfg.decay)
+    return step_metrics(accelerator.reduce(total, reduction="sum"), tcfg.decay)
 
 
 def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int) -> None:
@@ -303,8 +306,6 @@ def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, ke
 
 def _write_draft(model_state: dict, cfg: Eagle3DraftConfig, out_dir: Path) -> None:
     """draft.safetensors under vLLM's names (float32 master weights; export casts), and configs."""
-    from safetensors.torch import save_file
-
     state = {k[len("draft."):]: v.detach().cpu().contiguous() for k, v in model_state.items()
              if k.startswith("draft.")}
     with torch.device("meta"):
@@ -313,8 +314,9 @@ def _write_draft(model_state: dict, cfg: Eagle3DraftConfig, out_dir: Path) -> No
         raise RuntimeError(f"the trained state does not have the draft's tensors: missing "
                            f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
-    tmp = out_dir / (DRAFT_FILE + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(out_dir / DRAFT_FILE)
-    (out_dir / DRAFT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    (out_dir / VLLM_CONFIG_FILE).write_text(json.dumps(draft_config_dict(cfg), indent=2) + "\n")
+    from safetensors.torch import save
+
+    # configs first, the weights last: a draft.safetensors that exists comes with its configs
+    atomic_write_text(out_dir / DRAFT_CONFIG_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+    atomic_write_text(out_dir / VLLM_CONFIG_FILE, json.dumps(draft_config_dict(cfg), indent=2) + "\n")
+    atomic_write_bytes(out_dir / DRAFT_FILE, save(state))

@@ -1,14 +1,14 @@
-"""Training metrics: how the draft does per TTT step (StepMetrics: loss, accuracy, expected
-acceptance length, from the TTT forward's summed statistics), model FLOPs and MFU, and the
-metrics.jsonl file they are written to."""
+"""Training metrics: how the draft does per TTT step (``step_metrics``: an
+``eagle3.contracts.StepMetrics`` of loss, accuracy and expected acceptance length from the TTT
+forward's summed statistics), model FLOPs and MFU, and the metrics.jsonl file they are written to."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
+from ..contracts import StepMetrics
 from ..model.draft import Eagle3DraftConfig, count_matmul_params
 from .ttt import STAT_NAMES
 
@@ -23,43 +23,22 @@ def peak_flops(device_name: str) -> Optional[float]:
     return None
 
 
-@dataclass
-class StepMetrics:
-    """How the draft did over some positions (a log window, or an eval pass), per TTT step j.
+def step_metrics(stats, decay: float) -> StepMetrics:
+    """How the draft did over some positions (a log window, or an eval pass), per TTT step j, from
+    the TTT forward's statistics [S, len(STAT_NAMES)] summed over those positions (all ranks).
 
-    Made from the TTT forward's statistics summed over those positions (``from_stats``); ``to_log``
-    gives the flat keys metrics.jsonl and the tracker have always used (dashboards read them)."""
-    loss: float  # the objective trained: sum_j decay**j * (CE summed at step j) / (loss positions of step j)
-    loss_per_step: List[float]  # mean CE over step j's scored positions (NaN where none)
-    acc_per_step: List[float]  # top-1 agreement with the target at step j (NaN where none)
-    cond_acc_per_step: List[float]  # the same where steps 0..j-1 were all right (0 where none)
-    accept_len: List[float]  # expected tokens per target step for chains of k = 1..S drafts
-    scored_positions: float  # positions scored at step 0
-
-    @classmethod
-    def from_stats(cls, stats, decay: float) -> StepMetrics:
-        """From per-step statistics [S, len(STAT_NAMES)] summed over the positions (all ranks)."""
-        rows = [dict(zip(STAT_NAMES, map(float, r))) for r in stats.cpu().tolist()]
-        loss = sum(decay ** j * r["ce_sum"] / max(r["counted"], 1.0) for j, r in enumerate(rows))
-        cond_acc = [r["cond_correct"] / r["cond_total"] if r["cond_total"] else 0.0 for r in rows]
-        return cls(loss=loss,
-                   loss_per_step=[r["ce_sum"] / r["scored"] if r["scored"] else float("nan") for r in rows],
-                   acc_per_step=[r["correct"] / r["scored"] if r["scored"] else float("nan") for r in rows],
-                   cond_acc_per_step=cond_acc, accept_len=expected_acceptance_lengths(cond_acc),
-                   scored_positions=rows[0]["scored"])
-
-    def to_log(self, prefix: str) -> dict:
-        """{f"{prefix}/loss": ..., f"{prefix}/loss_step_{j}": ..., f"{prefix}/acc_step_{j}": ...,
-        f"{prefix}/cond_acc_step_{j}": ..., f"{prefix}/accept_len_k{k}": ..., f"{prefix}/scored_positions": ...}"""
-        rec = {f"{prefix}/loss": self.loss}
-        for j, (loss, acc, cond) in enumerate(zip(self.loss_per_step, self.acc_per_step, self.cond_acc_per_step)):
-            rec[f"{prefix}/loss_step_{j}"] = loss
-            rec[f"{prefix}/acc_step_{j}"] = acc
-            rec[f"{prefix}/cond_acc_step_{j}"] = cond
-        for k, v in enumerate(self.accept_len, start=1):
-            rec[f"{prefix}/accept_len_k{k}"] = v
-        rec[f"{prefix}/scored_positions"] = self.scored_positions
-        return rec
+    loss: the objective trained, sum_j decay**j * (CE summed at step j) / (loss positions of step j);
+    loss_per_step / acc_per_step: mean CE and top-1 agreement over step j's scored positions (NaN
+    where none); cond_acc_per_step: the same where steps 0..j-1 were all right (0 where none);
+    accept_len: expected tokens per target step for chains of k = 1..S drafts."""
+    rows = [dict(zip(STAT_NAMES, map(float, r))) for r in stats.cpu().tolist()]
+    loss = sum(decay ** j * r["ce_sum"] / max(r["counted"], 1.0) for j, r in enumerate(rows))
+    cond_acc = [r["cond_correct"] / r["cond_total"] if r["cond_total"] else 0.0 for r in rows]
+    return StepMetrics(loss=loss,
+                       loss_per_step=[r["ce_sum"] / r["scored"] if r["scored"] else float("nan") for r in rows],
+                       acc_per_step=[r["correct"] / r["scored"] if r["scored"] else float("nan") for r in rows],
+                       cond_acc_per_step=cond_acc, accept_len=expected_acceptance_lengths(cond_acc),
+                       scored_positions=rows[0]["scored"])
 
 
 def expected_acceptance_lengths(cond_acc) -> list:

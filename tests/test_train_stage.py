@@ -48,7 +48,19 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     assert [r["step"] for r in lines if "eval/loss" in r] == [6, 12]
     assert all(r["lr"] > 0 and r["tokens_per_s"] > 0 for r in lines if "train/loss" in r)
     assert sorted(p.name for p in (rec.out_dir / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
-    assert list((tmp_path / "wandb").rglob("*.wandb"))  # an offline wandb run was written
+    # one wandb run per stage job; the train job's holds the curve (the same numbers as
+    # metrics.jsonl, at the same steps) and, last, its facts
+    from eagle3.tracking import read_offline_run
+
+    runs = [read_offline_run(p.parent) for p in (tmp_path / "wandb").rglob("run-*.wandb")]
+    assert sorted(r["job_type"] for r in runs) == ["extract", "prepare", "train"]
+    (train_run,) = [r for r in runs if r["job_type"] == "train"]
+    curve = [row for row in train_run["history"] if "train/loss" in row and "lr" in row]
+    assert [row["_step"] for row in curve] == [4, 8, 12]
+    assert [row["train/loss"] for row in curve] == [r["train/loss"] for r in lines if "train/loss" in r]
+    assert [row["_step"] for row in train_run["history"] if "eval/loss" in row] == [6, 12]
+    assert train_run["history"][-1]["train/steps"] == 12
+    assert train_run["config"]["config_hash"] == rec.config_hash
 
     capsys.readouterr()
     run(cfg)  # same config: nothing to do

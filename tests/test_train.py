@@ -576,9 +576,9 @@ def test_accelerate_launch_trains_the_one_process_model(tmp_path):
 
 
 def test_step_metrics_log_under_the_keys_dashboards_read():
-    """StepMetrics.to_log writes the flat keys metrics.jsonl and wandb have always had (notebooks
+    """StepMetrics.to_log (eagle3.contracts) writes the flat keys metrics.jsonl and wandb have always had (notebooks
     and dashboards read them), with the values of the summed statistics."""
-    from eagle3.train.metrics import StepMetrics
+    from eagle3.train.metrics import step_metrics
 
     names = ("ce_sum", "scored", "counted", "correct", "cond_correct", "cond_total")
     assert STAT_NAMES == names

@@ -632,7 +632,7 @@ def test_pipeline_with_the_real_extract_and_train_stages(target, tmp_path):
     base = [f"target.path={target.path}", f"workspace={tmp_path / 'ws'}", "experiment=r", f"data.path={data}",
             "prepare.draft_vocab_size=160", "prepare.eval_fraction=0.2", "progress=false", "logger=jsonl",
             "prepare.regenerate=true", "prepare.regen.max_tokens=32", "prepare.regen.kv_cache_gb=0.25",
-            "extract=hf", "extract.layer_ids=[1,2,3]", "train.max_steps=40", "train.ttt_steps=3",
+            "extract.backend=hf", "extract.layer_ids=[1,2,3]", "train.max_steps=40", "train.ttt_steps=3",
             "train.max_seq_len=256",
             "train.warmup_steps=2", "train.lr=3e-3", "train.eval_every=1000", "train.save_every=1000",
             f"export.eval_max_tokens={MAX_TOKENS}", "export.eval_prompts=8", "export.kv_cache_gb=0.25",

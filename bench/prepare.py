@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.manifest import Manifest
     from eagle3.target import resolve
 

@@ -36,8 +36,7 @@ import torch  # noqa: E402
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.metrics import peak_flops, ttt_flops_per_token  # noqa: E402
 from eagle3.train.optim import can_fold, fold_clip  # noqa: E402
-from eagle3.train.step import model_inputs  # noqa: E402
-from eagle3.train.target_head import TargetHead  # noqa: E402
+from eagle3.train.target_head import TargetHead, model_inputs  # noqa: E402
 from eagle3.train.ttt import TTTModel  # noqa: E402
 
 VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TTT forward)

@@ -22,29 +22,27 @@ def _presets() -> set[str]:
 
 
 def rewrite_overrides(overrides: list[str]) -> list[str]:
-    """Map the public keys onto the schema.
+    """Map the public keys onto Hydra's overrides (documented for users in conf/config.yaml).
 
     - ``experiment=NAME``: a preset in conf/experiment/ is selected as a config group (the preset
       sets ``name``); any other NAME sets ``name`` directly, so users can name experiments freely.
-    - ``target.path=DIR`` / ``target.gguf=FILE`` / ``data.path=FILE`` / ``data.sources=[...]``
-      select the matching group (hf, gguf, jsonl, mixture) in place of the embedded default.
+    - ``target.path=DIR`` / ``target.gguf=FILE``: another target than the embedded default's, so
+      its sizing (the default preset ``embedded_default``) is dropped unless a preset is selected.
+    - ``data.path=FILE`` / ``data.sources=[...]`` select data=jsonl / data=mixture.
     - ``export.from=DIR``: ``from`` is a Python keyword and cannot be a dataclass field; the schema
       calls it ``from_``.
     """
     presets = _presets()
     keys = {a.partition("=")[0].lstrip("+~") for a in overrides}
     out, groups = [], []
-    # A target or data given by path replaces the embedded default's group (and the stage sizing
-    # that comes with it) unless a group was chosen explicitly.
-    if keys & {"target.path", "target.gguf"} and "target" not in keys:
-        groups.append("target=hf" if "target.path" in keys else "target=gguf")
-    if keys & {"data.path", "data.sources"} and "data" not in keys:
-        groups.append("data=jsonl" if "data.path" in keys else "data=mixture")
+    preset_chosen = False
     for arg in overrides:
         key, sep, value = arg.partition("=")
         if sep and key == "experiment":
             names = value.split(",")
-            if not all(n in presets for n in names):
+            if all(n in presets for n in names):
+                preset_chosen = True
+            else:
                 if any(n in presets for n in names):
                     raise SystemExit("eagle3: a sweep over experiment= cannot mix presets "
                                      f"({sorted(presets)}) and plain names")
@@ -52,6 +50,10 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
         elif sep and key.lstrip("+") == "export.from":
             arg = f"{key[:len(key) - len(key.lstrip('+'))]}export.from_={value}"
         out.append(arg)
+    if keys & {"target.path", "target.gguf"} and not preset_chosen and "~experiment" not in overrides:
+        groups.append("~experiment")
+    if keys & {"data.path", "data.sources"} and "data" not in keys:
+        groups.append("data=jsonl" if "data.path" in keys else "data=mixture")
     # next to the last override: Hydra's parser takes the overrides as one run of positionals, so
     # a group appended after a flag (`... --cfg job`) would be refused as an unknown argument
     last = max((i for i, a in enumerate(out) if "=" in a and not a.startswith("-")), default=len(out) - 1)
@@ -71,7 +73,7 @@ def compose_config(overrides: list[str] = ()):
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(dcfg: DictConfig):
-    from .cli import run_from_hydra
+    from .runner import run_from_hydra
 
     return run_from_hydra(dcfg)
 

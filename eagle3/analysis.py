@@ -8,6 +8,7 @@ import html
 import json
 from pathlib import Path
 
+from .artifacts import DATASET_DIR, METRICS_FILE, STATS_FILE, TOKEN_FREQ_FILE
 from .manifest import Manifest, StageRecord
 
 
@@ -33,7 +34,7 @@ class Experiment:
     def dataset(self, split: str = "train"):
         import datasets
 
-        return datasets.load_from_disk(str(self.record("prepare").path("dataset")))[split]
+        return datasets.load_from_disk(str(self.record("prepare").path(DATASET_DIR)))[split]
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -41,20 +42,20 @@ class Experiment:
         return AutoTokenizer.from_pretrained(self.record("prepare").data["target"]["path"])
 
     def prepare_stats(self) -> dict:
-        return json.loads(self.record("prepare").path("stats.json").read_text())
+        return json.loads(self.record("prepare").path(STATS_FILE).read_text())
 
     def token_freq(self):
         from safetensors.torch import load_file
 
-        return load_file(str(self.record("prepare").path("token_freq.safetensors")))["freq"].numpy()
+        return load_file(str(self.record("prepare").path(TOKEN_FREQ_FILE)))["freq"].numpy()
 
     # -- train ----------------------------------------------------------------------------
     def train_metrics(self) -> list[dict]:
         """Rows of the train stage's JSONL metrics file (one per logged step)."""
         rec = self.record("train")
-        files = sorted(rec.out_dir.rglob("metrics.jsonl"))
+        files = sorted(rec.out_dir.rglob(METRICS_FILE))
         if not files:
-            raise FileNotFoundError(f"no metrics.jsonl under {rec.out_dir}")
+            raise FileNotFoundError(f"no {METRICS_FILE} under {rec.out_dir}")
         rows = []
         for line in files[0].read_text().splitlines():
             if line.strip():
@@ -66,7 +67,8 @@ class Experiment:
 
     # -- export ---------------------------------------------------------------------------
     def acceptance(self) -> dict:
-        return dict(self.record("export").facts)
+        """The export stage's facts as a plain dict (eagle3.contracts.ExportFacts' fields)."""
+        return self.record("export").facts.to_json()
 
 
 def mask_html(tokenizer, input_ids, loss_mask, max_tokens: int = 400) -> str:

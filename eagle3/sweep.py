@@ -19,10 +19,11 @@ def objective_value(manifest, objective: str) -> float | None:
     """The number a sweeper optimises, from the runs this process completed."""
     if objective == "eval_loss":
         rec = manifest.current("train")
-        return None if rec is None else rec.facts.get("eval_loss")
+        facts = None if rec is None else rec.facts
+        return None if facts is None or facts.eval is None else facts.eval.loss
     if objective == "acceptance_length":
         rec = manifest.current("export")
-        return None if rec is None else rec.facts.get("acceptance_length")
+        return None if rec is None or rec.facts is None else rec.facts.acceptance_length
     return None
 
 
@@ -45,6 +46,7 @@ def _diff(configs: list[dict]) -> list[dict]:
 
 def sweep_rows(exp_dir: Path, hashes: set[str] | None = None) -> list[dict]:
     """One row per train run of the experiment (optionally only ``hashes``), with its export."""
+    from .contracts import facts_from_json
     from .manifest import Manifest
 
     data = Manifest(exp_dir).read()
@@ -57,8 +59,10 @@ def sweep_rows(exp_dir: Path, hashes: set[str] | None = None) -> list[dict]:
         exports = [e for e in export_runs.values() if e.get("upstream", {}).get("train") == h]
         al = max((e["facts"].get("acceptance_length") for e in exports
                   if e.get("status") == "complete" and e["facts"].get("acceptance_length") is not None), default=None)
+        facts = facts_from_json("train", r.get("facts"))
         rows.append({"train_run": h[:12], "status": r.get("status"), "params": d,
-                     "eval_loss": r.get("facts", {}).get("eval_loss"), "acceptance_length": al,
+                     "eval_loss": facts.eval.loss if facts is not None and facts.eval is not None else None,
+                     "acceptance_length": al,
                      "error": (r.get("error") or "")[:200]})
     rows.sort(key=lambda x: (x["status"] != "complete",
                              -(x["acceptance_length"] or 0.0),
@@ -101,8 +105,6 @@ class SweepSummary(Callback):
             self.jobs.append({"overrides": overrides, "error": "job raised (see its log)"})
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
-        from .cli import experiment_dir
-
         shared = set.intersection(*(set(j["overrides"]) for j in self.jobs)) if self.jobs else set()
         failures = [f"{' '.join(o for o in j['overrides'] if o not in shared)}: {j['error']}"
                     for j in self.jobs if j.get("error")]

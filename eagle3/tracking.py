@@ -1,12 +1,16 @@
 """wandb runs, one per stage job: offline by default (no account), grouped by experiment.
 
+One path for every stage: the runner gives the manifest a :class:`Tracker`; a stage job opens its
+run when the work starts (``with job:``), the stage logs along the way through ``job.log`` (the
+train loop its curve, prepare its statistics), and when the job completes the tracker logs the
+stage's facts (``eagle3.contracts``) and finishes the run; a failed job finishes it as failed.
+
 Metric names are grouped by stage: ``prepare/*``, ``extract/*``, ``train/loss_step_{j}``,
 ``train/acc_step_{j}``, ``eval/*`` (held-out split during training and the offline evaluator),
 ``export/acceptance_per_position``, ``eval/acceptance_length``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -25,24 +29,58 @@ def wandb_settings(cfg, stage: str, config_hash: str, upstream: dict | None = No
                 reinit="finish_previous")
 
 
-@contextlib.contextmanager
-def stage_run(cfg, stage: str, job):
-    """A wandb run around a stage job (a no-op object when wandb is off)."""
-    if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled":
-        yield _NoRun()
-        return
-    os.environ.setdefault("WANDB_SILENT", "true")
-    import wandb
+class Tracker:
+    """Opens and closes the wandb run of each stage job (``logger.backend=wandb``, mode not disabled)."""
 
-    run = wandb.init(**wandb_settings(cfg, stage, job.config_hash, job.upstream))
-    try:
-        yield run
-    finally:
-        run.finish()
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.enabled = cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled"
+
+    def open(self, stage: str, config_hash: str, upstream: dict):
+        if not self.enabled:
+            return _NoRun()
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        return wandb.init(**wandb_settings(self.cfg, stage, config_hash, upstream))
+
+    def close(self, run, stage: str, facts) -> None:
+        """Log the completed job's facts (None: the job failed) and finish its run."""
+        if isinstance(run, _NoRun):
+            return
+        if facts is None:
+            run.finish(exit_code=1)
+            return
+        try:
+            run.log(stage_summary(stage, facts))
+        finally:
+            run.finish()
+
+
+def stage_summary(stage: str, facts) -> dict:
+    """The row logged when a stage job completes: its scalar facts, and for export the acceptance
+    figures under the names the dashboards use."""
+    row = facts.metrics(stage)
+    if stage in ("export", "eval") and facts.acceptance_length is not None:
+        row[f"{stage}/acceptance_length"] = facts.acceptance_length
+        row["eval/acceptance_length"] = facts.acceptance_length
+        for k, v in (facts.acceptance_by_k or {}).items():
+            row[f"{stage}/acceptance_length_k{k}"] = v
+        per_pos = facts.acceptance_per_position or []
+        for i, v in enumerate(per_pos, 1):
+            row[f"{stage}/acceptance_pos_{i}"] = v
+        import wandb
+
+        row[f"{stage}/acceptance_per_position"] = wandb.Table(
+            columns=["position", "acceptance_rate"], data=[[i, v] for i, v in enumerate(per_pos, 1)])
+    return row
 
 
 class _NoRun:
     def log(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self, *args, **kwargs) -> None:
         pass
 
     @property
@@ -96,34 +134,3 @@ def read_offline_run(run_dir: str | Path) -> dict:
             out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                    for item in rec.history.item})
     return out
-
-
-def log_stage_facts(cfg, stage: str, record) -> None:
-    """A wandb run for a stage that does not log by itself (extract, export): its numeric facts,
-    and for export the acceptance figures under the names the dashboards use."""
-    if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled" or record is None:
-        return
-    os.environ.setdefault("WANDB_SILENT", "true")
-    import wandb
-
-    facts = record.facts
-    row = {f"{stage}/{k}": v for k, v in facts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for k, v in (facts.get("num_tokens") or {}).items():
-        row[f"{stage}/tokens_{k}"] = v
-    table = None
-    if stage == "export":
-        if facts.get("acceptance_length") is not None:
-            row["eval/acceptance_length"] = facts["acceptance_length"]
-        for k, v in (facts.get("acceptance_by_k") or {}).items():
-            row[f"export/acceptance_length_k{k}"] = v
-        per_pos = facts.get("acceptance_per_position") or []
-        for i, v in enumerate(per_pos, 1):
-            row[f"export/acceptance_pos_{i}"] = v
-        table = wandb.Table(columns=["position", "acceptance_rate"], data=[[i, v] for i, v in enumerate(per_pos, 1)])
-    run = wandb.init(**wandb_settings(cfg, stage, record.config_hash, record.data.get("upstream")))
-    try:
-        if table is not None:
-            row["export/acceptance_per_position"] = table
-        run.log(row)
-    finally:
-        run.finish()

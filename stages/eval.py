@@ -14,6 +14,7 @@ log = logging.getLogger("eagle3.eval")
 
 
 def run(cfg, manifest):
+    from eagle3.contracts import EvalFacts
     from eagle3.export.offline_eval import HFTarget, offline_acceptance
     from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
     from eagle3.export.sources import load_source
@@ -21,7 +22,7 @@ def run(cfg, manifest):
 
     ecfg = cfg.export
     target = resolve(cfg.target, cfg.workspace)
-    ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=True)
+    ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=True, stage="eval")
     dtype = target.run_dtype(cfg.target.dtype)
     k = ecfg.num_speculative_tokens
     ks = [k] + sorted({int(x) for x in ecfg.eval_ks} - {k})
@@ -29,10 +30,10 @@ def run(cfg, manifest):
               "from": ecfg.from_, "from_layer_convention": ecfg.from_layer_convention, "from_identity": from_id,
               "dtype": dtype, "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
-    if job.done:
+    if (done := job.claim()) is not None:
         print(f"eval: already complete ({job.config_hash[:12]}): acceptance length "
-              f"{job.record.facts.get('acceptance_length')} at k={k}")
-        return job.record
+              f"{done.facts.acceptance_length} at k={k}")
+        return done
     import torch
 
     with job:
@@ -56,7 +57,7 @@ def run(cfg, manifest):
                  "tokens_per_step_by_k": {str(kk): round(r.tokens_per_step, 4) for kk, r in results.items()}}
         (job.out_dir / "eval.json").write_text(json.dumps({**facts, "outputs": main.outputs}, indent=1) + "\n")
         job.add_output(job.out_dir / "eval.json")
-        job.facts.update(facts)
+        job.facts = EvalFacts(**facts)
     print(f"eval: offline acceptance length {facts['acceptance_length']:.3f} at k={k} (per position "
           f"{facts['acceptance_per_position']}), by k {facts['acceptance_by_k']}, {facts['tokens_per_step']:.3f} "
           f"tokens per target step, {len(prompts)} prompts")

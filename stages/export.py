@@ -14,8 +14,10 @@ log = logging.getLogger("eagle3.export")
 
 
 def run(cfg, manifest):
+    from eagle3.artifacts import EXPORT_MARKER as MARKER
+    from eagle3.artifacts import MODEL_DIR
+    from eagle3.contracts import ExportFacts
     from eagle3.export.formats import ExportSpec, write_format
-    from eagle3.export.importers import MARKER
     from eagle3.export.model_card import model_card
     from eagle3.export.outdir import fingerprint, precheck_destination, publish
     from eagle3.export.sources import check_embedding, load_source
@@ -32,20 +34,19 @@ def run(cfg, manifest):
     config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id,
               "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("export", config=config, target=target.identity(), inputs=inputs)
-    if job.done:
-        log.info("export: already complete for this config (%s)", job.config_hash[:12])
-        print(f"export: already complete ({job.config_hash[:12]}): {job.record.out_dir / 'model'}")
+    if (done := job.claim()) is not None:
+        print(f"export: already complete ({job.config_hash[:12]}): {done.out_dir / MODEL_DIR}")
         if ecfg.out_dir:
-            action = publish(job.record.out_dir / "model", ecfg.out_dir, ecfg.overwrite)
+            action = publish(done.out_dir / MODEL_DIR, ecfg.out_dir, ecfg.overwrite)
             print(f"export: {ecfg.out_dir}: {'already up to date' if action == 'same' else 'copied'}")
-        return job.record
+        return done
     if ecfg.out_dir:  # refuse a taken destination before spending minutes on verification
         precheck_destination(ecfg.out_dir, ecfg.overwrite)
 
     import shutil
 
     with job:
-        model_dir = job.out_dir / "model"
+        model_dir = job.out_dir / MODEL_DIR
         if model_dir.exists():  # a failed earlier attempt of this same config
             shutil.rmtree(model_dir)
         spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
@@ -77,9 +78,9 @@ def run(cfg, manifest):
                 "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
                     "architectures"), "dtype": dtype, "source": ckpt.source,
                 "num_speculative_tokens": ecfg.num_speculative_tokens,
-                "coverage": prep.facts.get("coverage") if prep else None,
-                "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.get("num_train"),
-                          "eval samples": prep.facts.get("num_eval")} if prep else None)}
+                "coverage": prep.facts.coverage if prep else None,
+                "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.num_train,
+                          "eval samples": prep.facts.num_eval} if prep else None)}
         (model_dir / "README.md").write_text(model_card(meta, facts))
         marker["verification"] = {k: facts[k] for k in ("acceptance_length", "acceptance_by_k", "tokens_per_step",
                                                          "num_prompts", "max_tokens") if k in facts}
@@ -88,7 +89,7 @@ def run(cfg, manifest):
             publish(model_dir, ecfg.out_dir, ecfg.overwrite)
             facts["exported_to"] = str(ecfg.out_dir)
         job.add_output(model_dir)
-        job.facts.update(facts)
+        job.facts = ExportFacts(**facts)
     _print_summary(job.record)
     return job.record
 
@@ -109,11 +110,10 @@ def _compare_with_training(facts: dict, source: dict, k: int) -> None:
 
 def _print_summary(rec) -> None:
     f = rec.facts
-    print(f"export: {f['format']} draft at {rec.out_dir / 'model'}" +
-          (f" (copied to {f['exported_to']})" if f.get("exported_to") else ""))
-    if "acceptance_length" in f:
-        ng = f["ngram"]
-        print(f"export: vLLM acceptance length {f['acceptance_length']:.3f} at k={f['k']} "
-              f"(per position {f['acceptance_per_position']}), by k {f['acceptance_by_k']}; "
-              f"{f['tokens_per_step']:.3f} tokens per target step vs {ng['tokens_per_step']:.3f} for prompt lookup; "
-              f"offline evaluator {f['offline']['acceptance_length']:.3f}; lossless on {f['num_prompts']} prompts")
+    print(f"export: {f.format} draft at {rec.exp_dir / f.model_dir}" +
+          (f" (copied to {f.exported_to})" if f.exported_to else ""))
+    if f.acceptance_length is not None:
+        print(f"export: vLLM acceptance length {f.acceptance_length:.3f} at k={f.k} "
+              f"(per position {f.acceptance_per_position}), by k {f.acceptance_by_k}; "
+              f"{f.tokens_per_step:.3f} tokens per target step vs {f.ngram['tokens_per_step']:.3f} for prompt lookup; "
+              f"offline evaluator {f.offline['acceptance_length']:.3f}; lossless on {f.num_prompts} prompts")

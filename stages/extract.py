@@ -23,19 +23,23 @@ log = logging.getLogger("eagle3.extract")
 
 
 def _record_outputs(job, splits) -> None:
+    from eagle3.artifacts import INDEX_JSON, STORE_JSON
+
     out = job.out_dir
     for split in splits:
         index = json.loads((out / split / "index.json").read_text())
         for shard in index["shards"]:
             job.add_output(out / split / shard["file"], sha256=shard["sha256"])
             job.add_output(out / split / (shard["file"][: -len(".safetensors")] + ".json"))
-        job.add_output(out / split / "index.json")
-    job.add_output(out / "store.json")
+        job.add_output(out / split / INDEX_JSON)
+    job.add_output(out / STORE_JSON)
 
 
 def run(cfg, manifest):
     from filelock import FileLock, Timeout
 
+    from eagle3.artifacts import DATASET_DIR
+    from eagle3.contracts import ExtractFacts
     from eagle3.extract import DatasetSamples, extract_store, resolve_layer_ids, resolve_store_dtype
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
@@ -44,8 +48,9 @@ def run(cfg, manifest):
 
     ecfg = cfg.extract
     target = resolve(cfg.target, cfg.workspace)
-    prep = manifest.consume("prepare", by="extract", target_hash=target.hash)
-    prep_tok = prep.facts.get("tokenizer_hash")
+    inputs = manifest.consume_upstream("extract", target.hash)
+    prep = inputs["prepare"]
+    prep_tok = prep.facts.tokenizer_hash
     if prep_tok != target.tokenizer_hash:
         raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer {str(prep_tok)[:12]}, "
                             f"but the target {target.path} has tokenizer {target.tokenizer_hash[:12]}: its token ids "
@@ -56,17 +61,16 @@ def run(cfg, manifest):
     store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype)
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
               "store_dtype": store_dtype, "target_dtype": target_dtype}
-    job = manifest.start("extract", config=config, target=target.identity(), inputs={"prepare": prep})
-    if job.done:
-        log.info("extract: already complete for this config (%s); nothing to do", job.config_hash[:12])
+    job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)
+    if (done := job.claim()) is not None:
         print(f"extract: already complete ({job.config_hash[:12]}), nothing to do")
-        return job.record
+        return done
     log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
              layer_ids, L, L, H, store_dtype, target_dtype)
 
     import datasets
 
-    ds = datasets.load_from_disk(str(prep.path("dataset")))
+    ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
     missing = [s for s in ecfg.splits if s not in ds]
     if missing:
         raise ManifestError(f"extract.splits={list(ecfg.splits)}: the prepared dataset has no split {missing} "
@@ -87,11 +91,11 @@ def run(cfg, manifest):
 
     def record(result):
         _record_outputs(job, splits)
-        job.facts.update(layer_ids=list(layer_ids), last_layer_id=L, hidden_size=H, store_dtype=store_dtype,
-                         target_dtype=target_dtype, backend=ecfg.backend, store_format=FORMAT,
-                         bytes_per_token=layout.bytes_per_token,
-                         num_samples={s: len(v) for s, v in splits.items()},
-                         num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()})
+        job.facts = ExtractFacts(layer_ids=list(layer_ids), last_layer_id=L, hidden_size=H, store_dtype=store_dtype,
+                                 target_dtype=target_dtype, backend=ecfg.backend, store_format=FORMAT,
+                                 bytes_per_token=layout.bytes_per_token,
+                                 num_samples={s: len(v) for s, v in splits.items()},
+                                 num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()})
 
     if ecfg.num_shards == 1:
         with job:
@@ -116,8 +120,8 @@ def run(cfg, manifest):
         print(f"extract: part {p}/{n} done; waiting for {len(result.missing)} shards from other parts")
         return None
     with FileLock(str(job.out_dir / ".finalize.lock")):
-        if job.done:  # another part finished at the same time and recorded the run
-            return job.record
+        if (done := job.claim()) is not None:  # another part finished at the same time and recorded the run
+            return done
         with job:
             record(result)
     log.info("extract: part %d of %d completed the store at %s", p, n, job.out_dir)

@@ -17,6 +17,8 @@ log = logging.getLogger("eagle3.train")
 
 
 def run(cfg, manifest):
+    from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE, VOCAB_FILE
+    from eagle3.contracts import TrainFacts
     from eagle3.data.vocab import load_vocab
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
@@ -24,22 +26,21 @@ def run(cfg, manifest):
     from eagle3.store import open_hidden_states
     from eagle3.target import resolve
     from eagle3.target_weights import read_target_head
-    from eagle3.train.loop import (DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE, TrainInputs,
-                                   train)
+    from eagle3.train.loop import TrainInputs, train
 
     tcfg = cfg.train
     target = resolve(cfg.target, cfg.workspace)
-    prep = manifest.consume("prepare", by="train", target_hash=target.hash)
-    ext = manifest.consume("extract", by="train", target_hash=target.hash)
-    layer_ids = [int(i) for i in ext.facts["layer_ids"]]
+    upstream = manifest.consume_upstream("train", target.hash)
+    prep, ext = upstream["prepare"], upstream["extract"]
+    layer_ids = [int(i) for i in ext.facts.layer_ids]
     config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
-    job = manifest.start("train", config=config, target=target.identity(), inputs={"prepare": prep, "extract": ext})
+    job = manifest.start("train", config=config, target=target.identity(), inputs=upstream)
     # the launcher's rank (torchrun / accelerate launch set RANK); not accelerate.PartialState():
     # creating it here, before the Accelerator, would fix its device and distributed mode too early
     main = int(os.environ.get("RANK", "0")) == 0
-    if main and job.done:
+    if main and (done := job.claim()) is not None:
         print(f"train: already complete ({job.config_hash[:12]}), nothing to do")
-        return job.record
+        return done
     if not main:  # other ranks never take the run lock (the main process holds it while training)
         rec = manifest.record("train", job.config_hash)
         if rec is not None and rec.status == "complete":
@@ -55,7 +56,7 @@ def run(cfg, manifest):
     except Exception as e:  # a store extracted without the eval split
         log.warning("train: no held-out split in the store (%s); training without eval", e)
         eval_store = None
-    d2t, t2d = load_vocab(prep.path("vocab.safetensors"))
+    d2t, t2d = load_vocab(prep.path(VOCAB_FILE))
     draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), tcfg.model)
     if train_store.hidden_size != draft_cfg.target_hidden_size:
         raise ManifestError(f"the store's hidden size {train_store.hidden_size} is not the target's "
@@ -65,44 +66,22 @@ def run(cfg, manifest):
     inputs = TrainInputs(train_store=train_store, eval_store=eval_store, target=tensors, rms_norm_eps=eps,
                          d2t=d2t, t2d=t2d, draft_config=draft_cfg)
 
-    tracker = None
-    if cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
-        from eagle3.tracking import wandb_settings
-
-        settings = wandb_settings(cfg, "train", job.config_hash, job.upstream)
-        tracker = {"project": settings.pop("project"), "config": settings.pop("config"), "init_kwargs": settings}
-
     def record(result):
         for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):
             job.add_output(job.out_dir / name)
-        tr, ev = result["train"], result["eval"]
-        S = tcfg.ttt_steps
-        job.facts.update(
-            draft_file=DRAFT_FILE, draft_config_file=DRAFT_CONFIG_FILE, vllm_config_file=VLLM_CONFIG_FILE,
-            metrics_file=METRICS_FILE, steps=result["steps"], layer_ids=layer_ids,
-            draft_vocab_size=draft_cfg.draft_vocab_size, ttt_steps=S,
-            train_loss=tr.get("train/loss"),
-            train_loss_per_step=[tr.get(f"train/loss_step_{j}") for j in range(S)],
-            train_acc_per_step=[tr.get(f"train/acc_step_{j}") for j in range(S)],
-            train_accept_len=[tr.get(f"train/accept_len_k{k}") for k in range(1, S + 1)])
-        if ev:
-            job.facts.update(
-                eval_loss=ev.get("eval/loss"),
-                eval_loss_per_step=[ev.get(f"eval/loss_step_{j}") for j in range(S)],
-                eval_acc_per_step=[ev.get(f"eval/acc_step_{j}") for j in range(S)],
-                eval_cond_acc_per_step=[ev.get(f"eval/cond_acc_step_{j}") for j in range(S)],
-                eval_accept_len=[ev.get(f"eval/accept_len_k{k}") for k in range(1, S + 1)])
+        job.facts = TrainFacts(steps=result.steps, ttt_steps=tcfg.ttt_steps, layer_ids=layer_ids,
+                               draft_vocab_size=draft_cfg.draft_vocab_size, train=result.train, eval=result.eval)
 
     if not main:
-        train(tcfg, inputs, job.out_dir, tracker=None, progress=False)
+        train(tcfg, inputs, job.out_dir, progress=False)
         return None
     with job:
-        result = train(tcfg, inputs, job.out_dir, tracker=tracker, progress=cfg.progress)
+        result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress)
         record(result)
-    final = result["eval"] or result["train"]
-    prefix = "eval" if result["eval"] else "train"
-    print(f"train: {result['steps']} steps; {prefix} acc per TTT step "
-          + " ".join(f"{final.get(f'{prefix}/acc_step_{j}', float('nan')):.3f}" for j in range(tcfg.ttt_steps))
+    final = result.eval or result.train
+    prefix = "eval" if result.eval else "train"
+    acc = final.acc_per_step if final else [float("nan")] * tcfg.ttt_steps
+    print(f"train: {result.steps} steps; {prefix} acc per TTT step " + " ".join(f"{a:.3f}" for a in acc)
           + f"; expected acceptance length (k={tcfg.ttt_steps}) "
-          + f"{final.get(f'{prefix}/accept_len_k{tcfg.ttt_steps}', float('nan')):.2f}")
+          + f"{final.accept_len[-1] if final else float('nan'):.2f}")
     return job.record

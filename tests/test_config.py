@@ -102,3 +102,39 @@ def test_path_keys_work_before_hydra_flags():
     out = _run_cli("target.gguf=/x.gguf", "data.path=/d.jsonl", "--cfg", "job")
     assert out.returncode == 0, out.stderr
     assert "gguf: /x.gguf" in out.stdout and "regenerate: false" in out.stdout
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], node
+
+
+@pytest.mark.parametrize("group,option", list(_group_options()))
+def test_no_config_file_restates_a_schema_default(group, option):
+    """Each default has one home (eagle3/config.py): a group entry sets only what differs from it."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    path = CONF / group / f"{option}.yaml"
+    text = path.read_text()
+    values = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if "@package _global_" not in text:
+        values = {group: values}
+    schema = dataclasses.asdict(Config())
+    for key, value in _leaves(values):
+        if key == "defaults" or value == "???":
+            continue
+        node = schema
+        for part in key.split("."):
+            node = node[part]
+        assert node != value, f"{path.name} sets {key}: {value!r}, which is already the schema's default"
+
+
+def test_conf_has_no_group_that_only_restates_the_schema():
+    """The stage sections have no YAML group: their values are the schema's (an experiment or the
+    command line changes them)."""
+    assert not {p.name for p in CONF.iterdir() if p.is_dir()} & {"prepare", "extract", "train", "export", "target"}

@@ -524,7 +524,7 @@ def experiment(target, tmp_path_factory):
     """prepare (real stage) + extract and train runs recorded as those stages record them, with the
     perfect draft for prepare's vocabulary as the trained draft."""
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.data.vocab import load_vocab
     from eagle3.manifest import Manifest
     from eagle3.target import identify
@@ -544,13 +544,23 @@ def experiment(target, tmp_path_factory):
     tinfo = identify(target.path)
     ext = m.start("extract", config={"test": "recorded by test_export"}, target=tinfo.identity(), inputs={"prepare": prep})
     with ext:
-        ext.facts.update(layer_ids=[1, 2, 3], last_layer_id=4, hidden_size=64)
+        ext.facts = recorded_extract_facts([1, 2, 3])
     record_train_run(m, tinfo, perfect_draft(target, kept_ids))
     return {"root": root, "manifest": m, "base": base, "kept": kept_ids}
 
 
+def recorded_extract_facts(layer_ids):
+    """An extract run recorded by the test (no store: export reads only its layer ids and width)."""
+    from eagle3.contracts import ExtractFacts
+
+    return ExtractFacts(layer_ids=layer_ids, last_layer_id=4, hidden_size=64, store_dtype="float32",
+                        target_dtype="float32", backend="hf", store_format="none", bytes_per_token=0)
+
+
 def record_train_run(m, tinfo, draft, tag="perfect"):
     from safetensors.torch import save_file
+
+    from eagle3.contracts import StepMetrics, TrainFacts
 
     prep, ext = m.current("prepare"), m.current("extract")
     job = m.start("train", config={"test": tag}, target=tinfo.identity(), inputs={"prepare": prep, "extract": ext})
@@ -560,12 +570,16 @@ def record_train_run(m, tinfo, draft, tag="perfect"):
         (job.out_dir / "draft_config.json").write_text(json.dumps(draft.config.to_dict()))
         job.add_output(job.out_dir / "draft.safetensors")
         job.add_output(job.out_dir / "draft_config.json")
+        job.facts = TrainFacts(steps=0, ttt_steps=1, layer_ids=list(draft.config.aux_layer_ids),
+                               draft_vocab_size=draft.config.draft_vocab_size,
+                               train=StepMetrics(loss=0.0, loss_per_step=[], acc_per_step=[], cond_acc_per_step=[],
+                                                 accept_len=[]))
     return job.record
 
 
 def _stage(experiment, *overrides):
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
 
     return run(compose_config([*experiment["base"], *overrides]))
 
@@ -578,13 +592,13 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}")
     rec = experiment["manifest"].current("export")
     f = rec.facts
-    print(json.dumps({k: f[k] for k in ("acceptance_length", "acceptance_by_k", "acceptance_per_position",
-                                         "tokens_per_step", "offline_vs_vllm")}), f["ngram"])
-    assert f["acceptance_length"] == K + 1 and f["acceptance_by_k"] == {str(K): K + 1, "1": 2}
-    assert f["acceptance_per_position"] == [1.0] * K and f["lossless"] is True
-    assert f["offline"]["acceptance_length"] == K + 1 and f["offline_vs_vllm"] == 0
-    assert f["tokens_per_step"] > f["ngram"]["tokens_per_step"] and f["beats_prompt_lookup"]
-    assert f["layer_ids"] == [1, 2, 3] and f["num_prompts"] >= 3 and f["format"] == "vllm"
+    print(json.dumps({k: getattr(f, k) for k in ("acceptance_length", "acceptance_by_k", "acceptance_per_position",
+                                         "tokens_per_step", "offline_vs_vllm")}), f.ngram)
+    assert f.acceptance_length == K + 1 and f.acceptance_by_k == {str(K): K + 1, "1": 2}
+    assert f.acceptance_per_position == [1.0] * K and f.lossless is True
+    assert f.offline["acceptance_length"] == K + 1 and f.offline_vs_vllm == 0
+    assert f.tokens_per_step > f.ngram["tokens_per_step"] and f.beats_prompt_lookup
+    assert f.layer_ids == [1, 2, 3] and f.num_prompts >= 3 and f.format == "vllm"
     model = rec.out_dir / "model"
     card = (model / "README.md").read_text()
     assert "[1, 2, 3]" in card and "| EAGLE-3 (this draft) | 3 | 4.000" in card and str(target.path) in card
@@ -599,8 +613,8 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
 def test_eval_stage_records_offline_acceptance(experiment):
     _stage(experiment, "stage=eval", "export.eval_ks=[1,2]")
     f = experiment["manifest"].current("eval").facts
-    assert f["acceptance_length"] == K + 1 and f["acceptance_by_k"] == {str(K): K + 1, "1": 2, "2": 3}
-    assert f["acceptance_per_position"] == [1.0] * K and f["num_prompts"] >= 3
+    assert f.acceptance_length == K + 1 and f.acceptance_by_k == {str(K): K + 1, "1": 2, "2": 3}
+    assert f.acceptance_per_position == [1.0] * K and f.num_prompts >= 3
 
 
 @pytest.mark.vllm
@@ -611,14 +625,14 @@ def test_pipeline_with_the_real_extract_and_train_stages(target, tmp_path):
     draft that beats prompt lookup. (Trained on the human-written responses instead, the same draft
     scores ~1.2 in vLLM although its teacher-forced accuracy is 0.9: the target never writes them.)"""
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.manifest import Manifest
 
     data = write_jsonl(tmp_path / "c.jsonl", conversations(40, seed=5))
     base = [f"target.path={target.path}", f"workspace={tmp_path / 'ws'}", "experiment=r", f"data.path={data}",
             "prepare.draft_vocab_size=160", "prepare.eval_fraction=0.2", "progress=false", "logger=jsonl",
             "prepare.regenerate=true", "prepare.regen.max_tokens=32", "prepare.regen.kv_cache_gb=0.25",
-            "extract=hf", "extract.layer_ids=[1,2,3]", "train.max_steps=40", "train.ttt_steps=3",
+            "extract.backend=hf", "extract.layer_ids=[1,2,3]", "train.max_steps=40", "train.ttt_steps=3",
             "train.max_seq_len=256",
             "train.warmup_steps=2", "train.lr=3e-3", "train.eval_every=1000", "train.save_every=1000",
             f"export.eval_max_tokens={MAX_TOKENS}", "export.eval_prompts=8", "export.kv_cache_gb=0.25",
@@ -627,12 +641,12 @@ def test_pipeline_with_the_real_extract_and_train_stages(target, tmp_path):
         run(compose_config([f"stage={stage}", *base]))
     m = Manifest(tmp_path / "ws" / "r")
     f = m.current("export").facts
-    print("real train -> export:", {k: f[k] for k in ("acceptance_length", "acceptance_by_k", "offline_vs_vllm",
-                                                       "tokens_per_step")}, "ngram", f["ngram"]["tokens_per_step"],
-          "train expected", f["source"]["train_expected_acceptance_length"])
-    assert f["lossless"] and f["offline_vs_vllm"] <= 0.05 and f["source"]["kind"] == "train"
-    assert f["source"]["train_steps"] == 40 and f["layer_ids"] == [1, 2, 3]
-    assert f["acceptance_length"] > 2.5 and f["beats_prompt_lookup"]
+    print("real train -> export:", {k: getattr(f, k) for k in ("acceptance_length", "acceptance_by_k", "offline_vs_vllm",
+                                                       "tokens_per_step")}, "ngram", f.ngram["tokens_per_step"],
+          "train expected", f.source["train_expected_acceptance_length"])
+    assert f.lossless and f.offline_vs_vllm <= 0.05 and f.source["kind"] == "train"
+    assert f.source["train_steps"] == 40 and f.layer_ids == [1, 2, 3]
+    assert f.acceptance_length > 2.5 and f.beats_prompt_lookup
 
 
 def test_export_to_a_directory_holding_another_model(experiment, tmp_path):
@@ -671,7 +685,7 @@ def test_include_embedding_writes_the_targets_embedding(experiment, target):
 
 def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.export.errors import ExportError
     from eagle3.manifest import Manifest, ManifestError
     from eagle3.target import identify
@@ -686,7 +700,7 @@ def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):
     tinfo = identify(target.path)
     ext = m.start("extract", config={"ids": 4}, target=tinfo.identity(), inputs={"prepare": m.current("prepare")})
     with ext:
-        ext.facts.update(layer_ids=[0, 1, 2, 3], last_layer_id=4, hidden_size=64)
+        ext.facts = recorded_extract_facts([0, 1, 2, 3])
     with pytest.raises(ManifestError, match="needs the output of stage 'train'"):
         run(compose_config(["stage=export", *base]))
     from eagle3.data.vocab import load_vocab
@@ -706,7 +720,7 @@ def test_export_from_verified_on_a_prompts_file_without_other_stages(experiment,
     from transformers import AutoTokenizer
 
     from eagle3.__main__ import compose_config
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.data.chat_template import generation_prompt_ids
     from eagle3.manifest import Manifest
 
@@ -722,14 +736,14 @@ def test_export_from_verified_on_a_prompts_file_without_other_stages(experiment,
     m = Manifest(ws / "elsewhere")
     assert all(m.current(s) is None for s in ("prepare", "extract", "train"))
     rec = m.current("export")
-    assert rec.facts["num_prompts"] == 4 and rec.facts["acceptance_length"] == K + 1
+    assert rec.facts.num_prompts == 4 and rec.facts.acceptance_length == K + 1
     # other prompts, another run; the same file again, no new run
     run(compose_config(base))
     runs = lambda: m.read()["stages"]["export"]["runs"]  # noqa: E731
     assert len(runs()) == 1
     write_jsonl(prompts, conversations(2, seed=8))
     run(compose_config(base))
-    assert len(runs()) == 2 and m.current("export").facts["num_prompts"] == 2
+    assert len(runs()) == 2 and m.current("export").facts.num_prompts == 2
 
 
 def test_bad_prompts_file_is_named(target, tmp_path):
@@ -768,8 +782,8 @@ def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment,
     src = specforge_checkpoint(target, experiment["kept"], tmp_path / "sf")
     _stage(experiment, "stage=export", f"export.from={src}", "export.format=speculators", f"export.eval_ks=[{K}]")
     f = experiment["manifest"].current("export").facts
-    assert f["format"] == "speculators" and f["source"]["layout"] == "midlayer"
-    assert f["acceptance_length"] == K + 1 and f["layer_ids"] == [1, 2, 3]
+    assert f.format == "speculators" and f.source["layout"] == "midlayer"
+    assert f.acceptance_length == K + 1 and f.layer_ids == [1, 2, 3]
 
     ckpt = checkpoint(perfect_draft(target, experiment["kept"]))
     bad = tmp_path / "bad"

@@ -350,11 +350,11 @@ def test_stage_through_cli(tmp_path, tiny_llama_dir, chats):
     exp = tmp_path / "cli"
     rec = Manifest(exp).current("extract")
     facts = rec.facts
-    assert facts["layer_ids"] == [1, 2, 3] and facts["last_layer_id"] == 4 and facts["hidden_size"] == 64
-    assert facts["store_dtype"] == "float32" and facts["bytes_per_token"] == 4 * 64 * 4 + 5
+    assert facts.layer_ids == [1, 2, 3] and facts.last_layer_id == 4 and facts.hidden_size == 64
+    assert facts.store_dtype == "float32" and facts.bytes_per_token == 4 * 64 * 4 + 5
     prep = Manifest(exp).current("prepare")
     ds = datasets.load_from_disk(str(prep.path("dataset")))
-    assert facts["num_samples"] == {"train": len(ds["train"]), "eval": len(ds["eval"])}
+    assert facts.num_samples == {"train": len(ds["train"]), "eval": len(ds["eval"])}
     for split in ("train", "eval"):
         hs = eagle3.open_hidden_states(exp, split)
         assert hs.layer_ids == (1, 2, 3) and len(hs) == len(ds[split])
@@ -378,7 +378,7 @@ def test_stage_through_cli(tmp_path, tiny_llama_dir, chats):
 
 
 def _prepared(compose, tmp_path, target, chats, name, *extra):
-    from eagle3.cli import run
+    from eagle3.runner import run
 
     cfg = compose("stage=prepare", f"target.path={target}", f"data.path={chats}", f"workspace={tmp_path}",
                   f"experiment={name}", "logger=jsonl", "prepare.draft_vocab_size=64", "progress=false", *extra)
@@ -389,7 +389,7 @@ def _prepared(compose, tmp_path, target, chats, name, *extra):
 def test_scale_out_parts_complete_the_store(tmp_path, compose, tiny_llama_dir, chats):
     """Two processes (num_shards=2) write one store; only the second to finish records it, and the
     shards are byte-identical to a single-process run's."""
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.manifest import Manifest
 
     base = ["extract.backend=hf", "extract.samples_per_shard=4", "progress=false"]
@@ -416,7 +416,7 @@ def test_full_disk_fails_the_stage_cleanly(tmp_path, compose, tiny_llama_dir, ch
     import errno
 
     import eagle3.extract.writer as writer_mod
-    from eagle3.cli import run
+    from eagle3.runner import run
     from eagle3.manifest import Manifest
     from eagle3.store import StoreWriteError
 

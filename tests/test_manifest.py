@@ -3,22 +3,31 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from dataclasses import dataclass
 
 import pytest
 
+from eagle3.contracts import Facts
 from eagle3.manifest import Manifest, ManifestError
+
+
+@dataclass
+class Sized(Facts):
+    """Facts of the test's stage runs (any Facts subclass serialises the same way)."""
+
+    n: int
 
 TARGET = {"path": "/models/a", "hash": "a" * 64, "tokenizer_hash": "t" * 64}
 
 
 def _run(m: Manifest, stage: str, config: dict, inputs=None, target=TARGET, fail=False, payload=b"x"):
     job = m.start(stage, config=config, target=target, inputs=inputs or {})
-    if job.done:
+    if job.claim() is not None:
         return job, False
     with job:
         (job.out_dir / "out.bin").write_bytes(payload)
         job.add_output(job.out_dir / "out.bin")
-        job.facts["n"] = len(payload)
+        job.facts = Sized(n=len(payload))
         if fail:
             raise RuntimeError("boom")
     return job, True
@@ -29,7 +38,7 @@ def test_complete_record_has_contract_fields(tmp_path):
     job, ran = _run(m, "prepare", {"a": 1})
     assert ran
     data = json.loads(m.path.read_text())
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     rec = data["stages"]["prepare"]["runs"][job.config_hash]
     assert rec["status"] == "complete" and rec["target"] == TARGET
     assert rec["facts"] == {"n": 1} and rec["started"] and rec["ended"]
@@ -107,7 +116,8 @@ def test_concurrent_identical_run_is_refused_without_wait(tmp_path, monkeypatch)
     with job:
         other = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET)
         with pytest.raises(ManifestError, match="another process is running"):
-            other.done
+            other.claim()
+        job.facts = Sized(n=0)
 
 
 def _slow_job(exp_dir, log_path):
@@ -115,13 +125,14 @@ def _slow_job(exp_dir, log_path):
 
     m = Manifest(exp_dir)
     job = m.start("prepare", config={"a": 1}, target=TARGET)
-    if job.done:
+    if job.claim() is not None:
         open(log_path, "a").write("skipped\n")
         return
     with job:
         time.sleep(1.0)
         (job.out_dir / "out.bin").write_bytes(b"x")
         job.add_output(job.out_dir / "out.bin")
+        job.facts = Sized(n=1)
     open(log_path, "a").write("ran\n")
 
 
@@ -160,3 +171,47 @@ def test_foreign_schema_version_is_refused(tmp_path):
     (exp / "manifest.json").write_text(json.dumps({"schema_version": 99, "stages": {}}))
     with pytest.raises(ManifestError, match="schema_version 99"):
         Manifest(exp).read()
+
+
+def test_stage_without_facts_is_recorded_failed(tmp_path):
+    """A stage that forgets its facts is a bug: the run is never marked complete."""
+    m = Manifest(tmp_path / "exp")
+    job = m.start("prepare", config={"a": 1}, target=TARGET)
+    with pytest.raises(RuntimeError, match="without recording its facts"):
+        with job:
+            pass
+    assert m.read()["stages"]["prepare"]["runs"][job.config_hash]["status"] == "failed"
+    assert m.current("prepare") is None
+
+
+def test_version_1_manifest_is_read_and_upgraded(tmp_path):
+    """A manifest written by eagle3 before the typed contracts (schema 1: the train metrics as flat
+    lists, the draft's file names among the facts) is read, its runs stay current, and the next
+    update writes schema 2."""
+    from eagle3.contracts import TrainFacts
+
+    exp = tmp_path / "exp"
+    (exp / "train" / "abc").mkdir(parents=True)
+    (exp / "train" / "abc" / "draft.safetensors").write_bytes(b"w")
+    v1_train = {"steps": 12, "ttt_steps": 2, "layer_ids": [1, 2, 3], "draft_vocab_size": 200,
+                "draft_file": "draft.safetensors", "metrics_file": "metrics.jsonl",
+                "train_loss": 3.5, "train_loss_per_step": [2.0, 1.875], "train_acc_per_step": [0.25, 0.125],
+                "train_accept_len": [1.25, 1.28125],
+                "eval_loss": 3.25, "eval_loss_per_step": [1.75, 1.875], "eval_acc_per_step": [0.5, 0.25],
+                "eval_cond_acc_per_step": [0.5, 0.5], "eval_accept_len": [1.5, 1.75]}
+    run = {"status": "complete", "config_hash": "abc" * 21 + "a", "config": {}, "upstream": {}, "target": TARGET,
+           "out_dir": "train/abc", "facts": v1_train, "started": "2026-11-01T00:00:00+00:00",
+           "ended": "2026-11-01T00:01:00+00:00",
+           "outputs": {"train/abc/draft.safetensors": {"size": 1, "sha256": "0" * 64}}}
+    (exp / "manifest.json").write_text(json.dumps({"schema_version": 1, "experiment": "exp", "stages": {
+        "train": {"current": run["config_hash"], "latest": run["config_hash"], "runs": {run["config_hash"]: run}}}}))
+    m = Manifest(exp)
+    facts = m.current("train").facts
+    assert isinstance(facts, TrainFacts) and facts.steps == 12 and facts.layer_ids == [1, 2, 3]
+    assert facts.eval.loss == 3.25 and facts.eval.acc_per_step == [0.5, 0.25] and facts.eval.accept_len == [1.5, 1.75]
+    assert facts.train.loss == 3.5 and facts.train.loss_per_step == [2.0, 1.875]
+    assert facts.final is facts.eval
+    m.update(lambda d: None)
+    data = json.loads((exp / "manifest.json").read_text())
+    assert data["schema_version"] == 2
+    assert data["stages"]["train"]["runs"][run["config_hash"]]["facts"]["eval"]["loss"] == 3.25

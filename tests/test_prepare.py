@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import chat_records, write_jsonl
-from eagle3.cli import run
+from eagle3.runner import run
 from eagle3.data.vocab import build_vocab_mapping
 from eagle3.manifest import Manifest
 
@@ -47,8 +47,8 @@ def test_jsonl_messages_mask_and_outputs(compose, tiny_llama_dir, workspace, tmp
     assert masked.count("<|im_end|>") == 2  # two assistant turns, each with its end-of-turn token
     assert "<|im_start|>" not in masked and "user" not in masked
     facts = rec.facts
-    assert facts["num_train"] + facts["num_eval"] == 60 and facts["num_eval"] >= 1
-    assert facts["draft_vocab_size"] == 64 and facts["tokenizer_hash"]
+    assert facts.num_train + facts.num_eval == 60 and facts.num_eval >= 1
+    assert facts.draft_vocab_size == 64 and facts.tokenizer_hash
     d2t, t2d = _vocab(rec)
     kept = np.arange(64) + d2t
     assert np.all(np.diff(kept) > 0) and t2d.sum() == 64 and np.all(t2d[kept])
@@ -77,7 +77,7 @@ def test_sharegpt_hf_disk_parquet_and_weights(compose, tiny_llama_dir, workspace
                f" {{path: {tmp_path / 'p.parquet'}}}]")
     _, rec = _prepare(compose, tiny_llama_dir, workspace, sources, "prepare.dedup=true")
     # 10 ShareGPT x 2 (upsampled copies survive: dedup runs before weighting) + 5 + 10
-    assert rec.facts["num_train"] + rec.facts["num_eval"] == 35
+    assert rec.facts.num_train + rec.facts.num_eval == 35
 
 
 def test_dedup_system_prompt_truncation_and_drops(compose, tiny_llama_dir, workspace, tmp_path):
@@ -87,7 +87,7 @@ def test_dedup_system_prompt_truncation_and_drops(compose, tiny_llama_dir, works
     data = write_jsonl(tmp_path / "c.jsonl", recs)
     _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.system_prompt=Be brief.",
                       "prepare.max_length=120")
-    assert rec.facts["dropped"] == {"duplicate": 5, "no_trainable_tokens": 1}
+    assert rec.facts.dropped == {"duplicate": 5, "no_trainable_tokens": 1}
     stats = json.loads(rec.path("stats.json").read_text())
     assert stats["truncated"] > 0
     ds = _load(rec)
@@ -138,7 +138,7 @@ def test_skip_bad_records_counts_them(compose, tiny_llama_dir, workspace, tmp_pa
     lines.insert(4, json.dumps({"messages": [{"role": "wizard", "content": "x"}]}))
     data.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe bad bytes\n")
     _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.on_bad_record=skip")
-    assert rec.facts["bad_records"] == 3 and rec.facts["num_train"] + rec.facts["num_eval"] == 6
+    assert rec.facts.bad_records == 3 and rec.facts.num_train + rec.facts.num_eval == 6
 
 
 @pytest.mark.parametrize("record,fragment", [

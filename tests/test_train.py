@@ -334,10 +334,10 @@ def test_tiny_draft_overfits_tiny_store(store_dir, target_dir, tmp_path):
     tcfg = TrainConfig(ttt_steps=2, max_steps=400, lr=5e-3, warmup_steps=10, batch_size=2, max_seq_len=128,
                        log_every=50, eval_every=400, save_every=400)
     result = train(tcfg, inputs, tmp_path, progress=False)
-    acc0 = result["eval"]["eval/acc_step_0"]
-    assert acc0 > 0.95, result["eval"]
+    acc0 = result.eval.acc_per_step[0]
+    assert acc0 > 0.95, result.eval
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert result["train"]["train/loss"] < first["train/loss"]
+    assert result.train.loss < first["train/loss"]
     assert (tmp_path / "draft.safetensors").exists() and (tmp_path / "draft_vllm_config.json").exists()
 
 
@@ -573,3 +573,23 @@ def test_accelerate_launch_trains_the_one_process_model(tmp_path):
     assert row["resumed_steps_logged"] == 4 and row["resumed_draft_max_abs_diff"] < 1e-5
     log = (tmp_path / "runs" / "launch.log").read_text()
     assert "accelerate.commands.launch --num_processes 2" in log and "--multi_gpu" in log
+
+
+def test_step_metrics_log_under_the_keys_dashboards_read():
+    """StepMetrics.to_log (eagle3.contracts) writes the flat keys metrics.jsonl and wandb have always had (notebooks
+    and dashboards read them), with the values of the summed statistics."""
+    from eagle3.train.metrics import step_metrics
+
+    names = ("ce_sum", "scored", "counted", "correct", "cond_correct", "cond_total")
+    assert STAT_NAMES == names
+    stats = torch.tensor([[8.0, 4, 5, 2, 2, 4], [9.0, 3, 4, 3, 1, 2], [0.0, 0, 3, 0, 0, 0]], dtype=torch.float64)
+    m = step_metrics(stats, decay=0.5)
+    assert m.loss == pytest.approx(8 / 5 + 0.5 * 9 / 4 + 0.25 * 0 / 3)
+    log = m.to_log("eval")
+    assert set(log) == {"eval/loss", "eval/scored_positions", *(f"eval/{k}_step_{j}" for k in ("loss", "acc", "cond_acc")
+                                                                for j in range(3)), "eval/accept_len_k1",
+                        "eval/accept_len_k2", "eval/accept_len_k3"}
+    assert log["eval/loss_step_0"] == 2.0 and log["eval/acc_step_1"] == 1.0 and np.isnan(log["eval/acc_step_2"])
+    assert log["eval/cond_acc_step_1"] == 0.5 and log["eval/cond_acc_step_2"] == 0.0
+    assert [log[f"eval/accept_len_k{k}"] for k in (1, 2, 3)] == pytest.approx([1.5, 1.75, 1.75])
+    assert log["eval/scored_positions"] == 4.0 and log["eval/loss"] == m.loss

@@ -5,7 +5,8 @@ import json
 
 import torch
 
-from eagle3.cli import run
+from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, VLLM_CONFIG_FILE
+from eagle3.runner import run
 from eagle3.config import (Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig,
                            TrainConfig)
 from eagle3.manifest import Manifest
@@ -28,18 +29,18 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     rec = manifest.current("train")
     assert rec.status == "complete"
     f = rec.facts
-    assert f["steps"] == 12 and f["layer_ids"] == [1, 2, 3] and f["draft_vocab_size"] == 200
-    assert len(f["eval_acc_per_step"]) == 3 and len(f["eval_accept_len"]) == 3 and len(f["train_loss_per_step"]) == 3
-    assert 1.0 <= f["eval_accept_len"][0] <= f["eval_accept_len"][-1] <= 4.0
+    assert f.steps == 12 and f.layer_ids == [1, 2, 3] and f.draft_vocab_size == 200
+    assert len(f.eval.acc_per_step) == 3 and len(f.eval.accept_len) == 3 and len(f.train.loss_per_step) == 3
+    assert 1.0 <= f.eval.accept_len[0] <= f.eval.accept_len[-1] <= 4.0
 
     # the draft: vLLM names, loads strictly into the model its config describes, vocab from prepare
-    dcfg = Eagle3DraftConfig.from_dict(json.loads(rec.path(f["draft_config_file"]).read_text()))
-    tensors = load_file(str(rec.path(f["draft_file"])))
+    dcfg = Eagle3DraftConfig.from_dict(json.loads(rec.path(DRAFT_CONFIG_FILE).read_text()))
+    tensors = load_file(str(rec.path(DRAFT_FILE)))
     draft = Eagle3Draft(dcfg)
     draft.load_state_dict(tensors, strict=True)
     prep_vocab = load_file(str(manifest.current("prepare").path("vocab.safetensors")))
     assert torch.equal(tensors["d2t"], prep_vocab["d2t"]) and torch.equal(tensors["t2d"], prep_vocab["t2d"])
-    vllm_cfg = json.loads(rec.path(f["vllm_config_file"]).read_text())
+    vllm_cfg = json.loads(rec.path(VLLM_CONFIG_FILE).read_text())
     assert vllm_cfg["architectures"] == ["LlamaForCausalLMEagle3"] and vllm_cfg["num_aux_hidden_states"] == 3
 
     lines = [json.loads(x) for x in rec.path("metrics.jsonl").read_text().splitlines()]
@@ -47,7 +48,19 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     assert [r["step"] for r in lines if "eval/loss" in r] == [6, 12]
     assert all(r["lr"] > 0 and r["tokens_per_s"] > 0 for r in lines if "train/loss" in r)
     assert sorted(p.name for p in (rec.out_dir / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
-    assert list((tmp_path / "wandb").rglob("*.wandb"))  # an offline wandb run was written
+    # one wandb run per stage job; the train job's holds the curve (the same numbers as
+    # metrics.jsonl, at the same steps) and, last, its facts
+    from eagle3.tracking import read_offline_run
+
+    runs = [read_offline_run(p.parent) for p in (tmp_path / "wandb").rglob("run-*.wandb")]
+    assert sorted(r["job_type"] for r in runs) == ["extract", "prepare", "train"]
+    (train_run,) = [r for r in runs if r["job_type"] == "train"]
+    curve = [row for row in train_run["history"] if "train/loss" in row and "lr" in row]
+    assert [row["_step"] for row in curve] == [4, 8, 12]
+    assert [row["train/loss"] for row in curve] == [r["train/loss"] for r in lines if "train/loss" in r]
+    assert [row["_step"] for row in train_run["history"] if "eval/loss" in row] == [6, 12]
+    assert train_run["history"][-1]["train/steps"] == 12
+    assert train_run["config"]["config_hash"] == rec.config_hash
 
     capsys.readouterr()
     run(cfg)  # same config: nothing to do

@@ -45,7 +45,9 @@ def held_out_prompts(ecfg, prep, target_path) -> list:
     stage's eval split."""
     if ecfg.prompts:
         return file_prompts(ecfg.prompts, ecfg.eval_prompts, target_path)
-    return eval_prompts(prep.path("dataset"), ecfg.eval_prompts)
+    from ..artifacts import DATASET_DIR
+
+    return eval_prompts(prep.path(DATASET_DIR), ecfg.eval_prompts)
 
 
 def prompts_identity(ecfg):

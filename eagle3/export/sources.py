@@ -31,9 +31,11 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
 
     from ..data.vocab import load_vocab
 
+    from ..artifacts import VOCAB_FILE
+
     facts = train_rec.facts
-    weights = train_rec.path(facts.get("draft_file", DRAFT_FILE))
-    conf = train_rec.path(facts.get("draft_config_file", DRAFT_CONFIG_FILE))
+    weights = train_rec.path(DRAFT_FILE)
+    conf = train_rec.path(DRAFT_CONFIG_FILE)
     if not weights.is_file() or not conf.is_file():
         raise ExportError(f"the train run {train_rec.config_hash[:12]} has no {weights.name} + {conf.name} in "
                           f"{train_rec.out_dir}; re-run `python -m eagle3 stage=train`")
@@ -42,8 +44,8 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     own_d2t, own_t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     embed = tensors.pop("embed_tokens.weight", None)
 
-    layer_ids = [int(i) for i in extract_rec.facts["layer_ids"]]
-    H = int(extract_rec.facts.get("hidden_size", target.hidden_size))
+    layer_ids = [int(i) for i in extract_rec.facts.layer_ids]
+    H = int(extract_rec.facts.hidden_size)
     fc = tensors.get("fc.weight")
     if fc is not None and fc.shape[1] != len(layer_ids) * H:
         raise ExportError(f"the trained draft's fc takes {fc.shape[1]} inputs = {fc.shape[1] / H:g} aux states of "
@@ -56,10 +58,10 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     if H != target.hidden_size or cfg.target_hidden_size != target.hidden_size:
         raise ExportError(f"the draft fuses states of width {cfg.target_hidden_size}, the target {target.path} "
                           f"has hidden size {target.hidden_size}")
-    if prepare_rec.facts.get("tokenizer_hash") not in (None, target.tokenizer_hash):
+    if prepare_rec.facts.tokenizer_hash not in (None, target.tokenizer_hash):
         raise ExportError(f"the prepare run {prepare_rec.config_hash[:12]} used another tokenizer than the target "
                           f"{target.path}; re-run the pipeline for this target")
-    d2t, t2d = load_vocab(prepare_rec.path("vocab.safetensors"))
+    d2t, t2d = load_vocab(prepare_rec.path(VOCAB_FILE))
     if cfg.draft_vocab_size != d2t.numel() or cfg.vocab_size != t2d.numel():
         raise ExportError(f"the trained draft has vocab {cfg.draft_vocab_size}/{cfg.vocab_size} (draft/target), the "
                           f"prepare run's mapping {d2t.numel()}/{t2d.numel()}; re-run `python -m eagle3 stage=train`")
@@ -69,9 +71,9 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     if own_t2d is not None and not torch.equal(own_t2d.bool(), t2d.bool()):
         raise ExportError("the trained draft's t2d differs from the prepare run's vocabulary mapping")
     source = {"kind": "train", "train_run": train_rec.config_hash[:12], "extract_run": extract_rec.config_hash[:12],
-              "prepare_run": prepare_rec.config_hash[:12], "train_steps": facts.get("steps"),
+              "prepare_run": prepare_rec.config_hash[:12], "train_steps": facts.steps,
               # the train stage's own estimate, from its held-out TTT accuracies (k = 1, 2, ...)
-              "train_expected_acceptance_length": facts.get("eval_accept_len") or facts.get("train_accept_len")}
+              "train_expected_acceptance_length": list(facts.final.accept_len) if facts.final else None}
     for name in MAPPING_NAMES:
         tensors.pop(name, None)
     return DraftCheckpoint(cfg, tensors, d2t.long(), t2d.bool(), embed, source).validate()
@@ -86,8 +88,9 @@ def directory_identity(path) -> str:
     return hash_files([f for f in p.rglob("*") if f.is_file()], p)
 
 
-def load_source(cfg, manifest, target, needs_prompts: bool):
-    """(DraftCheckpoint, inputs for the manifest, prepare record or None, identity of export.from)."""
+def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export"):
+    """(DraftCheckpoint, inputs for the manifest, prepare record or None, identity of export.from),
+    for ``stage`` (export or eval: both consume what export does)."""
     from .importers import import_draft
 
     ecfg = cfg.export
@@ -95,13 +98,11 @@ def load_source(cfg, manifest, target, needs_prompts: bool):
         from_id = directory_identity(ecfg.from_)
         ckpt = import_draft(ecfg.from_, target.config, ecfg.from_layer_convention)
         needs_prompts = needs_prompts and not ecfg.prompts
-        prep = manifest.consume("prepare", by="export", target_hash=target.hash) if needs_prompts else None
-        return ckpt, ({"prepare": prep} if prep else {}), prep, from_id
-    prep = manifest.consume("prepare", by="export", target_hash=target.hash)
-    ext = manifest.consume("extract", by="export", target_hash=target.hash)
-    train = manifest.consume("train", by="export", target_hash=target.hash)
-    ckpt = trained_draft(train, ext, prep, target)
-    return ckpt, {"prepare": prep, "extract": ext, "train": train}, prep, None
+        inputs = manifest.consume_upstream(stage, target.hash, only=("prepare",) if needs_prompts else ())
+        return ckpt, inputs, inputs.get("prepare"), from_id
+    inputs = manifest.consume_upstream(stage, target.hash)
+    ckpt = trained_draft(inputs["train"], inputs["extract"], inputs["prepare"], target)
+    return ckpt, inputs, inputs["prepare"], None
 
 
 def check_embedding(ckpt, target, include: bool) -> None:

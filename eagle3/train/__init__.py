@@ -1,1 +1,12 @@
-"""The train stage's library: TTT attention, target head, loss, data, loop and metrics."""
+"""The train stage's library (the stage itself is stages/train.py).
+
+- attention.py: the TTT attention (prefix + diagonals), its masks and backends (flex, sdpa)
+- ttt.py: TTTModel, the draft unrolled over its own predictions, with the loss and statistics
+- loss.py: soft cross-entropy against the target's distribution
+- target_head.py: the frozen target head (targets, embeddings) and a batch -> TTTModel's inputs
+- data.py: epoch plans, packing, collation, and which rows each process takes at each step
+- optim.py: fused AdamW, the LR schedule, gradient clipping folded into the AdamW kernel
+- metrics.py: StepMetrics (loss, accuracy, acceptance per TTT step), FLOPs/MFU, metrics.jsonl
+- checkpoint.py: resumable checkpoints and the loop state they carry
+- loop.py: train(), the Accelerate loop that ties them together, and the draft it writes
+"""

@@ -5,7 +5,8 @@ in a seeded random order, packed greedily into rows of at most ``max_len`` token
 per row without packing). A global optimizer step takes the next ``G = batch_size * grad_accum *
 world_size`` rows; rank r's accumulation micro-batch a is rows ``[(a*W + r)*B, +B)`` of them. So
 the global batch of a step does not depend on how it is split over processes, and the data
-position of a resumed run is just the step number.
+position of a resumed run is just the step number (``Epochs`` maps it to an epoch and a step
+within it, epoch after epoch).
 """
 from __future__ import annotations
 
@@ -55,6 +56,56 @@ def plan_epoch(lengths: Sequence[int], max_len: int, seed: int, epoch: int, pack
 
 def steps_per_epoch(plan: EpochPlan, batch_size: int, grad_accum: int, world_size: int) -> int:
     return len(plan.rows) // (batch_size * grad_accum * world_size)
+
+
+class Epochs:
+    """The run's epoch plans, each made when first needed (from the sample lengths alone): which
+    epoch and step within it a global optimizer step is, and the micro-batches from any step on."""
+
+    def __init__(self, lengths: Sequence[int], tcfg, world_size: int):
+        self.lengths, self.tcfg, self.world = lengths, tcfg, world_size
+        self.plans, self.starts = [], [0]  # starts[e]: the global step epoch e begins at
+
+    def plan(self, epoch: int) -> EpochPlan:
+        while len(self.plans) <= epoch:
+            e = len(self.plans)
+            p = plan_epoch(self.lengths, self.tcfg.max_seq_len, self.tcfg.seed, e, self.tcfg.packing)
+            n = steps_per_epoch(p, self.tcfg.batch_size, self.tcfg.grad_accum, self.world)
+            if n == 0:
+                raise ValueError(f"the training split has {len(p.rows)} rows of up to {self.tcfg.max_seq_len} tokens, "
+                                 f"fewer than one global batch (batch_size {self.tcfg.batch_size} x grad_accum "
+                                 f"{self.tcfg.grad_accum} x {self.world} processes): lower train.batch_size or "
+                                 f"train.grad_accum, or extract more samples")
+            self.plans.append(p)
+            self.starts.append(self.starts[-1] + n)
+        return self.plans[epoch]
+
+    def total_steps(self) -> int:
+        if self.tcfg.max_steps > 0:
+            return self.tcfg.max_steps
+        self.plan(self.tcfg.epochs - 1)
+        return self.starts[self.tcfg.epochs]
+
+    def locate(self, step: int) -> tuple:
+        """(epoch, step within that epoch) of a global step."""
+        e = 0
+        while True:
+            self.plan(e)
+            if step < self.starts[e + 1]:
+                return e, step - self.starts[e]
+            e += 1
+
+    def micro_batches(self, start: int, total: int, rank: int) -> List[List[List[int]]]:
+        """Process ``rank``'s micro-batches (rows of sample indices) of steps ``start .. total-1``,
+        ``grad_accum`` per step, in order."""
+        t = self.tcfg
+        rows = []
+        for s in range(start, total):
+            e, k = self.locate(s)
+            plan = self.plan(e)
+            for a in range(t.grad_accum):
+                rows.append(plan.micro_batch(k, a, rank, t.batch_size, t.grad_accum, self.world))
+        return rows
 
 
 def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> dict:

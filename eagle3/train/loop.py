@@ -1,42 +1,41 @@
-"""The training loop: explicit Accelerate loop around the TTT model.
+"""The training loop: ``train()``, an explicit Accelerate loop around the TTT model.
+
+``train()`` reads as setup (accelerator, draft and target head, optimizer and LR schedule, data),
+resume (eagle3/train/checkpoint.py) and a loop whose body calls one helper per concern: an
+optimizer step, logging the metrics window, eval, a checkpoint. At the end it writes the draft
+(``draft.safetensors`` and its configs) and returns the last metrics as a :class:`TrainResult`.
 
 One optimizer step = ``grad_accum`` micro-batches per process (``accelerator.accumulate``), each
 ``batch_size`` rows; the loss of every micro-batch is divided by the number of loss positions of
 the whole global batch (summed over accumulation steps and processes before the first backward),
 so one process and N processes train the same model on the same global batch.
 
-Checkpoints (``accelerator.save_state``: model, optimizer, RNG; plus the LR scheduler and the
-loop state: step and the open metrics window) go to ``<out>/checkpoints/step-XXXXXXXX`` and count
-only once their ``COMPLETE`` marker exists; the data position of a step is a pure function of the
-step number (eagle3/train/data.py), so a resumed run sees exactly the batches an uninterrupted one
-would have.
+What the step computes is elsewhere: the TTT forward and loss (ttt.py), the targets
+(target_head.py), the batches and their order (data.py), clipping and the schedule (optim.py).
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
-import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..artifacts import (CHECKPOINT_COMPLETE, CHECKPOINTS_DIR, DRAFT_CONFIG_FILE, DRAFT_FILE,  # noqa: F401
-                         METRICS_FILE, VLLM_CONFIG_FILE)
+from ..atomic import atomic_write_bytes, atomic_write_text
+from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
-from .data import MicroBatches, plan_epoch, steps_per_epoch, to_device
-from .metrics import JsonlLogger, peak_flops, step_summary, ttt_flops_per_token
-from .optim import clip_gradients
-from .step import model_inputs
-from .target_head import TargetHead
-from .ttt import STAT_NAMES, TTTModel, loss_denominators
+from .attention import resolve_backend
+from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
+from .data import Epochs, MicroBatches, plan_epoch, to_device
+from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
+from .optim import adamw, clip_gradients, lr_schedule
+from .target_head import TargetHead, model_inputs
+from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
 log = logging.getLogger("eagle3.train")
-
-CKPT_DIR, COMPLETE = CHECKPOINTS_DIR, CHECKPOINT_COMPLETE
 
 
 @dataclass
@@ -50,94 +49,98 @@ class TrainInputs:
     draft_config: Eagle3DraftConfig
 
 
-class LoopState:
-    """What the loop itself must carry across a resume (registered for checkpointing)."""
-
-    def __init__(self, num_steps: int):
-        self.step = 0
-        self.window = torch.zeros(num_steps, len(STAT_NAMES), dtype=torch.float64)  # global sums since last log
-        self.window_tokens = 0
-
-    def state_dict(self):
-        return {"step": self.step, "window": self.window.tolist(), "window_tokens": self.window_tokens}
-
-    def load_state_dict(self, d):
-        self.step = int(d["step"])
-        self.window = torch.tensor(d["window"], dtype=torch.float64)
-        self.window_tokens = int(d["window_tokens"])
+@dataclass
+class TrainResult:
+    steps: int
+    train: Optional[StepMetrics]  # the last logged window; None if the run resumed at its last step
+    eval: Optional[StepMetrics]  # the last eval; None without an eval split (or resumed at its last step)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[dict, int], None]] = None,
+          progress: bool = True) -> TrainResult:
+    """Train the draft; returns the last metrics, which the stage records as facts.
 
-
-def _checkpoints(out_dir: Path) -> list:
-    d = out_dir / CKPT_DIR
-    if not d.exists():
-        return []
-    return sorted(p for p in d.glob("step-*") if (p / COMPLETE).exists())
-
-
-class Schedule:
-    """Global step -> (epoch, step within epoch); epochs' plans made on demand (lengths only)."""
-
-    def __init__(self, lengths, tcfg, world: int):
-        self.lengths, self.tcfg, self.world = lengths, tcfg, world
-        self.plans, self.starts = [], [0]
-
-    def plan(self, epoch: int):
-        while len(self.plans) <= epoch:
-            e = len(self.plans)
-            p = plan_epoch(self.lengths, self.tcfg.max_seq_len, self.tcfg.seed, e, self.tcfg.packing)
-            n = steps_per_epoch(p, self.tcfg.batch_size, self.tcfg.grad_accum, self.world)
-            if n == 0:
-                raise ValueError(f"the training split has {len(p.rows)} rows of up to {self.tcfg.max_seq_len} tokens, "
-                                 f"fewer than one global batch (batch_size {self.tcfg.batch_size} x grad_accum "
-                                 f"{self.tcfg.grad_accum} x {self.world} processes): lower train.batch_size or "
-                                 f"train.grad_accum, or extract more samples")
-            self.plans.append(p)
-            self.starts.append(self.starts[-1] + n)
-        return self.plans[epoch]
-
-    def total_steps(self) -> int:
-        if self.tcfg.max_steps > 0:
-            return self.tcfg.max_steps
-        self.plan(self.tcfg.epochs - 1)
-        return self.starts[self.tcfg.epochs]
-
-    def locate(self, step: int) -> tuple:
-        e = 0
-        while True:
-            self.plan(e)
-            if step < self.starts[e + 1]:
-                return e, step - self.starts[e]
-            e += 1
-
-
-def _micro_batch_rows(schedule: Schedule, start: int, total: int, rank: int, tcfg, world: int) -> list:
-    rows = []
-    for s in range(start, total):
-        e, k = schedule.locate(s)
-        plan = schedule.plan(e)
-        for a in range(tcfg.grad_accum):
-            rows.append(plan.micro_batch(k, a, rank, tcfg.batch_size, tcfg.grad_accum, world))
-    return rows
-
-
-def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = None, progress: bool = True) -> dict:
-    """Train the draft; returns the summary recorded as the stage's facts.
-
-    ``tracker``: {'project': ..., 'init_kwargs': {...}} for Accelerate's wandb tracker, or None."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+    ``log_fn(numbers, step)``: where the main process sends every logged window and eval besides
+    metrics.jsonl (the stage job's wandb run: ``StageJob.log``), or None."""
+    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
+    accelerator, mp = _accelerator(tcfg, out_dir)
+    device, W, S = accelerator.device, accelerator.num_processes, tcfg.ttt_steps
+    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
+    set_seed(tcfg.seed)
+    # the target head in the compute dtype, but as read on a CPU without mixed precision (bf16 on
+    # CPU too when asked for: the full-vocabulary target head is a third of a CPU step in float32)
+    head_dtype = dtype if torch.cuda.is_available() or mp == "bf16" else None
+    draft, head, vocab_mapping = _draft_and_head(tcfg, inputs, device, head_dtype)
+    compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
+    model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
+    head.compile = compile_
+    optimizer = adamw(model.parameters(), tcfg, device)
+    epochs = Epochs(inputs.train_store.lengths, tcfg, W)
+    total = epochs.total_steps()
+    scheduler = lr_schedule(optimizer, tcfg, total)
+    check_fsdp_wrapping(accelerator)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = LoopState(S)
+    accelerator.register_for_checkpointing(scheduler, state)
+
+    metrics = JsonlLogger(out_dir / METRICS_FILE)
+    resumed = load_latest_checkpoint(accelerator, state, out_dir)
+    if resumed:
+        log.info("train: resumed from %s (step %d of %d)", resumed.name, state.step, total)
+    if accelerator.is_main_process:
+        if resumed:
+            metrics.truncate_after(state.step)
+        else:  # a fresh run: old lines belong to an abandoned attempt
+            metrics.path.unlink(missing_ok=True)
+
+    pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
+    loader = torch.utils.data.DataLoader(
+        MicroBatches(inputs.train_store, epochs.micro_batches(state.step, total, accelerator.process_index),
+                     tcfg.max_seq_len, pad),
+        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=device.type == "cuda")
+    batches = iter(loader)
+    flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
+    window = Window(state, device)
+    last_train = last_eval = None
+    bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
+    while state.step < total:
+        micro = [next(batches) for _ in range(tcfg.grad_accum)]
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+        grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
+        scheduler.step()
+        state.step += 1
+        bar.update(1)
+        step = state.step
+        if step % tcfg.log_every == 0 or step == total:
+            last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token, step=step,
+                                     epoch=epochs.locate(step - 1)[0], lr=lr, grad_norm=float(grad_norm))
+            bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
+        if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
+            last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
+            _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
+        if step % tcfg.save_every == 0 or step == total:
+            _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+    bar.close()
+
+    accelerator.wait_for_everyone()
+    full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
+    if accelerator.is_main_process:
+        _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, inputs.draft_config,
+                     out_dir)
+    accelerator.end_training()
+    return TrainResult(steps=total, train=last_train, eval=last_eval)
+
+
+# -- setup ---------------------------------------------------------------------------------------
+
+def _accelerator(tcfg, out_dir: Path):
+    """(Accelerator, its mixed-precision mode): train.mixed_precision, ``auto`` = bf16 on CUDA."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
     use_cuda = torch.cuda.is_available()
     mp = tcfg.mixed_precision if tcfg.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
     if not use_cuda:
@@ -145,15 +148,15 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
 
         warn_if_slow_bf16(mp)
     accelerator = Accelerator(mixed_precision=mp, gradient_accumulation_steps=tcfg.grad_accum,
-                              log_with="wandb" if tracker else None, project_dir=str(out_dir),
+                              project_dir=str(out_dir),
                               kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-    device, W, rank = accelerator.device, accelerator.num_processes, accelerator.process_index
-    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
-    S = tcfg.ttt_steps
-    set_seed(tcfg.seed)
+    return accelerator, mp
 
-    draft_cfg = inputs.draft_config
-    draft = Eagle3Draft(draft_cfg)
+
+def _draft_and_head(tcfg, inputs: TrainInputs, device, head_dtype: Optional[torch.dtype]):
+    """(draft, target head on ``device`` in ``head_dtype`` (None: as given), the draft's vocabulary
+    mapping). The draft's lm_head starts as the target's kept rows if train.model.lm_head_init=target."""
+    draft = Eagle3Draft(inputs.draft_config)
     draft.set_vocab_mapping(inputs.d2t, inputs.t2d)
     # The vocabulary mapping is an input, not trained state: kept out of the state dict that the
     # loop shards, checkpoints and gathers (Accelerate's FSDP2 loading takes every state-dict entry
@@ -166,113 +169,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, tracker: Optional[dict] = No
     if tcfg.model.lm_head_init == "target":
         with torch.no_grad():
             draft.lm_head.weight.copy_(head.kept_lm_head().float())
-    # bf16 on CPU too when asked for: the full-vocabulary target head is a third of a CPU step in float32
-    head = head.to(device=device, dtype=dtype if use_cuda or mp == "bf16" else head.embed_weight.dtype)
-    compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
-    model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
-    head.compile = compile_
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas),
-                                  weight_decay=tcfg.weight_decay, fused=device.type in ("cuda", "cpu"))
-    schedule = Schedule(inputs.train_store.lengths, tcfg, W)
-    total = schedule.total_steps()
-    # the scheduler is stepped by hand once per optimizer step (Accelerate's prepared scheduler
-    # would step once per process and so run N times faster with N processes)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg.warmup_steps, total, tcfg.min_lr_ratio))
-    check_fsdp_wrapping(accelerator)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state = LoopState(S)
-    accelerator.register_for_checkpointing(scheduler, state)
-
-    metrics = JsonlLogger(out_dir / METRICS_FILE)
-    ckpts = _checkpoints(out_dir)
-    if ckpts:
-        accelerator.load_state(str(ckpts[-1]))
-        if not accelerator.is_main_process:  # the saved window holds the global sums: count them once
-            state.window.zero_()
-            state.window_tokens = 0
-        log.info("train: resumed from %s (step %d of %d)", ckpts[-1].name, state.step, total)
-        if accelerator.is_main_process:
-            metrics.truncate_after(state.step)
-    elif accelerator.is_main_process and metrics.path.exists():
-        metrics.path.unlink()  # a fresh run (no checkpoint): old lines belong to an abandoned attempt
-    if tracker:
-        accelerator.init_trackers(tracker["project"], config=tracker.get("config"),
-                                  init_kwargs={"wandb": tracker.get("init_kwargs", {})})
-
-    pad = 128 if model_backend_is_flex(tcfg, device) else 1
-    rows = _micro_batch_rows(schedule, state.step, total, rank, tcfg, W)
-    loader = torch.utils.data.DataLoader(MicroBatches(inputs.train_store, rows, tcfg.max_seq_len, pad),
-                                         batch_size=None, shuffle=False, num_workers=tcfg.num_workers,
-                                         pin_memory=device.type == "cuda")
-    batches = iter(loader)
-    flops_tok = ttt_flops_per_token(draft_cfg, tcfg.max_seq_len, S, draft_cfg.vocab_size)
-    peak = peak_flops(torch.cuda.get_device_name()) if device.type == "cuda" else None
-
-    window = state.window.to(device)
-    window_tokens = torch.tensor(float(state.window_tokens), device=device)
-    last_train, last_eval, grad_norm = {}, {}, torch.zeros((), device=device)
-    t_window = time.perf_counter()
-    bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
-    while state.step < total:
-        micro = [next(batches) for _ in range(tcfg.grad_accum)]
-        micro = [to_device(b, device) for b in micro]
-        den = sum(loss_denominators(b["loss_mask"] * (b["doc_ids"] >= 0), b["doc_ids"], S) for b in micro)
-        den = accelerator.reduce(den, reduction="sum") / (W * tcfg.grad_accum)
-        for b in micro:
-            with accelerator.accumulate(model):
-                mi = model_inputs(head, b, dtype)
-                with accelerator.autocast():
-                    loss, stats = model(**mi, denominators=den)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = clip_gradients(accelerator, model, optimizer, tcfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            window += stats.detach()
-            window_tokens += b["num_tokens"]
-        lr_used = scheduler.get_last_lr()[0]  # the rate this step's update used
-        scheduler.step()
-        state.step += 1
-        bar.update(1)
-        step = state.step
-        if step % tcfg.log_every == 0 or step == total:
-            g_window = accelerator.reduce(window, reduction="sum")
-            g_tokens = float(accelerator.reduce(window_tokens, reduction="sum"))
-            elapsed = time.perf_counter() - t_window
-            record = _metrics_record("train", g_window, S, tcfg.decay)
-            record.update(step=step, epoch=schedule.locate(step - 1)[0], lr=lr_used,
-                          grad_norm=float(grad_norm), tokens=g_tokens, tokens_per_s=g_tokens / max(elapsed, 1e-9))
-            if device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                if peak:
-                    record["mfu"] = flops_tok * record["tokens_per_s"] / (peak * W)
-            last_train = record
-            if accelerator.is_main_process:
-                metrics.log(record)
-            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
-            bar.set_postfix(loss=f"{record['train/loss']:.3f}", acc0=f"{record['train/acc_step_0']:.3f}")
-            window.zero_()
-            window_tokens.zero_()
-            t_window = time.perf_counter()
-        if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
-            last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-            last_eval["step"] = step
-            if accelerator.is_main_process:
-                metrics.log(last_eval)
-            accelerator.log({k: v for k, v in last_eval.items() if isinstance(v, (int, float))}, step=step)
-        if step % tcfg.save_every == 0 or step == total:
-            state.window = accelerator.reduce(window, reduction="sum").cpu()
-            state.window_tokens = int(accelerator.reduce(window_tokens, reduction="sum"))
-            _save(accelerator, out_dir, step, tcfg.keep_last)
-    bar.close()
-
-    accelerator.wait_for_everyone()
-    result = {"steps": total, "train": last_train, "eval": last_eval}
-    full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
-    if accelerator.is_main_process:
-        _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, draft_cfg, out_dir)
-    accelerator.end_training()
-    return result
+    head = head.to(device=device, dtype=head_dtype or head.embed_weight.dtype)
+    return draft, head, vocab_mapping
 
 
 def check_fsdp_wrapping(accelerator) -> None:
@@ -294,37 +192,94 @@ def check_fsdp_wrapping(accelerator) -> None:
                          "NO_WRAP), the TTT forward reads the layer's weights outside the submodules' forward")
 
 
-def model_backend_is_flex(tcfg, device) -> bool:
-    from .attention import resolve_backend
+# -- the loop body's parts -----------------------------------------------------------------------
 
-    return resolve_backend(tcfg.attention, device) == "flex"
+class Window:
+    """This process's TTT statistics and token count since the last logged step, summed on the
+    device (read back only when logged or checkpointed, not every step)."""
+
+    def __init__(self, state: LoopState, device):
+        self.stats = state.window.to(device)
+        self.tokens = torch.tensor(float(state.window_tokens), device=device)
+        self.started = time.perf_counter()
+
+    def add(self, stats: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        self.stats += stats.detach()
+        self.tokens += num_tokens
+
+    def global_sums(self, accelerator):
+        """(statistics summed over all processes, token count likewise as a float)."""
+        return (accelerator.reduce(self.stats, reduction="sum"),
+                float(accelerator.reduce(self.tokens, reduction="sum")))
+
+    def restart(self) -> None:
+        self.stats.zero_()
+        self.tokens.zero_()
+        self.started = time.perf_counter()
 
 
-def _metrics_record(prefix: str, stats: torch.Tensor, S: int, decay: float) -> dict:
-    s = step_summary(stats.cpu(), STAT_NAMES)
-    rows = stats.cpu().tolist()
-    counted = [r[STAT_NAMES.index("counted")] for r in rows]
-    ce = [r[STAT_NAMES.index("ce_sum")] for r in rows]
-    objective = sum(decay ** j * ce[j] / max(counted[j], 1.0) for j in range(S))
-    rec = {f"{prefix}/loss": objective}
-    for j in range(S):
-        rec[f"{prefix}/loss_step_{j}"] = s["loss"][j]
-        rec[f"{prefix}/acc_step_{j}"] = s["acc"][j]
-        rec[f"{prefix}/cond_acc_step_{j}"] = s["cond_acc"][j]
-    for k, v in enumerate(s["accept_len"], start=1):
-        rec[f"{prefix}/accept_len_k{k}"] = v
-    rec[f"{prefix}/scored_positions"] = s["scored"][0]
-    return rec
+def _optimizer_step(accelerator, model, optimizer, head: TargetHead, micro: list, window: Window, tcfg,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """One optimizer step over this process's micro-batches: forward and backward of each, then
+    clip and step on the last; returns the gradient norm before clipping."""
+    micro = [to_device(b, accelerator.device) for b in micro]
+    # the loss positions of the global batch (padding, negative doc ids, has none), known before the
+    # first backward; scaled down by what Accelerate (1/grad_accum per micro-batch) and DDP (mean
+    # over processes) divide the gradients by, so that the step's gradient is the global batch's
+    den = sum(loss_denominators(b["loss_mask"] * (b["doc_ids"] >= 0), b["doc_ids"], tcfg.ttt_steps) for b in micro)
+    den = accelerator.reduce(den, reduction="sum") / (accelerator.num_processes * tcfg.grad_accum)
+    grad_norm = None
+    for b in micro:
+        with accelerator.accumulate(model):
+            mi = model_inputs(head, b, dtype)  # outside autocast: the target head keeps its own dtype
+            with accelerator.autocast():
+                loss, stats = model(**mi, denominators=den)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:  # the step's last micro-batch
+                grad_norm = clip_gradients(accelerator, model, optimizer, tcfg.grad_clip)
+            optimizer.step()  # skipped by Accelerate until then
+            optimizer.zero_grad(set_to_none=True)
+        window.add(stats, b["num_tokens"])
+    return grad_norm
+
+
+def _log(accelerator, sinks: tuple, record: dict) -> None:
+    """One metrics.jsonl line and the same numbers to ``log_fn`` (the main process only);
+    ``sinks`` = (JsonlLogger, log_fn or None)."""
+    metrics, log_fn = sinks
+    if not accelerator.is_main_process:
+        return
+    metrics.log(record)
+    if log_fn is not None:
+        log_fn({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
+
+
+def _log_window(accelerator, sinks: tuple, window: Window, decay: float, flops_per_token: float,
+                **fields) -> StepMetrics:
+    """Logs the window's metrics over all processes, with ``fields`` (step, epoch, lr, grad_norm),
+    its tokens and speed (and on CUDA peak memory and MFU); starts the next window."""
+    stats, tokens = window.global_sums(accelerator)
+    elapsed = time.perf_counter() - window.started
+    result = step_metrics(stats, decay)
+    record = {**result.to_log("train"), **fields, "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
+    device = accelerator.device
+    if device.type == "cuda":
+        record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        peak = peak_flops(torch.cuda.get_device_name())
+        if peak:
+            record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * accelerator.num_processes)
+    _log(accelerator, sinks, record)
+    window.restart()
+    return result
 
 
 @torch.no_grad()
-def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> dict:
+def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
     """Loss/accuracy/acceptance on a held-out split (every row once, shared over processes)."""
     W, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     plan = plan_epoch(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False)
     rows = plan.rows[rank::W]
-    S = tcfg.ttt_steps
-    total = torch.zeros(S, len(STAT_NAMES), dtype=torch.float64, device=device)
+    total = torch.zeros(tcfg.ttt_steps, len(STAT_NAMES), dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     ds = MicroBatches(store, [rows[i:i + tcfg.batch_size] for i in range(0, len(rows), tcfg.batch_size)],
@@ -336,28 +291,21 @@ def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> dict:
             _, stats = model(**mi)
         total += stats
     model.train(was_training)
-    return _metrics_record("eval", accelerator.reduce(total, reduction="sum"), S, tcfg.decay)
+    return step_metrics(accelerator.reduce(total, reduction="sum"), tcfg.decay)
 
 
-def _save(accelerator, out_dir: Path, step: int, keep_last: int) -> None:
-    ckpt_root = out_dir / CKPT_DIR
-    path = ckpt_root / f"step-{step:08d}"
-    if accelerator.is_main_process and path.exists():
-        shutil.rmtree(path)  # an incomplete save of this step from a killed run
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (path / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
-        for old in _checkpoints(out_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int) -> None:
+    """A checkpoint of this step, with the open window's global sums (a resumed run logs the same
+    window an uninterrupted one does)."""
+    stats, tokens = window.global_sums(accelerator)
+    state.window, state.window_tokens = stats.cpu(), int(tokens)
+    save_checkpoint(accelerator, out_dir, state.step, keep_last)
 
+
+# -- the result ----------------------------------------------------------------------------------
 
 def _write_draft(model_state: dict, cfg: Eagle3DraftConfig, out_dir: Path) -> None:
     """draft.safetensors under vLLM's names (float32 master weights; export casts), and configs."""
-    from safetensors.torch import save_file
-
     state = {k[len("draft."):]: v.detach().cpu().contiguous() for k, v in model_state.items()
              if k.startswith("draft.")}
     with torch.device("meta"):
@@ -366,8 +314,9 @@ def _write_draft(model_state: dict, cfg: Eagle3DraftConfig, out_dir: Path) -> No
         raise RuntimeError(f"the trained state does not have the draft's tensors: missing "
                            f"{sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
-    tmp = out_dir / (DRAFT_FILE + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(out_dir / DRAFT_FILE)
-    (out_dir / DRAFT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    (out_dir / VLLM_CONFIG_FILE).write_text(json.dumps(draft_config_dict(cfg), indent=2) + "\n")
+    from safetensors.torch import save
+
+    # configs first, the weights last: a draft.safetensors that exists comes with its configs
+    atomic_write_text(out_dir / DRAFT_CONFIG_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+    atomic_write_text(out_dir / VLLM_CONFIG_FILE, json.dumps(draft_config_dict(cfg), indent=2) + "\n")
+    atomic_write_bytes(out_dir / DRAFT_FILE, save(state))

@@ -16,13 +16,3 @@ def soft_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor) -> torch
     p = target.to(acc)
     return torch.logsumexp(x, dim=-1) * p.sum(-1) - (p * x).sum(-1)
 
-
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum over rows of weight * soft_cross_entropy_rows(logits, target)."""
-    return (soft_cross_entropy_rows(logits, target) * weight).sum()
-
-
-def reference_soft_cross_entropy(logits, target, weight):
-    """The textbook form, float64 (tests)."""
-    logq = torch.log_softmax(logits.double(), dim=-1)
-    return (-(target.double() * logq).sum(-1) * weight.double()).sum()

@@ -1,4 +1,6 @@
-"""Training metrics: per-TTT-step loss/accuracy, expected acceptance length, FLOPs and MFU."""
+"""Training metrics: how the draft does per TTT step (``step_metrics``: an
+``eagle3.contracts.StepMetrics`` of loss, accuracy and expected acceptance length from the TTT
+forward's summed statistics), model FLOPs and MFU, and the metrics.jsonl file they are written to."""
 from __future__ import annotations
 
 import json
@@ -6,7 +8,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from ..contracts import StepMetrics
 from ..model.draft import Eagle3DraftConfig, count_matmul_params
+from .ttt import STAT_NAMES
 
 # bf16 dense tensor-core peak by device name (datasheet); used for the MFU estimate.
 PEAK_BF16_FLOPS = {"H200": 989.5e12, "H100": 989.5e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -19,18 +23,22 @@ def peak_flops(device_name: str) -> Optional[float]:
     return None
 
 
-def step_summary(stats, stat_names) -> dict:
-    """From summed per-step stats [S, k] (ttt.STAT_NAMES): per-step loss, acc, conditional acc and
-    the expected acceptance length of chains of k = 1..S draft tokens."""
-    rows = [dict(zip(stat_names, map(float, r))) for r in stats.tolist()]
-    out = {"loss": [], "acc": [], "cond_acc": [], "scored": []}
-    for r in rows:
-        out["loss"].append(r["ce_sum"] / r["scored"] if r["scored"] else float("nan"))
-        out["acc"].append(r["correct"] / r["scored"] if r["scored"] else float("nan"))
-        out["cond_acc"].append(r["cond_correct"] / r["cond_total"] if r["cond_total"] else 0.0)
-        out["scored"].append(r["scored"])
-    out["accept_len"] = expected_acceptance_lengths(out["cond_acc"])
-    return out
+def step_metrics(stats, decay: float) -> StepMetrics:
+    """How the draft did over some positions (a log window, or an eval pass), per TTT step j, from
+    the TTT forward's statistics [S, len(STAT_NAMES)] summed over those positions (all ranks).
+
+    loss: the objective trained, sum_j decay**j * (CE summed at step j) / (loss positions of step j);
+    loss_per_step / acc_per_step: mean CE and top-1 agreement over step j's scored positions (NaN
+    where none); cond_acc_per_step: the same where steps 0..j-1 were all right (0 where none);
+    accept_len: expected tokens per target step for chains of k = 1..S drafts."""
+    rows = [dict(zip(STAT_NAMES, map(float, r))) for r in stats.cpu().tolist()]
+    loss = sum(decay ** j * r["ce_sum"] / max(r["counted"], 1.0) for j, r in enumerate(rows))
+    cond_acc = [r["cond_correct"] / r["cond_total"] if r["cond_total"] else 0.0 for r in rows]
+    return StepMetrics(loss=loss,
+                       loss_per_step=[r["ce_sum"] / r["scored"] if r["scored"] else float("nan") for r in rows],
+                       acc_per_step=[r["correct"] / r["scored"] if r["scored"] else float("nan") for r in rows],
+                       cond_acc_per_step=cond_acc, accept_len=expected_acceptance_lengths(cond_acc),
+                       scored_positions=rows[0]["scored"])
 
 
 def expected_acceptance_lengths(cond_acc) -> list:

@@ -1,17 +1,44 @@
-"""Gradient-norm clipping folded into the fused AdamW kernel.
+"""The optimizer side of the train loop: fused AdamW, its learning-rate schedule (linear warmup,
+then cosine decay), and gradient-norm clipping folded into the fused AdamW kernel.
 
-``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then rewrites
-every gradient (a read and a write of 4 bytes per parameter) to scale it, before AdamW reads
-them a third time. The fused AdamW kernel already divides each gradient by an optional
+Clipping: ``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then
+rewrites every gradient (a read and a write of 4 bytes per parameter) to scale it, before AdamW
+reads them a third time. The fused AdamW kernel already divides each gradient by an optional
 ``grad_scale`` tensor (the hook ``torch.amp.GradScaler`` uses), so the clip coefficient is
 handed to it instead: the same update (g * c == g / (1/c) up to rounding), one pass over the
 gradients less. The norm is computed as torch's clip does, on the device, without a host sync.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def adamw(params, tcfg, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel over all parameters, and what :func:`fold_clip` hands the clip to)."""
+    return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                             fused=device.type in ("cuda", "cpu"))
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Step -> factor of the peak rate: linear warmup over ``warmup`` steps, then cosine decay to
+    ``min_ratio`` at step ``total``."""
+    def f(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def lr_schedule(optimizer, tcfg, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of ``total`` optimizer steps. The caller steps it once per optimizer step, by hand:
+    Accelerate's prepared scheduler steps once per process, so with N processes it would run N
+    times faster."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg.warmup_steps, total, tcfg.min_lr_ratio))
 
 
 def can_fold(optimizer) -> bool:

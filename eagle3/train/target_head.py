@@ -4,7 +4,10 @@ The training targets are the target's next-token distribution over the draft voc
 recomputed from the stored last (pre-norm) hidden state: the draft vocabulary's logits in one
 matmul, then the other tokens' logits one chunk at a time (never the full-vocabulary logits at
 once), each chunk only updating a running maximum, to mask the positions whose target token (the
-full-vocabulary argmax) the draft cannot produce.
+full-vocabulary argmax) the draft cannot produce. ``model_inputs`` is this head's share of every
+step: a collated batch turned into the TTT model's inputs (shared by the loop and bench/train.py).
+
+Nothing here is trained, and nothing here is the draft's own head (eagle3.model.draft).
 """
 from __future__ import annotations
 
@@ -122,11 +125,16 @@ class TargetHead(nn.Module):
         return probs.reshape(*lead, Vd), in_vocab.reshape(lead)
 
 
-def target_head_from_tensors(tensors: dict, rms_norm_eps: float, kept_ids: torch.Tensor,
-                             device=None, dtype: Optional[torch.dtype] = None) -> TargetHead:
-    """A TargetHead from {'embed', 'norm', 'lm_head'} tensors (see eagle3.target_weights)."""
-    def prep(t):
-        t = t.to(device) if device is not None else t
-        return t.to(dtype) if dtype is not None else t
-    return TargetHead(prep(tensors["embed"]), prep(tensors["norm"]), prep(tensors["lm_head"]),
-                      rms_norm_eps, kept_ids.to(device) if device is not None else kept_ids)
+
+def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype) -> dict:
+    """A collated batch (eagle3.train.data.collate) -> the keyword arguments of TTTModel's forward.
+
+    The frozen target's share of a step, without gradients: the token embeddings and the
+    draft-vocabulary targets. Target probabilities are kept in the compute dtype (bf16 under mixed
+    precision: half the memory of float32; the loss upcasts them)."""
+    with torch.no_grad():
+        embeds = head.embed(batch["input_ids"], compute_dtype)
+        probs, in_vocab = head.targets(batch["last_hidden_state"], compute_dtype)
+    return dict(aux=batch["aux_hidden_states"].to(compute_dtype), embeds=embeds, target_probs=probs,
+                in_vocab=in_vocab, loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
+                doc_ids=batch["doc_ids"])

@@ -85,8 +85,7 @@ class TTTModel(nn.Module):
         """aux [B,T,n_aux*H]; embeds [B,T,H] of x_0..x_{T-1} (their dtype is the compute dtype);
         target_probs [B,T,V_draft] = p_t; in_vocab, loss_mask, position_ids, doc_ids [B,T].
         Returns (loss, stats [S, len(STAT_NAMES)] float64 sums)."""
-        S, (B, T) = self.num_steps, loss_mask.shape
-        dtype = embeds.dtype
+        S, T = self.num_steps, loss_mask.shape[1]
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
         if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():

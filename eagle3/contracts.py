@@ -1,0 +1,250 @@
+"""The stage graph and what each stage promises the next: one dataclass of facts per stage.
+
+A stage's run is recorded in the manifest (``eagle3.manifest``) with its config, upstream runs,
+outputs (sizes, sha256) and its *facts*: the numbers and identities later stages, reports and
+users rely on (tokenizer identity, layer ids, hidden size, store dtype, the trained draft's
+held-out accuracy per TTT step, vLLM's acceptance length...). Each stage's facts are a dataclass
+here, serialised into the manifest as a plain JSON object under the field names below, so
+``manifest.json`` stays readable by a person and by ``jq``.
+
+What this module deliberately does not do: it runs nothing and imports nothing heavy (no torch),
+so the CLI's ``--help`` and ``stage=status`` stay instant.
+
+Changing a field here changes the manifest's format: bump ``eagle3.manifest.SCHEMA_VERSION`` and
+teach :func:`upgrade_facts` to read the previous version.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# The pipeline, in order. `eval` (the offline evaluator alone) is a side stage: nothing consumes it.
+STAGES = ("prepare", "extract", "train", "export")
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "prepare": (),
+    "extract": ("prepare",),
+    "train": ("prepare", "extract"),
+    "export": ("prepare", "extract", "train"),
+    "eval": ("prepare", "extract", "train"),
+}
+
+
+def downstream(stage: str) -> list[str]:
+    """The stages that consume ``stage``'s output directly."""
+    return [s for s, ups in UPSTREAM.items() if stage in ups]
+
+
+class Facts:
+    """Base of every stage's facts: JSON round trip and the numbers worth a dashboard."""
+
+    def to_json(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Facts":
+        """Build from the manifest's JSON. Keys this version does not know are ignored (an older
+        eagle3 reading a newer manifest refuses it earlier, by its schema version)."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            sub = _NESTED.get((cls.__name__, f.name))
+            kwargs[f.name] = sub.from_json(value) if (sub is not None and value is not None) else value
+        return cls(**kwargs)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """Scalar facts as ``{f"{prefix}/{name}": value}`` (wandb's summary of a stage run)."""
+        out = {}
+        for k, v in self.to_json().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                out[f"{prefix}/{k}"] = v
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass
+class PrepareFacts(Facts):
+    """What prepare promises: a tokenized dataset of this tokenizer, and a draft vocabulary."""
+
+    tokenizer_hash: str                 # the tokenizer's identity (eagle3.target); extract/train refuse another
+    max_length: int                     # samples were cut to this many tokens
+    draft_vocab_size: int               # rows of the draft's lm_head (d2t / t2d in vocab.safetensors)
+    vocab_size: int                     # the target's vocabulary
+    coverage: float                     # share of trainable tokens inside the draft vocabulary
+    num_train: int                      # samples per split
+    num_eval: int
+    tokens: int                         # all tokens, both splits
+    trainable_tokens: int               # assistant (loss-masked) tokens, both splits
+    dropped: dict = field(default_factory=dict)   # reason -> count of conversations left out
+    bad_records: int = 0                # malformed source records skipped (data.on_bad_record=skip)
+    regenerated: bool = False           # answers written by the target (prepare.regenerate)
+    regen: Optional[dict] = None        # the regeneration settings, when regenerated
+
+
+@dataclass
+class ExtractFacts(Facts):
+    """What extract promises: a complete store of these layers, for every sample of each split."""
+
+    layer_ids: list                     # aux layers, vLLM's convention (id k = stream entering layer k)
+    last_layer_id: int                  # L: the final pre-norm state, stored beside the aux layers
+    hidden_size: int
+    store_dtype: str                    # dtype of the stored values
+    target_dtype: str                   # dtype the target ran in
+    backend: str                        # extract.backend that produced the states
+    store_format: str                   # eagle3.store.FORMAT
+    bytes_per_token: int                # store bytes per token (hidden states + ids + mask)
+    num_samples: dict = field(default_factory=dict)   # split -> samples
+    num_tokens: dict = field(default_factory=dict)    # split -> tokens
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        out.update({f"{prefix}/tokens_{split}": n for split, n in self.num_tokens.items()})
+        return out
+
+
+@dataclass
+class StepMetrics(Facts):
+    """The draft's loss and accuracy per TTT step j = 0..S-1 over one window of training or one
+    pass over the held-out split. ``accept_len[k-1]`` is the expected acceptance length of a chain
+    of k drafted tokens (eagle3.train.metrics.expected_acceptance_lengths)."""
+
+    loss: float             # the objective trained: sum_j decay**j * (CE summed at j) / (loss positions of j)
+    loss_per_step: list     # mean CE over step j's scored positions (NaN where none)
+    acc_per_step: list      # top-1 agreement with the target at step j (NaN where none)
+    cond_acc_per_step: list  # the same where steps 0..j-1 were all right (0 where none)
+    accept_len: list        # expected tokens per target step for chains of k = 1..S drafts
+    scored_positions: float = 0.0  # positions scored at step 0
+
+    def to_log(self, prefix: str) -> dict[str, float]:
+        """The flat names metrics.jsonl, wandb and the notebooks use (``train/acc_step_0``, ...)."""
+        rec = {f"{prefix}/loss": self.loss}
+        for j in range(len(self.loss_per_step)):
+            rec[f"{prefix}/loss_step_{j}"] = self.loss_per_step[j]
+            rec[f"{prefix}/acc_step_{j}"] = self.acc_per_step[j]
+            rec[f"{prefix}/cond_acc_step_{j}"] = self.cond_acc_per_step[j]
+        for k, v in enumerate(self.accept_len, start=1):
+            rec[f"{prefix}/accept_len_k{k}"] = v
+        rec[f"{prefix}/scored_positions"] = self.scored_positions
+        return rec
+
+
+@dataclass
+class TrainFacts(Facts):
+    """What train promises: a draft trained on these layers and this vocabulary, and how well it
+    predicts (on the held-out split when there is one)."""
+
+    steps: int
+    ttt_steps: int
+    layer_ids: list
+    draft_vocab_size: int
+    # the last logged training window; None when a run killed after its last checkpoint resumed
+    # at its final step (nothing was left to log)
+    train: Optional[StepMetrics] = None
+    eval: Optional[StepMetrics] = None  # the last pass over the held-out split, if there is one
+
+    @property
+    def final(self) -> Optional[StepMetrics]:
+        """Held-out figures when there are any, else the last training window."""
+        return self.eval if self.eval is not None else self.train
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/steps": self.steps}
+        if self.train is not None:
+            out.update(self.train.to_log("train"))
+        if self.eval is not None:
+            out.update(self.eval.to_log("eval"))
+        return out
+
+
+@dataclass
+class ExportFacts(Facts):
+    """What export promises: a draft directory in ``format`` that serves with these layer ids and
+    vocabulary, and (when verified) what vLLM measured serving it."""
+
+    format: str
+    layer_ids: list
+    draft_vocab_size: int
+    vocab_size: int
+    dtype: str
+    fingerprint: str                    # content hash of the exported files (eagle3.export.outdir)
+    model_dir: str                      # relative to the experiment directory
+    source: dict = field(default_factory=dict)    # where the draft came from (train run, or export.from)
+    exported_to: Optional[str] = None   # export.out_dir, when a copy was published there
+    # -- verification in vLLM (export.verify); None when not verified --------------------------
+    k: Optional[int] = None
+    acceptance_length: Optional[float] = None     # 1 + accepted / drafts at k
+    acceptance_per_position: Optional[list] = None
+    tokens_per_step: Optional[float] = None       # generated tokens per target forward step at k
+    acceptance_by_k: Optional[dict] = None        # str(k) -> acceptance length
+    tokens_per_step_by_k: Optional[dict] = None
+    acceptance_per_position_by_k: Optional[dict] = None
+    vllm: Optional[dict] = None                   # vLLM's raw counters at k
+    ngram: Optional[dict] = None                  # prompt lookup at k (the no-training baseline)
+    offline: Optional[dict] = None                # the offline evaluator at k (HF target)
+    offline_vs_vllm: Optional[float] = None       # relative difference of the two acceptance lengths
+    lossless: Optional[bool] = None
+    num_prompts: Optional[int] = None
+    max_tokens: Optional[int] = None
+    hf_greedy_equals_vllm_greedy: Optional[str] = None
+    beats_prompt_lookup: Optional[bool] = None
+    vllm_version: Optional[str] = None
+    train_expected_acceptance_length: Optional[float] = None  # the train stage's estimate at k
+
+
+@dataclass
+class EvalFacts(Facts):
+    """``stage=eval``: the offline evaluator alone (HF target, greedy chain decoding)."""
+
+    k: int
+    acceptance_length: float
+    acceptance_per_position: list
+    tokens_per_step: float
+    acceptance_by_k: dict
+    tokens_per_step_by_k: dict
+    num_prompts: int
+    max_tokens: int
+    source: dict = field(default_factory=dict)
+    num_drafts: Optional[int] = None
+    num_accepted: Optional[int] = None
+    generated_tokens: Optional[int] = None
+    target_steps: Optional[int] = None
+
+
+FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,
+                                 "export": ExportFacts, "eval": EvalFacts}
+_NESTED = {("TrainFacts", "train"): StepMetrics, ("TrainFacts", "eval"): StepMetrics}
+
+
+def facts_from_json(stage: str, data: Optional[dict]) -> Optional[Facts]:
+    """A stage's facts as recorded in the manifest (None for a run that recorded none: failed or running)."""
+    if not data:
+        return None
+    return FACTS[stage].from_json(data)
+
+
+def upgrade_facts(stage: str, data: dict, schema_version: int) -> dict:
+    """Facts written by an older manifest schema, in the current one's field names.
+
+    Version 1 recorded the train stage's metrics as flat lists beside each other
+    (``eval_acc_per_step``, ``train_accept_len``, ...) and the names of its files."""
+    if schema_version >= 2 or stage != "train" or not data:
+        return data
+    out = {k: data[k] for k in ("steps", "ttt_steps", "layer_ids", "draft_vocab_size") if k in data}
+    for split in ("train", "eval"):
+        if data.get(f"{split}_loss") is None and not data.get(f"{split}_loss_per_step"):
+            continue
+        per_step = data.get(f"{split}_loss_per_step") or []
+        out[split] = {"loss": data.get(f"{split}_loss"), "loss_per_step": per_step,
+                      "acc_per_step": data.get(f"{split}_acc_per_step") or [],
+                      "cond_acc_per_step": data.get(f"{split}_cond_acc_per_step") or [None] * len(per_step),
+                      "accept_len": data.get(f"{split}_accept_len") or []}
+    return out

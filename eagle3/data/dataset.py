@@ -1,0 +1,153 @@
+"""From conversations to the prepared dataset: read and weight the sources, de-duplicate, tokenize
+with the chat template's assistant-only loss mask, split by content hash, count token frequencies,
+and write the ``datasets`` DatasetDict the later stages read. The prepare stage
+(``stages/prepare.py``) is these steps in order, with optional regeneration in between
+(``eagle3.data.regenerate``).
+
+Everything here is deterministic for a given config: the same sources and settings give the same
+samples, splits and bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+
+def source_identity(path: str) -> str:
+    """Content hash of a data source (file, directory, or a generated builtin: set), for the config hash."""
+    from ..hashing import hash_files, sha256_file
+
+    if str(path).startswith("builtin:"):  # a prompt set generated in memory (data.path=builtin:large)
+        from .sources import generated_identity
+
+        return generated_identity(str(path))
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return hash_files([f for f in p.rglob("*") if f.is_file()], p)
+    return sha256_file(p) if p.exists() else "missing"
+
+
+def conversation_key(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def load_conversations(cfg, report, drops: Counter) -> list[list[dict]]:
+    """Read, normalize, de-duplicate and weight every source; deterministic for a given config."""
+    from .chat_template import normalize_messages
+    from .sources import DataError, apply_weight, read_source, source_list
+
+    rng = random.Random(cfg.prepare.seed)
+    seen: set[str] = set()
+    out: list[list[dict]] = []
+    for path, fmt, weight, split in source_list(cfg.data):
+        convs = []
+        for rec in read_source(path, fmt, split, cfg.data.on_bad_record, report):
+            try:
+                msgs = normalize_messages(rec.raw)
+            except ValueError as e:
+                if cfg.data.on_bad_record == "skip":
+                    report.bad(rec.origin, str(e))
+                    continue
+                raise DataError(f"{rec.origin}: {e}. Fix the record, or pass data.on_bad_record=skip "
+                                f"to count and skip bad records.") from None
+            if cfg.data.system_prompt and not any(m["role"] == "system" for m in msgs):
+                msgs = [{"role": "system", "content": cfg.data.system_prompt}] + msgs
+            if cfg.prepare.dedup:
+                key = conversation_key(msgs)
+                if key in seen:
+                    drops["duplicate"] += 1
+                    continue
+                seen.add(key)
+            convs.append(msgs)
+        out.extend(apply_weight(convs, weight, rng))
+    if cfg.data.max_samples and len(out) > cfg.data.max_samples:
+        rng.shuffle(out)
+        drops["over_max_samples"] += len(out) - cfg.data.max_samples
+        out = out[: cfg.data.max_samples]
+    return out
+
+
+def split_of(messages: list[dict], seed: int, eval_fraction: float) -> tuple[str, float]:
+    """A sample's split from a hash of its content: stable when other samples are added."""
+    key = conversation_key(messages)
+    u = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:12], 16) / 16**12
+    return key[:16], u
+
+
+def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, batch: int = 512):
+    from tqdm.auto import tqdm
+
+    from .chat_template import tokenize_conversations
+    from .sources import DataError
+
+    rows = []
+    truncated = 0
+    max_len = cfg.prepare.max_length
+    with tqdm(total=len(conversations), desc="tokenize", disable=not progress, unit="conv") as bar:
+        for start in range(0, len(conversations), batch):
+            chunk = conversations[start:start + batch]
+            errors: list = []
+            encoded = tokenize_conversations(tokenizer, chunk, errors=errors)
+            for k, e in errors:
+                if cfg.data.on_bad_record != "skip":
+                    raise DataError(f"conversation {start + k} (first message: "
+                                    f"{chunk[k][0]['content'][:60]!r}) cannot be masked: {e}. Fix or drop it, "
+                                    f"or pass data.on_bad_record=skip to count and skip such conversations.")
+                drops["template_error"] += 1
+            for msgs, enc in zip(chunk, encoded):
+                if enc is None:
+                    continue
+                ids, mask = enc
+                if len(ids) > max_len:
+                    ids, mask = ids[:max_len], mask[:max_len]
+                    truncated += 1
+                if not any(mask):
+                    drops["no_trainable_tokens"] += 1
+                    continue
+                sid, u = split_of(msgs, cfg.prepare.seed, cfg.prepare.eval_fraction)
+                rows.append({"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask})
+            bar.update(len(chunk))
+    return rows, truncated
+
+
+def assign_splits(rows, eval_fraction: float, eval_min: int):
+    rows.sort(key=lambda r: r["u"])
+    n_eval = sum(r["u"] < eval_fraction for r in rows)
+    if eval_fraction > 0 and n_eval < eval_min and len(rows) > eval_min:
+        n_eval = eval_min
+    return rows[n_eval:], rows[:n_eval]
+
+
+def write_dataset(train_rows, eval_rows, out: Path) -> None:
+    import datasets
+
+    features = datasets.Features({"sample_id": datasets.Value("string"),
+                                  "input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+
+    def build(rows):
+        rows = sorted(rows, key=lambda r: r["sample_id"])
+        return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("sample_id", "input_ids", "loss_mask")},
+                                          features=features)
+
+    datasets.DatasetDict({"train": build(train_rows), "eval": build(eval_rows)}).save_to_disk(str(out))
+
+
+def token_frequencies(train_rows, vocab_size: int, target_path):
+    """How often each target token is a trainable (assistant) token in the training split."""
+    import numpy as np
+
+    from .sources import DataError
+
+    freq = np.zeros(vocab_size, dtype=np.int64)
+    for r in train_rows:
+        ids = np.asarray(r["input_ids"], dtype=np.int64)
+        m = np.asarray(r["loss_mask"], dtype=bool)
+        if ids.size and ids.max() >= vocab_size:
+            raise DataError(f"token id {int(ids.max())} is outside the target vocabulary ({vocab_size}): the "
+                            f"tokenizer does not belong to {target_path}")
+        freq += np.bincount(ids[m], minlength=vocab_size)
+    return freq

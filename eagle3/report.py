@@ -1,0 +1,145 @@
+"""What a person reads about an experiment: ``stage=status`` (the manifest as a table) and the
+summary printed after ``stage=all`` (per stage its time and size, the draft's held-out metrics per
+TTT step, and vLLM's acceptance length per k). Reads the manifest only; rich is imported inside
+the printing functions.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+
+from .contracts import STAGES
+from .manifest import Manifest, StageRecord
+
+
+def fmt_size(n: float) -> str:
+    """Bytes as a short human-readable size (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _seconds(rec: StageRecord) -> float | None:
+    try:
+        start = _dt.datetime.fromisoformat(rec.data["started"])
+        end = _dt.datetime.fromisoformat(rec.data["ended"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (end - start).total_seconds()
+
+
+def _stored(rec: StageRecord) -> int:
+    return sum(m["size"] for m in rec.data.get("outputs", {}).values())
+
+
+def _facts_line(stage: str, facts) -> str:
+    """The few facts worth a glance in the status table."""
+    if facts is None:
+        return ""
+    shown = {"prepare": ("num_train", "num_eval", "coverage"),
+             "extract": ("layer_ids", "store_dtype", "bytes_per_token"),
+             "export": ("format", "acceptance_length")}.get(stage, ())
+    parts = [f"{k}={getattr(facts, k)}" for k in shown if getattr(facts, k, None) is not None]
+    if stage == "train":
+        parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
+    return ", ".join(p for p in parts if p)
+
+
+def status_rows(manifest: Manifest) -> list[dict]:
+    data = manifest.read()
+    rows = []
+    for stage in STAGES:
+        entry = data["stages"].get(stage)
+        if not entry:
+            rows.append({"stage": stage, "status": "not run"})
+            continue
+        rec = manifest.current(stage)
+        latest = entry.get("latest")
+        note = ""
+        if latest and (rec is None or latest != rec.config_hash):
+            last = entry["runs"][latest]
+            note = f"latest run {latest[:12]} is {last['status']}: {last.get('error', '')}".strip(": ")
+        if rec is None:
+            rows.append({"stage": stage, "status": entry["runs"][latest]["status"] if latest else "not run",
+                         "config": (latest or "")[:12], "runs": len(entry.get("runs", {})), "note": note})
+            continue
+        stale = manifest.stale_reason(rec) if rec.status == "complete" else None
+        rows.append({"stage": stage, "status": "stale" if stale else rec.status, "config": rec.config_hash[:12],
+                     "runs": len(entry.get("runs", {})), "size": fmt_size(_stored(rec)),
+                     "started": rec.data.get("started") or "", "ended": rec.data.get("ended") or "",
+                     "facts": _facts_line(stage, rec.facts),
+                     "note": "; ".join(x for x in (stale, note) if x)})
+    return rows
+
+
+def print_status(manifest: Manifest) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"eagle3 experiment {manifest.exp_dir}")
+    cols = ("stage", "status", "config", "runs", "size", "started", "ended", "facts", "note")
+    for c in cols:
+        table.add_column(c, overflow="fold")
+    for row in status_rows(manifest):
+        table.add_row(*(str(row.get(c, "")) for c in cols))
+    Console(width=200).print(table)
+    if not manifest.path.exists():
+        print(f"(no manifest at {manifest.path}: nothing has run in this experiment yet)")
+
+
+def pipeline_summary(manifest: Manifest) -> dict:
+    """Per stage: status, seconds, bytes stored, config hash; the train and export facts (typed)."""
+    out = {"stages": {}, "train": None, "export": None}
+    for stage in STAGES:
+        rec = manifest.current(stage)
+        if rec is None:
+            continue
+        out["stages"][stage] = {"status": rec.status, "seconds": _seconds(rec), "bytes": _stored(rec),
+                                "config": rec.config_hash[:12]}
+        if stage in ("train", "export"):
+            out[stage] = rec.facts
+    return out
+
+
+def print_pipeline_summary(manifest: Manifest) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = pipeline_summary(manifest)
+    console = Console(width=160)
+    t = Table(title="eagle3 pipeline")
+    for col in ("stage", "status", "time", "stored", "config"):
+        t.add_column(col)
+    for stage, s in summary["stages"].items():
+        t.add_row(stage, s["status"], f"{s['seconds']:.0f} s" if s["seconds"] is not None else "",
+                  fmt_size(s["bytes"]), s["config"])
+    console.print(t)
+    train = summary["train"]
+    if train is not None and train.eval is not None:
+        ev = train.eval
+        t = Table(title="draft after training, held-out split, per TTT step j "
+                        "(accept len: expected acceptance length of a chain of j+1 drafts)")
+        t.add_column("metric")
+        for j in range(len(ev.loss_per_step)):
+            t.add_column(f"j={j}")
+        for label, values in (("loss", ev.loss_per_step), ("top-1 acc", ev.acc_per_step),
+                              ("cond. acc", ev.cond_acc_per_step), ("accept len", ev.accept_len)):
+            if values:
+                t.add_row(label, *(f"{v:.4f}" for v in values))
+        console.print(t)
+    export = summary["export"]
+    by_k = (export.acceptance_by_k if export is not None else None) or {}
+    if by_k:
+        t = Table(title="served by vLLM on held-out prompts")
+        for col in ("k (draft tokens)", "acceptance length", "tokens / target step"):
+            t.add_column(col)
+        tps = export.tokens_per_step_by_k or {}
+        for k in sorted(by_k, key=int):
+            t.add_row(str(k), f"{by_k[k]:.3f}", f"{tps[k]:.3f}" if k in tps else "")
+        console.print(t)
+        ngram = export.ngram or {}
+        if ngram:
+            console.print(f"prompt lookup (ngram) baseline at k={ngram.get('k')}: "
+                          f"{ngram.get('tokens_per_step', float('nan')):.3f} tokens / target step")
+    return summary

@@ -1,0 +1,111 @@
+"""Runs a composed config: each stage of ``cfg.stage`` in order (``stages/<name>.py``, one
+``run(cfg, manifest)`` each), the status table for ``stage=status``, the summary after
+``stage=all``; user errors end the process with their message, and inside a multirun a failed
+job is reported to the sweep instead of ending it."""
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import sys
+import time
+
+from omegaconf import DictConfig
+
+from .config import Config, to_config
+from .contracts import STAGES
+from .errors import Eagle3Error
+from .manifest import Manifest
+
+log = logging.getLogger("eagle3")
+
+
+def run_stage(name: str, cfg: Config, manifest: Manifest):
+    module = importlib.import_module(f"stages.{name}")
+    t0 = time.perf_counter()
+    record = module.run(cfg, manifest)
+    log.info("stage %s finished in %.1f s", name, time.perf_counter() - t0)
+    return record
+
+
+def _release_memory() -> None:
+    """Free what a job held so the next job of a multirun starts clean."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _in_multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:
+        return False
+
+
+def run(cfg: Config) -> dict:
+    """Run the configured stage(s); returns a summary dict (used by sweeps and tests)."""
+    from .tracking import Tracker
+
+    exp_dir = cfg.experiment_dir
+    manifest = Manifest(exp_dir, tracker=Tracker(cfg))
+    if cfg.stage == "status":
+        from .report import print_status
+
+        print_status(manifest)
+        return {"stage": "status"}
+    names = list(STAGES) if cfg.stage == "all" else [cfg.stage]
+    records = {}
+    from .cpu import cpu_threads
+
+    with cpu_threads(cfg.cpu_threads):
+        for name in names:
+            records[name] = run_stage(name, cfg, manifest)
+    if cfg.stage == "all":
+        from .report import print_pipeline_summary
+
+        print_pipeline_summary(manifest)
+    return {"stage": cfg.stage, "experiment_dir": str(exp_dir),
+            "records": {k: (v.config_hash if v is not None else None) for k, v in records.items()}}
+
+
+def run_from_hydra(dcfg: DictConfig):
+    try:
+        cfg = to_config(dcfg)
+    except Exception as e:  # validation errors from __post_init__
+        msg = str(e).splitlines()[0] if str(e) else repr(e)
+        if _in_multirun():  # one bad job of a sweep is reported, the others go on
+            log.error("job failed: invalid config: %s", msg)
+            return {"error": f"invalid config: {msg}"}
+        print(f"eagle3: invalid config: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        result = run(cfg)
+        if cfg.objective != "none":
+            from .sweep import objective_value
+
+            value = objective_value(Manifest(cfg.experiment_dir), cfg.objective)
+            if value is None:
+                raise Eagle3Error(f"objective={cfg.objective} but the run recorded no such value "
+                                  f"(stage={cfg.stage} must include train for eval_loss, export for acceptance_length)")
+            return float(value)
+        return result
+    except Eagle3Error as e:
+        if _in_multirun():
+            log.error("job failed: %s", e)
+            return float("nan") if cfg.objective != "none" else {"stage": cfg.stage, "error": str(e)}
+        print(f"eagle3: error: {e}", file=sys.stderr)
+        if os.environ.get("EAGLE3_DEBUG"):
+            raise
+        raise SystemExit(1) from None
+    except Exception as e:
+        if _in_multirun():
+            log.exception("job failed: %s", e)
+            return float("nan") if cfg.objective != "none" else {"stage": cfg.stage, "error": f"{type(e).__name__}: {e}"}
+        raise
+    finally:
+        _release_memory()

@@ -44,8 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from eagle3.__main__ import compose_config
-    from eagle3.runner import run
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
     from eagle3.target import resolve
 
     ws = Path(args.workspace or tempfile.mkdtemp(prefix="eagle3-bench-"))

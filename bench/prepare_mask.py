@@ -22,7 +22,10 @@ WORDS = ("the a model token python function returns list value error file data t
 
 def synthetic_records(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    sentence = lambda k: " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
+
+    def sentence(k: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + "."
+
     records = []
     for i in range(n):
         question = " ".join(sentence(rng.randint(6, 14)) for _ in range(rng.randint(1, 3)))

@@ -179,7 +179,6 @@ def run_variant(a, name, device) -> dict:
     n = len(PHASES) + 1
     phases = {p: statistics.median(marks[s * n + k].elapsed_time(marks[s * n + k + 1]) for s in range(a.steps))
               for k, p in enumerate(PHASES)}
-    times = blocks
     with torch.no_grad():
         in_vocab = float(head.targets(batches[0]["last_hidden_state"], torch.bfloat16)[1].float().mean())
     if a.profile:
@@ -353,7 +352,8 @@ def profile_steps(model, head, batch, opt, fold):
 def correctness_check(device, checks=CHECKS) -> list:
     """Small shape: loss, stats and gradients of every GPU variant against CPU float32 (sdpa,
     eager: the path the CPU tests prove equal to the naive per-step reference)."""
-    class A: pass
+    class A:
+        pass
     a = A()
     a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate, a.n_aux = 256, 4, 2, 64, 512, 3
     cfg = make_config(a, vocab=1000, draft_vocab=300)

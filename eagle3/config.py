@@ -12,9 +12,8 @@ artifacts; renaming or adding any other field changes every hash of that stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
-
 from pathlib import Path
+from typing import Any, List
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING

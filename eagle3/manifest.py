@@ -24,14 +24,14 @@ import os
 import socket
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from filelock import FileLock, Timeout
 
 from .atomic import atomic_write_text
-from .contracts import STAGES, UPSTREAM, Facts, downstream, facts_from_json, upgrade_facts
+from .contracts import UPSTREAM, Facts, downstream, facts_from_json, upgrade_facts
 from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
 
@@ -112,7 +112,7 @@ class Manifest:
             data = json.loads(self.path.read_text())
         except json.JSONDecodeError as e:
             raise ManifestError(f"{self.path} is not valid JSON ({e}); it was not written by eagle3 "
-                                f"or was edited by hand. Move it aside to start the experiment afresh.")
+                                f"or was edited by hand. Move it aside to start the experiment afresh.") from None
         version = data.get("schema_version")
         if version not in READABLE_VERSIONS:
             raise ManifestError(f"{self.path} has schema_version {version!r}; this eagle3 reads versions "

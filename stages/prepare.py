@@ -18,8 +18,14 @@ log = logging.getLogger("eagle3.prepare")
 def run(cfg, manifest):
     from eagle3.artifacts import DATASET_DIR, REGENERATED_FILE, STATS_FILE, TOKEN_FREQ_FILE, VOCAB_FILE
     from eagle3.contracts import PrepareFacts
-    from eagle3.data.dataset import (assign_splits, load_conversations, source_identity, token_frequencies,
-                                     tokenize_all, write_dataset)
+    from eagle3.data.dataset import (
+        assign_splits,
+        load_conversations,
+        source_identity,
+        token_frequencies,
+        tokenize_all,
+        write_dataset,
+    )
     from eagle3.data.sources import DataError, ReadReport, source_list
     from eagle3.data.vocab import build_vocab_mapping, save_vocab
     from eagle3.hashing import semantic_dict

@@ -12,8 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eagle3.data.chat_template import (ChatTemplateError, normalize_messages, render_with_spans,
-                                       tokenize_conversation, tokenize_conversations)
+from eagle3.data.chat_template import (
+    ChatTemplateError,
+    normalize_messages,
+    render_with_spans,
+    tokenize_conversation,
+    tokenize_conversations,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
@@ -195,7 +200,7 @@ def check_against_oracle(tokenizer, messages, segments):
     replies = [t for t, a in segments if a]
     assert len(masked) == len(replies)
     expected_unmasked, extras = [], []
-    for k, (text, reply) in enumerate(zip(masked, replies)):
+    for text, reply in zip(masked, replies):
         assert text.endswith(reply), (text, reply)
         extras.append(text[: len(text) - len(reply)])
         assert extras[-1].strip() == "", extras[-1]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from eagle3.config import Config
 

@@ -241,8 +241,9 @@ def test_family_names_tied_and_errors(tmp_path):
 
 
 def test_single_file_checkpoint(tiny_llama_dir):
-    from eagle3.target_weights import read_target_head
     from safetensors import safe_open
+
+    from eagle3.target_weights import read_target_head
 
     out = read_target_head(tiny_llama_dir)
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import write_jsonl
 
 K = 3
@@ -51,9 +50,8 @@ ALPHA = 4.0  # the embedding channel 0 is this constant; every row has rms 1
 
 def build_lookup_target(out_dir: Path, seed: int = 0, family: str = "llama") -> LookupTarget:
     """A target of ``family`` whose greedy next token depends on the current token only."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import build_tiny_family, build_tiny_llama
+    from transformers import AutoModelForCausalLM
 
     if family == "llama":
         build_tiny_llama(out_dir, num_layers=4, hidden=64, seed=seed)
@@ -524,9 +522,9 @@ def experiment(target, tmp_path_factory):
     """prepare (real stage) + extract and train runs recorded as those stages record them, with the
     perfect draft for prepare's vocabulary as the trained draft."""
     from eagle3.__main__ import compose_config
-    from eagle3.runner import run
     from eagle3.data.vocab import load_vocab
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
     from eagle3.target import identify
 
     root = tmp_path_factory.mktemp("exp")
@@ -625,8 +623,8 @@ def test_pipeline_with_the_real_extract_and_train_stages(target, tmp_path):
     draft that beats prompt lookup. (Trained on the human-written responses instead, the same draft
     scores ~1.2 in vLLM although its teacher-forced accuracy is 0.9: the target never writes them.)"""
     from eagle3.__main__ import compose_config
-    from eagle3.runner import run
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
 
     data = write_jsonl(tmp_path / "c.jsonl", conversations(40, seed=5))
     base = [f"target.path={target.path}", f"workspace={tmp_path / 'ws'}", "experiment=r", f"data.path={data}",
@@ -685,9 +683,9 @@ def test_include_embedding_writes_the_targets_embedding(experiment, target):
 
 def test_export_before_training_and_with_mismatched_layer_ids(target, tmp_path):
     from eagle3.__main__ import compose_config
-    from eagle3.runner import run
     from eagle3.export.errors import ExportError
     from eagle3.manifest import Manifest, ManifestError
+    from eagle3.runner import run
     from eagle3.target import identify
 
     data = write_jsonl(tmp_path / "c.jsonl", conversations(12))
@@ -720,9 +718,9 @@ def test_export_from_verified_on_a_prompts_file_without_other_stages(experiment,
     from transformers import AutoTokenizer
 
     from eagle3.__main__ import compose_config
-    from eagle3.runner import run
     from eagle3.data.chat_template import generation_prompt_ids
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
 
     src = specforge_checkpoint(target, experiment["kept"], tmp_path / "sf")
     ids = generation_prompt_ids(AutoTokenizer.from_pretrained(str(target.path)), [{"role": "user", "content": "sea wind?"}])

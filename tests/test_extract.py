@@ -13,14 +13,13 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import build_tiny_llama, chat_records, write_jsonl
+
 from eagle3.config import ExtractConfig
 from eagle3.extract import Samples, extract_store
 from eagle3.store import StoreLayout, open_hidden_states
@@ -344,6 +343,7 @@ def test_stage_through_cli(tmp_path, tiny_llama_dir, chats):
     assert "not distinct" in out.stdout + out.stderr  # 4 layers: the default ids collide and the log says so
 
     import datasets
+
     import eagle3
     from eagle3.manifest import Manifest
 
@@ -389,8 +389,8 @@ def _prepared(compose, tmp_path, target, chats, name, *extra):
 def test_scale_out_parts_complete_the_store(tmp_path, compose, tiny_llama_dir, chats):
     """Two processes (num_shards=2) write one store; only the second to finish records it, and the
     shards are byte-identical to a single-process run's."""
-    from eagle3.runner import run
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
 
     base = ["extract.backend=hf", "extract.samples_per_shard=4", "progress=false"]
     for name in ("parts", "single"):
@@ -416,8 +416,8 @@ def test_full_disk_fails_the_stage_cleanly(tmp_path, compose, tiny_llama_dir, ch
     import errno
 
     import eagle3.extract.writer as writer_mod
-    from eagle3.runner import run
     from eagle3.manifest import Manifest
+    from eagle3.runner import run
     from eagle3.store import StoreWriteError
 
     _prepared(compose, tmp_path, tiny_llama_dir, chats, "full")

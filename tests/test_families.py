@@ -25,8 +25,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import build_tiny_family
+
 from eagle3.config import ExtractConfig
 from eagle3.extract import Samples, extract_store
 from eagle3.store import StoreLayout, open_hidden_states

@@ -53,7 +53,7 @@ def test_not_a_gguf_fails_and_leaves_nothing(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all" * 100)
     targets = tmp_path / "targets"
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises; what matters is what is left
         convert_gguf(bad, targets)
     assert [p.name for p in targets.iterdir() if not p.name.startswith(".gguf_sha256")
             and not p.name.endswith(".lock")] == []

@@ -1,13 +1,11 @@
 """The notebooks run against a tiny real pipeline's outputs and are stored without outputs."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import chat_records, write_jsonl
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))

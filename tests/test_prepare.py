@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import chat_records, write_jsonl
-from eagle3.runner import run
+
 from eagle3.data.vocab import build_vocab_mapping
 from eagle3.manifest import Manifest
+from eagle3.runner import run
 
 
 @pytest.fixture

@@ -11,8 +11,16 @@ import torch
 
 from eagle3.extract.layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 from eagle3.extract.writer import CapturedBatch, ShardWriter
-from eagle3.store import (ShardPlan, StoreError, StoreLayout, StoreWriteError, completed_shard, finalize_store,
-                          open_hidden_states, shard_ranges)
+from eagle3.store import (
+    ShardPlan,
+    StoreError,
+    StoreLayout,
+    StoreWriteError,
+    completed_shard,
+    finalize_store,
+    open_hidden_states,
+    shard_ranges,
+)
 
 H = 16
 LAYOUT = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype="float32", target_hash="t" * 64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import chat_records, write_jsonl
+
 from eagle3.manifest import Manifest
 from eagle3.runner import run
 from eagle3.tracking import Tracker, read_offline_run

@@ -6,11 +6,10 @@ import json
 import torch
 
 from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, VLLM_CONFIG_FILE
-from eagle3.runner import run
-from eagle3.config import (Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig,
-                           TrainConfig)
+from eagle3.config import Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig, TrainConfig
 from eagle3.manifest import Manifest
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+from eagle3.runner import run
 
 
 def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, capsys):
@@ -76,9 +75,8 @@ def test_train_stage_under_two_processes(tiny_llama_dir, tmp_path):
     import subprocess
     import sys
 
-    from safetensors.torch import load_file
-
     from conftest import chat_records, write_jsonl
+    from safetensors.torch import load_file
 
     data = write_jsonl(tmp_path / "c.jsonl", chat_records(24))
     common = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp_path / 'ws'}", "experiment=mp",

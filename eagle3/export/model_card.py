@@ -63,7 +63,7 @@ def model_card(meta: dict, facts: dict) -> str:
                          f"(over {ng['num_drafts']} steps with a match) | {_fmt(ng['tokens_per_step'])} |")
         pos = ", ".join(_fmt(p) for p in facts.get("acceptance_per_position", []))
         lines += ["", f"Per-position acceptance at k={facts['k']}: {pos}.",
-                  f"Lossless: speculative output equals plain greedy output token for token on every prompt."]
+                  "Lossless: speculative output equals plain greedy output token for token on every prompt."]
         if facts.get("train_expected_acceptance_length") is not None:
             lines.append(f"The train stage expected {_fmt(facts['train_expected_acceptance_length'])} at k={facts['k']} "
                          f"from its held-out (teacher-forced) accuracies.")

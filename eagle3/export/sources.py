@@ -19,7 +19,6 @@ from .checkpoint import MAPPING_NAMES, DraftCheckpoint
 from .errors import ExportError
 
 
-
 def _draft_config(d: dict) -> Eagle3DraftConfig:
     names = {f.name for f in dataclasses.fields(Eagle3DraftConfig)}
     return Eagle3DraftConfig(**{k: v for k, v in d.items() if k in names})
@@ -29,9 +28,8 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     """The train run's draft with layer ids, vocabulary mapping and sizes checked against the manifest."""
     from safetensors.torch import load_file
 
-    from ..data.vocab import load_vocab
-
     from ..artifacts import VOCAB_FILE
+    from ..data.vocab import load_vocab
 
     facts = train_rec.facts
     weights = train_rec.path(DRAFT_FILE)

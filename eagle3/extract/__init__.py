@@ -19,8 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..store import (ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards,
-                     shard_ranges)
+from ..store import ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
 from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 

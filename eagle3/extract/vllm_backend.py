@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 from ..errors import Eagle3Error

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import heapq
-import json
 import mmap
 import os
 import queue

@@ -16,9 +16,8 @@ run its own attention over the keys of all steps in between (eagle3/train/ttt.py
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from dataclasses import asdict, dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn as nn

@@ -27,7 +27,6 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-
 BACKENDS = ("flex", "flex_stacked", "sdpa")
 
 

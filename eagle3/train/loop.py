@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..atomic import atomic_write_bytes, atomic_write_text
 from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
+from ..atomic import atomic_write_bytes, atomic_write_text
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint

@@ -131,8 +131,9 @@ class ExtractFacts(Facts):
     def checks_line(self) -> str:
         """The checks in one line for a person (end of extraction, ``stage=status``, export's warning)."""
         parts = []
-        figs = ", ".join(f"{s} {a['rate']:.4f} ({a['positions']} positions)"
-                         for s, a in (self.agreement or {}).items() if a.get("rate") is not None)
+        splits = sorted(self.agreement or {}, key=lambda s: (s != "train", s != "eval", s))  # JSON sorts keys
+        figs = ", ".join(f"{s} {self.agreement[s]['rate']:.4f} ({self.agreement[s]['positions']} positions)"
+                         for s in splits if self.agreement[s].get("rate") is not None)
         if figs:
             rule = (f"required >= {self.agreement_threshold:g}: answers regenerated greedily by the target"
                     if self.agreement_threshold else "reported only: answers not regenerated greedily by the target")

@@ -286,7 +286,7 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 def model_bytes(target_path, target_config: dict, dtype: str) -> int:
     """Bytes of the target's weights in ``dtype``: its safetensors (or .bin) files, rescaled from the
     checkpoint's dtype."""
-    files = [p for p in Path(target_path).iterdir() if p.suffix in (".safetensors", ".bin")]
+    files = sorted(Path(target_path).glob("*.safetensors")) or sorted(Path(target_path).glob("*.bin"))
     size = sum(p.stat().st_size for p in files)
     text = target_config.get("text_config", target_config)
     ckpt = str(text.get("torch_dtype") or text.get("dtype") or target_config.get("torch_dtype") or "").replace(

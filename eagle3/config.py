@@ -213,9 +213,9 @@ class ExtractConfig:
     state, through the target's final norm and lm_head, must predict the next token. Cheap for any
     target size (only the norm and lm_head are read). 0 = off."""
     min_agreement: float = 0.9
-    """The agreement every split must reach when the answers were regenerated greedily by the
-    target (prepare.regenerate with prepare.regen.temperature=0), else the stage fails naming the
-    likely causes. Correct stores measured 0.98-1.0 (README, "Checks on every run"). On other data
+    """The agreement every split (of at least 100 sampled positions) must reach when the answers
+    were regenerated greedily by the target (prepare.regenerate with prepare.regen.temperature=0),
+    else the stage fails naming the likely causes. Correct stores measured 0.98-1.0 (README, "Checks on every run"). On other data
     the figure (the target's own top-1 accuracy) is reported, never enforced. 0 = never enforce."""
     verify_samples: int = 4
     """Parity sample: this many seeded-random samples re-extracted alone with the transformers

@@ -143,4 +143,3 @@ def run(cfg, manifest):
     log.info("extract: part %d of %d completed the store at %s", p, n, job.out_dir)
     print(f"extract: {job.record.facts.checks_line()}")
     return job.record
-

@@ -206,9 +206,30 @@ class ExtractConfig:
     """This process's part, in [0, num_shards)."""
     splits: List[str] = field(default_factory=lambda: ["train", "eval"])
     """The prepared dataset's splits to extract."""
+    # -- checks of the finished store (eagle3/extract/checks.py): they read the store, never change
+    # its bytes, hence are not hashed; a store that fails stays on disk and is re-checked on a re-run
+    agreement_positions: int = 2048
+    """Target agreement: assistant positions sampled (seeded) per split at which the stored last
+    state, through the target's final norm and lm_head, must predict the next token. Cheap for any
+    target size (only the norm and lm_head are read). 0 = off."""
+    min_agreement: float = 0.9
+    """The agreement every split (of at least 100 sampled positions) must reach when the answers
+    were regenerated greedily by the target (prepare.regenerate with prepare.regen.temperature=0),
+    else the stage fails naming the likely causes. Correct stores measured 0.98-1.0 (README, "Checks on every run"). On other data
+    the figure (the target's own top-1 accuracy) is reported, never enforced. 0 = never enforce."""
+    verify_samples: int = 4
+    """Parity sample: this many seeded-random samples re-extracted alone with the transformers
+    backend (also when extract.backend=hf: no batching then) and compared with the stored rows,
+    layer by layer; skipped, saying so, when the target does not fit in this machine's memory.
+    0 = off."""
+    parity_tolerance: float = 0.0
+    """Largest relative error (max |stored - transformers| / max |transformers| per layer and
+    sample) the parity sample accepts; 0 = by dtype (float32 1e-3, float16 5e-2, bfloat16 1e-1; the
+    coarser of the target's and the store's; eagle3/extract/checks.py says what was measured)."""
 
     NON_SEMANTIC = ("tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs",
-                    "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index")
+                    "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index",
+                    "agreement_positions", "min_agreement", "verify_samples", "parity_tolerance")
 
     def __post_init__(self):
         from .extract.backend import BACKENDS  # the registry: a new backend is valid once registered there
@@ -222,6 +243,11 @@ class ExtractConfig:
             raise ValueError(f"extract.shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"extract.layer_ids has duplicates: {list(self.layer_ids)}")
+        _check_positive("extract.agreement_positions", self.agreement_positions, allow_zero=True)
+        if not 0.0 <= self.min_agreement <= 1.0:
+            raise ValueError(f"extract.min_agreement must be in [0, 1], got {self.min_agreement}")
+        _check_positive("extract.verify_samples", self.verify_samples, allow_zero=True)
+        _check_positive("extract.parity_tolerance", self.parity_tolerance, allow_zero=True)
 
 
 @dataclass

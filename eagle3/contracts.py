@@ -11,7 +11,10 @@ What this module deliberately does not do: it runs nothing and imports nothing h
 so the CLI's ``--help`` and ``stage=status`` stay instant.
 
 Changing a field here changes the manifest's format: bump ``eagle3.manifest.SCHEMA_VERSION`` and
-teach :func:`upgrade_facts` to read the previous version.
+teach :func:`upgrade_facts` to read the previous version. Adding an optional field with a default
+does not: an older manifest lacks it and reads as the default (``Facts.from_json`` fills in only
+the keys present), as ``ExtractFacts.agreement``/``agreement_threshold``/``parity`` were added
+(None in runs recorded before the store checks existed).
 """
 from __future__ import annotations
 
@@ -104,11 +107,46 @@ class ExtractFacts(Facts):
     bytes_per_token: int                # store bytes per token (hidden states + ids + mask)
     num_samples: dict = field(default_factory=dict)   # split -> samples
     num_tokens: dict = field(default_factory=dict)    # split -> tokens
+    # -- the store's checks (eagle3.extract.checks); None in runs recorded before they existed ----
+    # split -> {"positions", "agreeing", "rate", "samples"}: how often the stored last state, through
+    # the target's final norm and lm_head, predicts the next token at sampled assistant positions
+    agreement: Optional[dict] = None
+    # the extract.min_agreement the rates were held to (answers regenerated greedily by the target);
+    # None when they were only reported (other data, or extract.min_agreement=0)
+    agreement_threshold: Optional[float] = None
+    # the parity sample against transformers: {"samples", "worst" (layer -> relative error),
+    # "worst_sample", "max", "tolerance", "dtype", "reference"}, or {"skipped": why}
+    parity: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)
         out.update({f"{prefix}/tokens_{split}": n for split, n in self.num_tokens.items()})
+        for split, a in (self.agreement or {}).items():
+            if a.get("rate") is not None:
+                out[f"{prefix}/agreement_{split}"] = a["rate"]
+        if self.parity and self.parity.get("max") is not None:
+            out[f"{prefix}/parity_max_rel_error"] = self.parity["max"]
         return out
+
+    def checks_line(self) -> str:
+        """The checks in one line for a person (end of extraction, ``stage=status``, export's warning)."""
+        parts = []
+        splits = sorted(self.agreement or {}, key=lambda s: (s != "train", s != "eval", s))  # JSON sorts keys
+        figs = ", ".join(f"{s} {self.agreement[s]['rate']:.4f} ({self.agreement[s]['positions']} positions)"
+                         for s in splits if self.agreement[s].get("rate") is not None)
+        if figs:
+            rule = (f"required >= {self.agreement_threshold:g}: answers regenerated greedily by the target"
+                    if self.agreement_threshold else "reported only: answers not regenerated greedily by the target")
+            parts.append(f"target agreement {figs} ({rule})")
+        p = self.parity or {}
+        if p.get("max") is not None:
+            parts.append(f"parity with transformers on {len(p.get('samples', []))} samples: worst relative error "
+                         f"{p['max']:.2g} (tolerance {p.get('tolerance', float('nan')):g}, {p.get('dtype')})")
+        elif p.get("skipped"):
+            parts.append(f"no parity sample ({p['skipped']})")
+        if self.agreement is None and self.parity is None:
+            parts.append("no checks recorded (a store extracted before eagle3 checked stores)")
+        return "; ".join(parts)
 
 
 @dataclass

@@ -41,6 +41,8 @@ def _facts_line(stage: str, facts) -> str:
              "extract": ("layer_ids", "store_dtype", "bytes_per_token"),
              "export": ("format", "acceptance_length")}.get(stage, ())
     parts = [f"{k}={getattr(facts, k)}" for k in shown if getattr(facts, k, None) is not None]
+    if stage == "extract":
+        parts.append(facts.checks_line())
     if stage == "train":
         parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
     return ", ".join(p for p in parts if p)

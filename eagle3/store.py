@@ -335,11 +335,8 @@ class HiddenStates(Sequence):
             self._offsets[k] = h.get_tensor("offsets").numpy()
         return h
 
-    def __getitem__(self, i):
-        import torch
-
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def _locate(self, i) -> tuple:
+        """(open shard, first row, end row) of sample ``i``."""
         i = int(i)
         if i < 0:
             i += len(self)
@@ -349,7 +346,37 @@ class HiddenStates(Sequence):
         h = self._handle(k)
         off = self._offsets[k]
         j = i - self._firsts[k]
-        a, b = int(off[j]), int(off[j + 1])
+        return h, int(off[j]), int(off[j + 1])
+
+    def tokens(self, i):
+        """(input_ids int64 [T], loss_mask bool [T]) of sample ``i``, without reading its hidden states."""
+        import torch
+
+        h, a, b = self._locate(i)
+        return h.get_slice("input_ids")[a:b].to(torch.int64), h.get_slice("loss_mask")[a:b].to(torch.bool)
+
+    def rows(self, i, name: str, positions):
+        """The rows of tensor ``name`` (e.g. ``last_hidden_state``) at token ``positions`` of sample
+        ``i``, stacked: one small read per position, not the whole sample."""
+        import torch
+
+        h, a, b = self._locate(i)
+        sl = h.get_slice(name)
+        out = []
+        for t in positions:
+            t = int(t)
+            if not 0 <= t < b - a:
+                raise IndexError(f"position {t} out of range for sample {i} of {b - a} tokens")
+            out.append(sl[a + t:a + t + 1])
+        return torch.cat(out) if out else sl[a:a]
+
+    def __getitem__(self, i):
+        import torch
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i) + (len(self) if int(i) < 0 else 0)
+        h, a, b = self._locate(i)
         return {"input_ids": h.get_slice("input_ids")[a:b].to(torch.int64),
                 "loss_mask": h.get_slice("loss_mask")[a:b].to(torch.bool),
                 "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],

@@ -73,7 +73,8 @@ def run(cfg, manifest):
                 reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
                 max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
                 tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress))
-        _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens)
+        store = inputs.get("extract") if ckpt.source.get("kind") == "train" else None
+        _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens, store)
         meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
                 "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
                     "architectures"), "dtype": dtype, "source": ckpt.source,
@@ -94,18 +95,24 @@ def run(cfg, manifest):
     return job.record
 
 
-def _compare_with_training(facts: dict, source: dict, k: int) -> None:
-    """The train stage's acceptance estimate (teacher-forced, on its eval split) next to vLLM's."""
+def _compare_with_training(facts: dict, source: dict, k: int, store=None) -> None:
+    """The train stage's acceptance estimate (teacher-forced, on its eval split) next to vLLM's.
+    ``store``: the extract run the draft was trained on, whose checks the warning quotes."""
     expected = source.get("train_expected_acceptance_length") or []
     if "acceptance_length" not in facts or len(expected) < k or expected[k - 1] is None:
         return
     facts["train_expected_acceptance_length"] = round(float(expected[k - 1]), 4)
     if facts["acceptance_length"] - 1 < 0.5 * (expected[k - 1] - 1):
+        checks = ""
+        if store is not None and store.facts is not None:
+            checks = (f" The hidden states it was trained on (extract run {store.config_hash[:12]}): "
+                      f"{store.facts.checks_line()}; a low agreement or a large parity error there means the draft "
+                      f"learnt from states the target does not produce when serving.")
         log.warning("export: vLLM accepts %.3f tokens per step at k=%d, the train stage expected %.3f from its "
                     "held-out accuracies. Both measure the same draft (the offline evaluator agrees with vLLM), so the "
                     "served prompts differ from the training data: responses not written by the target (use "
-                    "prepare.regenerate=true), another chat template, or another domain.",
-                    facts["acceptance_length"], k, expected[k - 1])
+                    "prepare.regenerate=true), another chat template, or another domain.%s",
+                    facts["acceptance_length"], k, expected[k - 1], checks)
 
 
 def _print_summary(rec) -> None:

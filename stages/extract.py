@@ -13,6 +13,13 @@ config hash for that reason. For example, four SLURM tasks:
 
     python -m eagle3 -m stage=extract extract.num_shards=4 extract.shard_index=0,1,2,3 \
         hydra/launcher=submitit_slurm
+
+Checks (eagle3/extract/checks.py), in this order: refuse a known-bad engine/target combination
+before any engine or job exists; extract; check the finished store (target agreement, and the
+parity sample against transformers where the target fits); record. A failed check fails the run
+(nothing is marked complete) with a message naming the figure, the threshold, the likely causes and
+the override; the figures of a passing store are facts (``ExtractFacts.agreement``, ``parity``),
+printed at the end and shown by ``stage=status``.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ def run(cfg, manifest):
     from eagle3.artifacts import DATASET_DIR
     from eagle3.contracts import ExtractFacts
     from eagle3.extract import DatasetSamples, extract_store, resolve_layer_ids, resolve_store_dtype
+    from eagle3.extract.checks import check_store, refuse_known_bad
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
     from eagle3.store import FORMAT, StoreLayout
@@ -57,6 +65,7 @@ def run(cfg, manifest):
                             f"would be read by another vocabulary. Re-run `python -m eagle3 stage=prepare`.")
     L, H = target.num_hidden_layers, target.hidden_size
     layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
+    refuse_known_bad(target.config, ecfg.backend, layer_ids)  # before any engine or job exists
     target_dtype = target.run_dtype(cfg.target.dtype)
     store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype)
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
@@ -89,13 +98,19 @@ def run(cfg, manifest):
                              target_dtype=target_dtype, ecfg=ecfg, num_processes=num_processes,
                              process_index=process_index, progress=cfg.progress)
 
+    regen = prep.facts.regen or {}
+    greedy = bool(prep.facts.regenerated) and float(regen.get("temperature", 0.0)) == 0.0
+
     def record(result):
+        agreement, threshold, parity = check_store(job.out_dir, list(splits), layout, target.path, target.config,
+                                                   target_dtype, ecfg, greedy=greedy, prepare_run=prep.config_hash)
         _record_outputs(job, splits)
         job.facts = ExtractFacts(layer_ids=list(layer_ids), last_layer_id=L, hidden_size=H, store_dtype=store_dtype,
                                  target_dtype=target_dtype, backend=ecfg.backend, store_format=FORMAT,
                                  bytes_per_token=layout.bytes_per_token,
                                  num_samples={s: len(v) for s, v in splits.items()},
-                                 num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()})
+                                 num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()},
+                                 agreement=agreement, agreement_threshold=threshold, parity=parity)
 
     if ecfg.num_shards == 1:
         with job:
@@ -105,6 +120,7 @@ def run(cfg, manifest):
             record(result)
         log.info("extract: store complete at %s (%s)", job.out_dir,
                  ", ".join(f"{s}: {len(v)} samples" for s, v in splits.items()))
+        print(f"extract: {job.record.facts.checks_line()}")
         return job.record
 
     p, n = ecfg.shard_index, ecfg.num_shards
@@ -125,4 +141,5 @@ def run(cfg, manifest):
         with job:
             record(result)
     log.info("extract: part %d of %d completed the store at %s", p, n, job.out_dir)
+    print(f"extract: {job.record.facts.checks_line()}")
     return job.record

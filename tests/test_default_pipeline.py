@@ -85,6 +85,10 @@ def test_manifest_records_what_the_default_does(default_run):
     assert ext.facts.backend == "vllm" and len(ext.facts.layer_ids) == 3
     assert ext.facts.store_dtype == "float32" and ext.facts.target_dtype == "float32"
     assert ext.facts.num_tokens["train"] == prep.facts.tokens - ext.facts.num_tokens["eval"]
+    # the answers were regenerated greedily by the target: the store was held to the agreement threshold
+    assert ext.facts.agreement_threshold == default.extract.min_agreement
+    assert ext.facts.agreement["train"]["rate"] >= default.extract.min_agreement
+    assert ext.facts.parity["max"] <= ext.facts.parity["tolerance"] == 1e-3
 
     S = default.train.ttt_steps
     assert tr.facts.steps == 12 and tr.facts.ttt_steps == S
@@ -103,6 +107,7 @@ def test_manifest_records_what_the_default_does(default_run):
 
 def test_summary_table_prints(default_run):
     _, out, _ = default_run
+    assert "extract: target agreement train " in out and "parity with transformers on 4 samples" in out
     for title in ("eagle3 pipeline", "draft after training", "served by vLLM on held-out prompts"):
         assert title in out, f"missing table {title!r} in:\n{out[-3000:]}"
     for stage in ("prepare", "extract", "train", "export"):

@@ -8,7 +8,9 @@ every split exists, whichever process wrote them.
 Backends (``extract.backend``, registered in ``backend.BACKENDS``, all implementing
 ``backend.Extractor``): ``vllm`` (default; vllm_backend + vllm_worker), ``vllm_connector`` (vLLM's
 extract_hidden_states + hidden-states connector), ``hf`` (transformers reference). Each supplies
-what a shard's samples produce; the shard loop is ``writer.write_shards``.
+what a shard's samples produce; the shard loop is ``writer.write_shards``. The checks of a finished
+store (target agreement, the parity sample) and the refusals before an engine starts are in
+``checks``.
 """
 from __future__ import annotations
 

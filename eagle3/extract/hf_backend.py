@@ -97,6 +97,14 @@ class HFExtractor:
         self._captured.clear()
         return aux, last
 
+    def states(self, input_ids) -> tuple:
+        """One sample alone, no padding: (aux [T, n_aux, H], last [T, H]) on the CPU in the store
+        dtype. The parity check's reference (eagle3.extract.checks)."""
+        import numpy as np
+
+        aux, last = self._forward([(0, np.asarray(input_ids, dtype=np.int64))])
+        return aux.cpu(), last.cpu()
+
     def _produce(self, plan: ShardPlan, progress):
         key = (plan.split, plan.k)
         # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.

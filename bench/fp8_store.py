@@ -9,7 +9,9 @@ the bf16 store, per stored layer, on real hidden states.
 - ``--target random-llama`` (GPU if there is one): the random Llama-3.1-8B-shaped model of
   bench/extract_hf.py in bf16, ``--samples`` x ``--length`` random tokens; the bf16 states are
   exact there. Quantised on the device (as the extraction does); the same states are also
-  quantised on the CPU and the bits compared.
+  quantised on the CPU and the bits compared. Then the same samples are extracted for real (hf
+  backend, HostStager, writer) into a bf16 and an fp8 store: the fp8 store's values and scales
+  must be the CPU quantisation of the bf16 store's states, bit for bit.
 
 Per layer (aux layers in vLLM's id convention, then the last, pre-norm): over all tokens, the
 relative L2 error of each token's row (||fp8 - bf16|| / ||bf16||), mean and max; and the
@@ -126,6 +128,41 @@ def random_llama(a, device):
             f"{a.samples} x {a.length} random tokens")
 
 
+def stores_check(model, layer_ids, last_id, seqs, dtype: str) -> dict:
+    """Extract ``seqs`` into a bf16 and an fp8 store with the hf backend (on the model's device);
+    compare the fp8 store (raw) with eagle3.fp8.quantize of the bf16 store's states on the CPU."""
+    import shutil
+    from types import SimpleNamespace
+
+    from eagle3.extract import Samples, extract_store
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.store import HiddenStates, StoreLayout
+
+    root = Path(tempfile.mkdtemp(prefix="eagle3-fp8-stores-"))
+    ids = [x.tolist() for x in seqs]
+    device = next(model.parameters()).device.type
+    cfg = SimpleNamespace(device=device, batch_size=len(ids), samples_per_shard=max(1, len(ids) // 2))
+    stores = {}
+    for st in ("bfloat16", "fp8"):
+        layout = StoreLayout(layer_ids=tuple(layer_ids), last_layer_id=last_id, hidden_size=model.config.hidden_size,
+                             dtype=st)
+        ex = HFExtractor(None, layout, dtype, cfg, model=model)
+        extract_store(root / st, {"train": Samples(ids)}, layout, backend="hf", target_path=None, target_dtype=dtype,
+                      ecfg=cfg, progress=False, extractor=ex)
+        ex.close()
+        stores[st] = HiddenStates(root / st, fp8="raw")
+    same, n = True, 0
+    for i in range(len(ids)):
+        ref, got = stores["bfloat16"][i], stores["fp8"][i]
+        for name, scales in (("aux_hidden_states", "aux_scales"), ("last_hidden_state", "last_scales")):
+            v, sc = quantize(ref[name])
+            same &= torch.equal(v.view(torch.uint8), got[name].view(torch.uint8))
+            same &= torch.equal(sc.view(torch.int32), got[scales].view(torch.int32))
+            n += v.numel()
+    shutil.rmtree(root, ignore_errors=True)
+    return {"equal": bool(same), "values": n}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", choices=("smollm2", "random-llama"), default="smollm2")
@@ -169,6 +206,7 @@ def main(argv=None):
            "bytes_per_token": {"bf16": 2 * (n_aux + 1) * H + 5, "fp8": (n_aux + 1) * (H + 4) + 5}}
     if bits["values"]:
         out["gpu_vs_cpu_bits"] = bits
+        out["stores_check"] = stores_check(model, layer_ids, last_id, seqs, "bfloat16")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], f"bench_fp8_store-{a.target}.json").write_text(json.dumps(out, indent=2))
@@ -189,6 +227,9 @@ def main(argv=None):
     if bits["values"]:
         print(f"GPU vs CPU quantisation of the same states: {'bit-identical' if bits['equal'] else 'DIFFERENT'} "
               f"({bits['values']} values, {bits['scales']} scales)")
+        sc = out["stores_check"]
+        print(f"fp8 store extracted on the GPU (hf backend) vs the CPU quantisation of the bf16 store extracted "
+              f"alike: {'bit-identical' if sc['equal'] else 'DIFFERENT'} ({sc['values']} values and their scales)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..store import ShardPlan, StoreLayout
-from .writer import CapturedBatch, HostStager, ShardWriter, write_shards
+from .writer import HostStager, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
 
@@ -64,9 +64,9 @@ class HFExtractor:
             self._captured[k] = output[0] if isinstance(output, (tuple, list)) else output
         return hook
 
-    def _forward(self, samples: list, segments: list) -> CapturedBatch:
-        """Padded batch of (j, ids) -> its rows (in sample order) as the store keeps them, staged to
-        the host (HostStager.capture).
+    def _forward(self, samples: list) -> tuple:
+        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample
+        order, the target's dtype: the stager converts or quantises them).
         Nothing here waits for the device: the rows are picked with an index built on the host
         (a boolean mask on the device would make the host wait for the forward to end)."""
         import numpy as np
@@ -94,22 +94,26 @@ class HFExtractor:
 
             aux = torch.stack([rows(self._captured[k]) for k in self.layout.layer_ids], dim=1)
             last = rows(self._captured[self.layout.last_layer_id])
-            # the store dtype, or fp8 values + scales, on the device (half the bytes to copy for fp8)
-            batch = self.stager.capture(segments, aux, last, self.layout)
         self._captured.clear()
-        return batch
+        return aux, last
 
     def _produce(self, plan: ShardPlan, progress):
+        import torch
+
         key = (plan.split, plan.k)
         # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
         order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]), key=lambda j: (-int(plan.lengths[j]), j))
         for a in range(0, len(order), self.batch_size):
             batch = [(j, plan.input_ids[j]) for j in order[a:a + self.batch_size]]
+            aux, last = self._forward(batch)
             segments, row = [], 0
             for j, x in batch:
                 segments.append((key, j, 0, row, row + len(x)))
                 row += len(x)
-            yield self._forward(batch, segments)
+            with torch.inference_mode():
+                # the store dtype, or fp8 values + scales, on the device (fp8: half the bytes to copy)
+                captured = self.stager.capture(segments, aux, last, self.layout)
+            yield captured
             progress.update(row)
 
     def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:

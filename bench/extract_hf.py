@@ -34,6 +34,7 @@ last; writes raw numbers to $OUT/bench_extract_hf[-TAG].json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -195,6 +196,8 @@ def install_profile(timers: Timers) -> None:
     for name in ("begin", "write", "end", "poll"):
         setattr(writer_mod.ShardWriter, name, timers.timed(getattr(writer_mod.ShardWriter, name), "producer_wait", True))
     writer_mod.HostStager.stage = timers.timed(writer_mod.HostStager.stage, "producer_wait", True)
+    if hasattr(writer_mod.HostStager, "capture"):  # the stager's entry since the fp8 store
+        writer_mod.HostStager.capture = timers.timed(writer_mod.HostStager.capture, "producer_wait", True)
     writer_mod.ShardWriter.close = timers.timed(writer_mod.ShardWriter.close, "close")
 
 
@@ -286,6 +289,8 @@ def main() -> None:
     ap.add_argument("--only-check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="breakdown of the writer path and this machine's ceilings")
     ap.add_argument("--code", default="", help="import eagle3 from this directory (another version)")
+    ap.add_argument("--store-dtype", default="bfloat16", help="the store's dtype: bfloat16 | fp8 | float16 | float32 "
+                    "(a variant may set its own: 'store=fp8')")
     ap.add_argument("--tag", default="", help="label of this run in the table and the JSON file name")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)
@@ -326,7 +331,7 @@ def main() -> None:
     dtype = torch.bfloat16
     model = random_base_model(a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.vocab, dtype, device)
     layout = StoreLayout(layer_ids=default_layer_ids(a.layers), last_layer_id=a.layers, hidden_size=a.hidden,
-                         dtype="bfloat16")
+                         dtype=a.store_dtype)
     rng = random.Random(0)
     ids = [[rng.randrange(a.vocab) for _ in range(a.length)] for _ in range(a.samples)]
     n_tokens = a.samples * a.length
@@ -352,7 +357,7 @@ def main() -> None:
         for item in filter(None, spec.split(",")):
             if item != "default":
                 k, v = item.split("=")
-                kw[k.strip()] = int(v)
+                kw[k.strip()] = v.strip() if k.strip() == "store" else int(v)
         return kw
 
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
@@ -365,16 +370,17 @@ def main() -> None:
 
         kw = variant(spec)
         depth = kw.pop("depth", None)
+        lay = dataclasses.replace(layout, dtype=kw.pop("store")) if "store" in kw else layout
         real = hb.ShardWriter
         if kw:
             hb.ShardWriter = functools.partial(real, **kw)
         try:
-            ex2 = HFExtractor(None, layout, "bfloat16", cfg, model=model)  # hooks installed afresh
+            ex2 = HFExtractor(None, lay, "bfloat16", cfg, model=model)  # hooks installed afresh
             if depth:
                 ex2.stager = writer_mod.HostStager(depth)
             store = root / f"store-{rep}-{variants.index(spec)}"
             shutil.rmtree(store, ignore_errors=True)
-            res = extract_store(store, {"train": Samples(ids)}, layout, backend="hf", target_path=None,
+            res = extract_store(store, {"train": Samples(ids)}, lay, backend="hf", target_path=None,
                                 target_dtype="bfloat16", ecfg=cfg, progress=False, extractor=ex2)
             ex2.close()
         finally:
@@ -386,8 +392,8 @@ def main() -> None:
     times = {k: [] for k in runs}
     prof: dict = {k: [] for k in runs}
     timeline = GpuTimeline(model) if a.profile and device == "cuda" else None
-    digests = []
-    size = 0
+    digests: dict = {k: [] for k in variants}
+    size: dict = {}
     for rep in range(a.reps):
         for what in (runs if rep % 2 == 0 else runs[::-1]):
             timers.take()
@@ -406,34 +412,35 @@ def main() -> None:
                 p = dict(timers.take(), **tl)
                 p["writer_cpu"] = (res.stats or {}).get("writer_cpu_s", float("nan"))
                 prof[what].append(p)
-                size = sum(f.stat().st_size for f in store.rglob("*.safetensors"))
-                digests.append(store_digest(store))
+                size[what] = sum(f.stat().st_size for f in store.rglob("*.safetensors"))
+                digests[what].append(store_digest(store))
                 if rep == a.reps - 1 and what == variants[0]:
                     verified, n_shards = verify_store(store)  # untimed: every file against its sidecar
                 shutil.rmtree(store, ignore_errors=True)
         print(f"rep {rep}: " + ", ".join(f"{k} {n_tokens / v[-1]:.0f} tok/s" for k, v in times.items()), flush=True)
     best = {k: min(v) for k, v in times.items()}
-    result.update(shape=vars(a), tokens=n_tokens, seconds=times, bytes_per_token=size / n_tokens,
+    result.update(shape=vars(a), tokens=n_tokens, seconds=times, bytes_per_token={k: size[k] / n_tokens for k in variants},
                   ratio={k: best["plain"] / best[k] for k in variants},
-                  write_gb_per_s={k: size / best[k] / 1e9 for k in variants}, profile=prof, store_digests=digests)
+                  write_gb_per_s={k: size[k] / best[k] / 1e9 for k in variants}, profile=prof, store_digests=digests)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         name = f"bench_extract_hf{'-' + a.tag if a.tag else ''}.json"
         (Path(os.environ["OUT"]) / name).write_text(json.dumps(result, indent=2))
     if not a.store_dir:
         shutil.rmtree(root, ignore_errors=True)
-    same = len(set(digests)) == 1
-    print(f"\nstore: {n_shards} shards, sidecar sha256 = file sha256 (re-hashed); digest {digests[-1][:16]} "
-          f"({'identical in every run' if same else 'DIFFERS between runs: ' + ' '.join(d[:16] for d in digests)})")
+    for k, ds in digests.items():
+        same = len(set(ds)) == 1
+        print(f"\nstore {k}: {n_shards} shards, sidecar sha256 = file sha256 (re-hashed); digest {ds[-1][:16]} "
+              f"({'identical in every run' if same else 'DIFFERS between runs: ' + ' '.join(d[:16] for d in ds)})")
     print(f"HF backend on {result['device']}: random Llama H={a.hidden} L={a.layers} bf16, {a.samples} x {a.length} "
-          f"tokens, batch {a.batch}, layers {list(layout.layer_ids)}+[{a.layers}], best of {a.reps}; "
+          f"tokens, batch {a.batch}, layers {list(layout.layer_ids)}+[{a.layers}], store {a.store_dtype}, best of {a.reps}; "
           f"{tag}: eagle3 from {Path(eagle3.__file__).parents[1]}")
     print(f"{'run':<44}{'tokens/s':>10}{'x plain':>9}{'B/token':>9}{'store GB/s':>12}")
     print(f"{'plain forward (base model)':<44}{n_tokens / best['plain']:>10.0f}")
     for k in variants:
         name = f"{tag} {k}" if k != "default" else f"{tag} (hooks+D2H+disk)"
         print(f"{name:<44}{n_tokens / best[k]:>10.0f}{result['ratio'][k]:>9.2f}"
-              f"{result['bytes_per_token']:>9.0f}{result['write_gb_per_s'][k]:>12.2f}")
+              f"{result['bytes_per_token'][k]:>9.0f}{result['write_gb_per_s'][k]:>12.2f}")
     if a.profile:
         print("breakdown of each row's best run, seconds (loop wait = forward loop inside stager/writer calls; "
               "tail = writer.close() after the last forward; the rest are thread-seconds, overlapping):")

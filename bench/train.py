@@ -13,6 +13,8 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
         # GPU time by kernel class and idle gaps; host-device syncs of a step; the train loop itself
     python bench/train.py --variants flex_compiled,flex_compiled+torchclip,flex_compiled+eagerhead
         # what folding the clip into AdamW and compiling the target head gain
+    python bench/train.py --variants flex_compiled,flex_compiled+fp8 --loop auto,auto+fp8
+        # the step fed from an fp8 store's values + scales (dequantised in the step) vs bf16
 
 Measurements and what made the difference: bench/train.md.
 
@@ -50,8 +52,23 @@ VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TT
 }
 # options appended to a variant name, for measuring what each part of the train loop's step gains:
 # "+torchclip": clip with torch.nn.utils.clip_grad_norm_ (a separate pass over the gradients)
-# instead of folding the clip into fused AdamW; "+eagerhead": the target head not compiled
-OPTIONS = ("torchclip", "eagerhead")
+# instead of folding the clip into fused AdamW; "+eagerhead": the target head not compiled;
+# "+fp8": the batch as an fp8 store gives it (float8 e4m3 states + float32 scales per token and
+# layer, eagle3.fp8), dequantised inside the step by model_inputs as in the train stage
+OPTIONS = ("torchclip", "eagerhead", "fp8")
+
+
+def to_fp8(batch: dict, n_aux: int) -> dict:
+    """A batch of bf16 states -> the same states as an fp8 store's collated batch (values + scales)."""
+    from eagle3.fp8 import quantize
+
+    out = dict(batch)
+    B, T, _ = batch["aux_hidden_states"].shape
+    aux = batch["aux_hidden_states"].view(B, T, n_aux, -1)
+    av, as_ = quantize(aux)
+    lv, ls = quantize(batch["last_hidden_state"])
+    out.update(aux_hidden_states=av.view(B, T, -1), aux_scales=as_, last_hidden_state=lv, last_scales=ls)
+    return out
 
 
 def make_config(a, vocab=None, draft_vocab=None) -> Eagle3DraftConfig:
@@ -141,6 +158,8 @@ def run_variant(a, name, device) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
                             weight_decay=0.0, fused=True)
     batches = [make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen) for _ in range(2)]
+    if "fp8" in opts:
+        batches = [to_fp8(b, cfg.num_aux_hidden_states) for b in batches]
     t0 = time.time()
     for i in range(a.warmup):
         train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
@@ -180,7 +199,12 @@ def run_variant(a, name, device) -> dict:
     phases = {p: statistics.median(marks[s * n + k].elapsed_time(marks[s * n + k + 1]) for s in range(a.steps))
               for k, p in enumerate(PHASES)}
     with torch.no_grad():
-        in_vocab = float(head.targets(batches[0]["last_hidden_state"], torch.bfloat16)[1].float().mean())
+        last = batches[0]["last_hidden_state"]
+        if "last_scales" in batches[0]:
+            from eagle3.fp8 import dequantize
+
+            last = dequantize(last, batches[0]["last_scales"])
+        in_vocab = float(head.targets(last, torch.bfloat16)[1].float().mean())
     if a.profile:
         profile_steps(model, head, batches[0], opt, fold)
     syncs = sync_check(model, head, batches[0], opt, fold) if a.sync_check else None
@@ -201,10 +225,11 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
 
 
-def loop_inputs(a, dtype=torch.bfloat16):
+def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
     shape (64 rows of ``a.seq`` tokens cycling over 4 distinct samples; no disk I/O) and a random
-    target head. Seeded: every process builds the same inputs."""
+    target head. Seeded: every process builds the same inputs. ``fp8``: the items as an fp8 store
+    read raw gives them (float8 values + float32 scales; the loop dequantises on the device)."""
     from eagle3.train.loop import TrainInputs
 
     cfg = make_config(a)
@@ -215,6 +240,11 @@ def loop_inputs(a, dtype=torch.bfloat16):
     for it in items:
         it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
         it["loss_mask"] = it["loss_mask"].bool()
+        if fp8:
+            from eagle3.fp8 import quantize
+
+            it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"])
+            it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"])
 
     class Store:
         lengths = np.full(64, a.seq)
@@ -263,7 +293,8 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     from eagle3.train.loop import train
 
-    inputs, tcfg = loop_inputs(a), loop_config(a, compile_mode)
+    mode, *opts = compile_mode.split("+")  # "auto+fp8": the store's items as fp8 values + scales
+    inputs, tcfg = loop_inputs(a, fp8="fp8" in opts), loop_config(a, mode)
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)

@@ -100,10 +100,10 @@ class ExtractFacts(Facts):
     layer_ids: list                     # aux layers, vLLM's convention (id k = stream entering layer k)
     last_layer_id: int                  # L: the final pre-norm state, stored beside the aux layers
     hidden_size: int
-    store_dtype: str                    # dtype of the stored values
+    store_dtype: str                    # dtype of the stored values (fp8: float8 e4m3 + float32 scales)
     target_dtype: str                   # dtype the target ran in
     backend: str                        # extract.backend that produced the states
-    store_format: str                   # eagle3.store.FORMAT
+    store_format: str                   # eagle3.store.FORMAT (FORMAT_FP8 for an fp8 store)
     bytes_per_token: int                # store bytes per token (hidden states + ids + mask)
     num_samples: dict = field(default_factory=dict)   # split -> samples
     num_tokens: dict = field(default_factory=dict)    # split -> tokens

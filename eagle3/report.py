@@ -45,6 +45,9 @@ def _facts_line(stage: str, facts) -> str:
         parts.append(facts.checks_line())
     if stage == "train":
         parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
+    if stage == "extract" and getattr(facts, "num_tokens", None):  # the store's size: tokens x bytes/token
+        tokens = sum(facts.num_tokens.values())
+        parts.append(f"tokens={tokens}, store={fmt_size(tokens * facts.bytes_per_token)}")
     return ", ".join(p for p in parts if p)
 
 

@@ -17,6 +17,20 @@ the token axis, with ``offsets`` (n + 1) marking where each sample starts:
     last_hidden_state  dtype [T, H]         layer ``last_layer_id`` = L: the final pre-norm state
     loss_mask          uint8 [T]
 
+A ``fp8`` store (format ``eagle3.hidden_states/2``, ``dtype`` "fp8"; eagle3.fp8 says how values
+are quantised) holds the states as float8 e4m3 with one float32 scale per token and layer::
+
+    offsets, sample_index, input_ids     as above
+    aux_hidden_states  F8_E4M3 [T, n_aux, H]
+    last_hidden_state  F8_E4M3 [T, H]
+    scales_pad         uint8 [p]         only where the fp8 bytes end unaligned (p = -T*(n_aux+1)*H mod 4)
+    aux_scales         float32 [T, n_aux]
+    last_scales        float32 [T]
+    loss_mask          uint8 [T]
+
+Readers that know only format ``/1`` refuse such a store (its format string), so fp8 values are
+never read as plain numbers; bf16/fp16/float32 stores keep format ``/1`` and the same bytes.
+
 A shard's bytes depend only on its samples, the target and the layer ids/dtype (no timestamps, a
 fixed header), so a resumed or scaled-out run writes the same files as one uninterrupted run.
 Shards are written to a temp file, fsync'ed, then renamed: a shard file that exists is complete.
@@ -38,7 +52,11 @@ from .atomic import atomic_write_json
 from .errors import Eagle3Error
 
 FORMAT = "eagle3.hidden_states/1"
-_ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}
+FORMAT_FP8 = "eagle3.hidden_states/2"  # float8 values + float32 scales (dtype "fp8")
+FORMATS = (FORMAT, FORMAT_FP8)
+_ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "fp8": ("F8_E4M3", 1)}
+# per-token tensors written as rows arrive (the rest of a shard is written when it is opened)
+ROW_TENSORS = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")
 
 
 class StoreError(Eagle3Error):
@@ -56,7 +74,7 @@ class StoreLayout:
     layer_ids: tuple          # aux layer ids, ascending
     last_layer_id: int        # L (num_hidden_layers): the final pre-norm state
     hidden_size: int
-    dtype: str                # float32 | bfloat16 | float16
+    dtype: str                # float32 | bfloat16 | float16 | fp8 (float8 e4m3 + a float32 scale per row)
     target_hash: str = ""     # identity of the target (eagle3.target), "" when unknown
 
     def __post_init__(self):
@@ -70,12 +88,21 @@ class StoreLayout:
         return _ST_DTYPES[self.dtype][1]
 
     @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def format(self) -> str:
+        return FORMAT_FP8 if self.is_fp8 else FORMAT
+
+    @property
     def n_aux(self) -> int:
         return len(self.layer_ids)
 
     @property
     def hidden_bytes_per_token(self) -> int:
-        return (self.n_aux + 1) * self.hidden_size * self.itemsize
+        """Values, and for fp8 the float32 scales (one per layer)."""
+        return (self.n_aux + 1) * (self.hidden_size * self.itemsize + (4 if self.is_fp8 else 0))
 
     @property
     def bytes_per_token(self) -> int:
@@ -83,7 +110,7 @@ class StoreLayout:
         return self.hidden_bytes_per_token + 5
 
     def metadata(self) -> dict:
-        return {"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids)),
+        return {"format": self.format, "layer_ids": ",".join(map(str, self.layer_ids)),
                 "last_layer_id": str(self.last_layer_id), "hidden_size": str(self.hidden_size),
                 "dtype": self.dtype, "target_hash": self.target_hash}
 
@@ -154,8 +181,13 @@ def shard_header(plan: ShardPlan, layout: StoreLayout) -> tuple[bytes, dict]:
     st_dtype = _ST_DTYPES[layout.dtype][0]
     specs = [("offsets", "I64", [n + 1], 8), ("sample_index", "I64", [n], 8), ("input_ids", "I32", [t], 4),
              ("aux_hidden_states", st_dtype, [t, layout.n_aux, layout.hidden_size], layout.itemsize),
-             ("last_hidden_state", st_dtype, [t, layout.hidden_size], layout.itemsize),
-             ("loss_mask", "U8", [t], 1)]
+             ("last_hidden_state", st_dtype, [t, layout.hidden_size], layout.itemsize)]
+    if layout.is_fp8:
+        # scales after the values (the stream hash follows the file's written prefix), 4-byte aligned
+        pad = -(t * (layout.n_aux + 1) * layout.hidden_size) % 4
+        specs += [("scales_pad", "U8", [pad], 1)] if pad else []
+        specs += [("aux_scales", "F32", [t, layout.n_aux], 4), ("last_scales", "F32", [t], 4)]
+    specs.append(("loss_mask", "U8", [t], 1))
     header, pos, rel = {}, 0, {}
     for name, dt, shape, size in specs:
         nbytes = int(np.prod(shape, dtype=np.int64)) * size
@@ -244,12 +276,12 @@ def finalize_store(store_dir: Path, layout: StoreLayout, split_lengths: dict, sa
                 raise StoreError(f"{split}/{rec['file']} covers samples {rec['first_sample']}+{rec['num_samples']}, "
                                  f"expected {first}+{count}; remove {store_dir} and extract again")
             shards.append(rec)
-        index = {"format": FORMAT, "split": split, "num_samples": len(lengths), "num_tokens": sum(lengths),
+        index = {"format": layout.format, "split": split, "num_samples": len(lengths), "num_tokens": sum(lengths),
                  "samples_per_shard": samples_per_shard, "shards": shards, "lengths": lengths}
         (store_dir / split).mkdir(parents=True, exist_ok=True)
         atomic_write_json(store_dir / split / INDEX_JSON, index)
         splits[split] = {"num_samples": len(lengths), "num_tokens": sum(lengths), "num_shards": len(shards)}
-    store = {"format": FORMAT, **layout.to_json(), "bytes_per_token": layout.bytes_per_token,
+    store = {"format": layout.format, **layout.to_json(), "bytes_per_token": layout.bytes_per_token,
              "samples_per_shard": samples_per_shard, "splits": splits}
     atomic_write_json(store_dir / STORE_JSON, store)
     return store
@@ -263,21 +295,35 @@ class HiddenStates(Sequence):
     ``input_ids`` int64 [T], ``loss_mask`` bool [T], ``aux_hidden_states`` [T, n_aux, H],
     ``last_hidden_state`` [T, H] (store dtype), ``sample_index`` int.
 
+    An fp8 store (``dtype`` "fp8") gives the states dequantised to float32 by default
+    (``fp8="dequantize"``: value x scale, computed in float32, eagle3.fp8.dequantize). With
+    ``fp8="raw"`` it gives the float8 e4m3 values as stored plus ``aux_scales`` float32 [T, n_aux]
+    and ``last_scales`` float32 [T] (what the train stage uses: it dequantises on the device); a
+    store of another dtype ignores the option. A scale that is missing, not finite or not positive
+    raises StoreError naming the shard.
+
     Reads are lazy: each item reads only its own rows from the memory-mapped shard (safetensors
     ``safe_open``), so stores far larger than RAM work. Safe to use from DataLoader workers (each
     process opens its own file handles)."""
 
     _MAX_OPEN = 32
 
-    def __init__(self, store_dir: str | Path, split: str = "train"):
+    def __init__(self, store_dir: str | Path, split: str = "train", fp8: str = "dequantize"):
+        if fp8 not in ("dequantize", "raw"):
+            raise ValueError(f"fp8 must be 'dequantize' or 'raw', got {fp8!r}")
+        self.fp8 = fp8
         self.store_dir = Path(store_dir)
         meta_path = self.store_dir / STORE_JSON
         if not meta_path.exists():
             raise StoreError(f"{self.store_dir} is not a complete hidden-state store (no {STORE_JSON}): the "
                              f"extraction has not finished. Run `python -m eagle3 stage=extract` (it resumes).")
         self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise StoreError(f"{meta_path} has format {self.meta.get('format')!r}; this eagle3 reads {FORMAT!r}")
+        fmt = self.meta.get("format")
+        if fmt not in FORMATS:
+            raise StoreError(f"{meta_path} has format {fmt!r}; this eagle3 reads {list(FORMATS)}")
+        if (fmt == FORMAT_FP8) != (self.meta.get("dtype") == "fp8"):
+            raise StoreError(f"{meta_path} has format {fmt!r} but dtype {self.meta.get('dtype')!r}: it was not "
+                             f"written by eagle3; re-run extract")
         if split not in self.meta["splits"]:
             raise StoreError(f"split {split!r} is not in {self.store_dir} (it has {sorted(self.meta['splits'])})")
         self.split = split
@@ -311,6 +357,10 @@ class HiddenStates(Sequence):
         return self.meta["dtype"]
 
     @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
@@ -325,7 +375,9 @@ class HiddenStates(Sequence):
             self._pid = os.getpid()
         h = self._handles.get(k)
         if h is None:
-            h = safe_open(str(self.store_dir / self.split / self.index["shards"][k]["file"]), framework="pt")
+            path = self.store_dir / self.split / self.index["shards"][k]["file"]
+            h = safe_open(str(path), framework="pt")
+            self._check_shard(path, h)
             self._handles[k] = h
             if len(self._handles) > self._MAX_OPEN:
                 self._handles.popitem(last=False)
@@ -335,8 +387,32 @@ class HiddenStates(Sequence):
             self._offsets[k] = h.get_tensor("offsets").numpy()
         return h
 
+    def _check_shard(self, path: Path, h) -> None:
+        """The shard holds what store.json says (format, dtype; an fp8 shard its scales)."""
+        meta = h.metadata() or {}
+        if meta.get("format") != self.meta["format"] or meta.get("dtype") != self.dtype:
+            raise StoreError(f"shard {path} has format {meta.get('format')!r}, dtype {meta.get('dtype')!r} but the "
+                             f"store is {self.meta['format']!r}, {self.dtype!r}: it was not written by this "
+                             f"extraction; re-run extract")
+        if self.is_fp8:
+            missing = [n for n in ("aux_scales", "last_scales") if n not in h.keys()]
+            if missing:
+                raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised; "
+                                 f"re-run extract")
+
+    def _scales(self, h, name: str, a: int, b: int, k: int, i: int):
+        from .fp8 import bad_scales
+
+        s = h.get_slice(name)[a:b]
+        n = bad_scales(s)
+        if n:
+            raise StoreError(f"fp8 shard {self.store_dir / self.split / self.index['shards'][k]['file']}: {n} of "
+                             f"the {name} of sample {i} are not finite and positive; the shard is corrupt, re-run "
+                             f"extract")
+        return s
+
     def _locate(self, i) -> tuple:
-        """(open shard, first row, end row) of sample ``i``."""
+        """(open shard, its index k, first row, end row) of sample ``i``."""
         i = int(i)
         if i < 0:
             i += len(self)
@@ -346,28 +422,41 @@ class HiddenStates(Sequence):
         h = self._handle(k)
         off = self._offsets[k]
         j = i - self._firsts[k]
-        return h, int(off[j]), int(off[j + 1])
+        return h, k, int(off[j]), int(off[j + 1])
 
     def tokens(self, i):
         """(input_ids int64 [T], loss_mask bool [T]) of sample ``i``, without reading its hidden states."""
         import torch
 
-        h, a, b = self._locate(i)
+        h, _, a, b = self._locate(i)
         return h.get_slice("input_ids")[a:b].to(torch.int64), h.get_slice("loss_mask")[a:b].to(torch.bool)
 
     def rows(self, i, name: str, positions):
-        """The rows of tensor ``name`` (e.g. ``last_hidden_state``) at token ``positions`` of sample
-        ``i``, stacked: one small read per position, not the whole sample."""
+        """The rows of tensor ``name`` (``last_hidden_state`` or ``aux_hidden_states``) at token
+        ``positions`` of sample ``i``, stacked: one small read per position, not the whole sample.
+        An fp8 store's rows come dequantised (float32), as ``self[i]`` gives them by default."""
         import torch
 
-        h, a, b = self._locate(i)
+        h, k, a, b = self._locate(i)
         sl = h.get_slice(name)
+        scales = h.get_slice(name.replace("_hidden_states", "_scales").replace("_hidden_state", "_scales")) \
+            if self.is_fp8 else None
         out = []
         for t in positions:
             t = int(t)
             if not 0 <= t < b - a:
                 raise IndexError(f"position {t} out of range for sample {i} of {b - a} tokens")
-            out.append(sl[a + t:a + t + 1])
+            row = sl[a + t:a + t + 1]
+            if scales is not None:
+                from .fp8 import bad_scales, dequantize
+
+                s = scales[a + t:a + t + 1]
+                if bad_scales(s):
+                    raise StoreError(f"fp8 shard {self.store_dir / self.split / self.index['shards'][k]['file']}: "
+                                     f"a scale of {name} of sample {i} is not finite and positive; the shard is "
+                                     f"corrupt, re-run extract")
+                row = dequantize(row, s)
+            out.append(row)
         return torch.cat(out) if out else sl[a:a]
 
     def __getitem__(self, i):
@@ -375,13 +464,24 @@ class HiddenStates(Sequence):
 
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        h, k, a, b = self._locate(i)
         i = int(i) + (len(self) if int(i) < 0 else 0)
-        h, a, b = self._locate(i)
-        return {"input_ids": h.get_slice("input_ids")[a:b].to(torch.int64),
+        item = {"input_ids": h.get_slice("input_ids")[a:b].to(torch.int64),
                 "loss_mask": h.get_slice("loss_mask")[a:b].to(torch.bool),
                 "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],
                 "last_hidden_state": h.get_slice("last_hidden_state")[a:b],
                 "sample_index": i}
+        if self.is_fp8:
+            aux_s = self._scales(h, "aux_scales", a, b, k, i)
+            last_s = self._scales(h, "last_scales", a, b, k, i)
+            if self.fp8 == "raw":
+                item.update(aux_scales=aux_s, last_scales=last_s)
+            else:
+                from .fp8 import dequantize
+
+                item["aux_hidden_states"] = dequantize(item["aux_hidden_states"], aux_s)
+                item["last_hidden_state"] = dequantize(item["last_hidden_state"], last_s)
+        return item
 
     def __repr__(self) -> str:
         return (f"HiddenStates({self.store_dir}, split={self.split!r}, samples={len(self)}, tokens={self.num_tokens}, "
@@ -409,6 +509,7 @@ def resolve_store_dir(path: str | Path) -> Path:
                      f"(no {MANIFEST_NAME})")
 
 
-def open_hidden_states(path: str | Path, split: str = "train") -> HiddenStates:
-    """The hidden states of ``split`` in a store, an extract run dir or an experiment dir."""
-    return HiddenStates(resolve_store_dir(path), split)
+def open_hidden_states(path: str | Path, split: str = "train", fp8: str = "dequantize") -> HiddenStates:
+    """The hidden states of ``split`` in a store, an extract run dir or an experiment dir. An fp8
+    store's states come dequantised to float32 (``fp8="raw"``: values + scales; see HiddenStates)."""
+    return HiddenStates(resolve_store_dir(path), split, fp8=fp8)

@@ -42,6 +42,18 @@ def _record_outputs(job, splits) -> None:
     job.add_output(out / STORE_JSON)
 
 
+def _print_size(out_dir, layout, splits) -> None:
+    """Bytes per token, the store's size on disk, and what a data set of this size needs."""
+    from eagle3.report import fmt_size
+
+    tokens = sum(int(v.lengths.sum()) for v in splits.values())
+    size = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+    print(f"extract: {layout.dtype} store, {layout.bytes_per_token} bytes/token "
+          f"((n_aux+1) x H = {layout.n_aux + 1} x {layout.hidden_size}); {tokens} tokens, {fmt_size(size)} on disk "
+          f"at {out_dir} (a data set of N tokens needs about N x {layout.bytes_per_token} B: "
+          f"{fmt_size(1e9 * layout.bytes_per_token)} per billion tokens)")
+
+
 def run(cfg, manifest):
     from filelock import FileLock, Timeout
 
@@ -51,7 +63,7 @@ def run(cfg, manifest):
     from eagle3.extract.checks import check_store, refuse_known_bad
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
-    from eagle3.store import FORMAT, StoreLayout
+    from eagle3.store import StoreLayout
     from eagle3.target import resolve
 
     ecfg = cfg.extract
@@ -106,7 +118,7 @@ def run(cfg, manifest):
                                                    target_dtype, ecfg, greedy=greedy, prepare_run=prep.config_hash)
         _record_outputs(job, splits)
         job.facts = ExtractFacts(layer_ids=list(layer_ids), last_layer_id=L, hidden_size=H, store_dtype=store_dtype,
-                                 target_dtype=target_dtype, backend=ecfg.backend, store_format=FORMAT,
+                                 target_dtype=target_dtype, backend=ecfg.backend, store_format=layout.format,
                                  bytes_per_token=layout.bytes_per_token,
                                  num_samples={s: len(v) for s, v in splits.items()},
                                  num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()},
@@ -120,6 +132,7 @@ def run(cfg, manifest):
             record(result)
         log.info("extract: store complete at %s (%s)", job.out_dir,
                  ", ".join(f"{s}: {len(v)} samples" for s, v in splits.items()))
+        _print_size(job.out_dir, layout, splits)
         print(f"extract: {job.record.facts.checks_line()}")
         return job.record
 
@@ -141,5 +154,6 @@ def run(cfg, manifest):
         with job:
             record(result)
     log.info("extract: part %d of %d completed the store at %s", p, n, job.out_dir)
+    _print_size(job.out_dir, layout, splits)
     print(f"extract: {job.record.facts.checks_line()}")
     return job.record

@@ -46,12 +46,13 @@ def run(cfg, manifest):
         if rec is not None and rec.status == "complete":
             return rec
 
-    train_store = open_hidden_states(ext.out_dir, "train")
+    # an fp8 store is read as stored (values + scales): the loop dequantises on its device
+    train_store = open_hidden_states(ext.out_dir, "train", fp8="raw")
     if list(train_store.layer_ids) != layer_ids:
         raise ManifestError(f"the store in {ext.out_dir} holds layers {list(train_store.layer_ids)} but the extract "
                             f"run records {layer_ids}; re-run `python -m eagle3 stage=extract`")
     try:
-        eval_store = open_hidden_states(ext.out_dir, "eval")
+        eval_store = open_hidden_states(ext.out_dir, "eval", fp8="raw")
         eval_store = eval_store if len(eval_store) else None
     except Exception as e:  # a store extracted without the eval split
         log.warning("train: no held-out split in the store (%s); training without eval", e)

@@ -92,6 +92,25 @@ def test_vllm_matches_hf(vllm_store, hf_store, samples):
 
 
 @pytest.mark.vllm
+def test_vllm_fp8_store_is_the_quantised_store(tmp_path, vllm_store, samples, layout, target):
+    """extract.store_dtype=fp8 through the vllm backend (the worker's writer quantises; on a GPU
+    the stager does, before the copy): the values and scales are eagle3.fp8.quantize of the float32
+    store's states, bit for bit (the same engine, batches and float32 arithmetic)."""
+    import dataclasses
+
+    from eagle3.fp8 import quantize
+
+    store = _extract(tmp_path / "s", samples, dataclasses.replace(layout, dtype="fp8"), target, "vllm")
+    for split in samples:
+        f32, raw = open_hidden_states(vllm_store, split), open_hidden_states(store, split, fp8="raw")
+        for i in range(len(f32)):
+            for name, scales in (("aux_hidden_states", "aux_scales"), ("last_hidden_state", "last_scales")):
+                v, s = quantize(f32[i][name])
+                assert torch.equal(v.view(torch.uint8), raw[i][name].view(torch.uint8)), (split, i, name)
+                assert torch.equal(s, raw[i][scales]), (split, i, name)
+
+
+@pytest.mark.vllm
 def test_vllm_load_time_aux_matches_hf(tmp_path, hf_store, samples, layout, target):
     """The GPU default: aux outputs switched on by the extract_hidden_states method at model load.
     Other batching too (shards of 3 samples, 4 sequences per step)."""

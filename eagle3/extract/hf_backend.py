@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..store import ShardPlan, StoreLayout
-from .writer import CapturedBatch, HostStager, ShardWriter, write_shards
+from .writer import HostStager, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
 
@@ -65,7 +65,8 @@ class HFExtractor:
         return hook
 
     def _forward(self, samples: list) -> tuple:
-        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample order).
+        """Padded batch of (j, ids) -> packed [N, n_aux, H], [N, H] on the device (rows in sample
+        order, the target's dtype: the stager converts or quantises them).
         Nothing here waits for the device: the rows are picked with an index built on the host
         (a boolean mask on the device would make the host wait for the forward to end)."""
         import numpy as np
@@ -91,9 +92,8 @@ class HFExtractor:
                 def rows(x):
                     return x.reshape(-1, x.shape[-1]).index_select(0, keep)
 
-            dtype = getattr(torch, self.layout.dtype)
-            aux = torch.stack([rows(self._captured[k]) for k in self.layout.layer_ids], dim=1).to(dtype)
-            last = rows(self._captured[self.layout.last_layer_id]).to(dtype)
+            aux = torch.stack([rows(self._captured[k]) for k in self.layout.layer_ids], dim=1)
+            last = rows(self._captured[self.layout.last_layer_id])
         self._captured.clear()
         return aux, last
 
@@ -106,6 +106,8 @@ class HFExtractor:
         return aux.cpu(), last.cpu()
 
     def _produce(self, plan: ShardPlan, progress):
+        import torch
+
         key = (plan.split, plan.k)
         # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
         order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]), key=lambda j: (-int(plan.lengths[j]), j))
@@ -116,8 +118,10 @@ class HFExtractor:
             for j, x in batch:
                 segments.append((key, j, 0, row, row + len(x)))
                 row += len(x)
-            aux_h, last_h, event, release = self.stager.stage(aux, last)
-            yield CapturedBatch(segments, aux_h, last_h, event, release)
+            with torch.inference_mode():
+                # the store dtype, or fp8 values + scales, on the device (fp8: half the bytes to copy)
+                captured = self.stager.capture(segments, aux, last, self.layout)
+            yield captured
             progress.update(row)
 
     def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:

@@ -145,10 +145,10 @@ class HiddenStateCapture:
             return
         n = row
         if aux[0].is_cuda:
-            dtype = getattr(torch, self._eagle3_writer.layout.dtype)
-            stacked = torch.stack([a[:n] for a in aux[:-1]], dim=1).to(dtype)
-            aux_h, last_h, event, release = self._eagle3_stager.stage(stacked, aux[-1][:n].to(dtype))
-            self._eagle3_writer.write(CapturedBatch(segments, aux_h, last_h, event, release))
+            # converted (bf16) or quantised (fp8) on the GPU, then copied to the host off the compute stream
+            stacked = torch.stack([a[:n] for a in aux[:-1]], dim=1)
+            self._eagle3_writer.write(self._eagle3_stager.capture(segments, stacked, aux[-1][:n],
+                                                                  self._eagle3_writer.layout))
         else:
             # CPU: this step's tensors are fresh (the adds that produced them are out of place), so
             # the writer thread stacks/converts them itself while the next step computes.

@@ -20,6 +20,11 @@ written twice makes the shard hash its whole file again), the same bytes whateve
 
 It runs wherever the states are: in the driver process (hf, vllm_connector backends) or inside
 vLLM's rank-0 worker (vllm backend), so hidden states never travel through vLLM's RPC.
+
+An fp8 store (``StoreLayout.dtype == "fp8"``) is quantised where the states are
+(:func:`store_rows`, eagle3.fp8): on the GPU before the device-to-host copy when the stager packs
+a step (half the bytes to copy and to write), else by the writer thread on the CPU. Both run the
+same float32 arithmetic, so the bits do not depend on where it ran.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 import numpy as np
 
 from ..atomic import atomic_write_json, fsync_dir
-from ..store import ShardPlan, StoreLayout, StoreWriteError, shard_header, sidecar_path
+from ..store import ROW_TENSORS, ShardPlan, StoreLayout, StoreWriteError, shard_header, sidecar_path
 
 _HASH_CHUNK = 16 << 20
 
@@ -53,13 +58,33 @@ class CapturedBatch:
     ``segments``: (shard key, sample j within the shard, position of the first row in the sample,
     row_start, row_end) into the batch. ``aux`` is a list of n_aux [N, H] tensors (stacked by the
     writer thread) or one [N, n_aux, H] tensor; ``last`` is [N, H]. ``ready`` (a CUDA event) is
-    waited on before reading; ``release`` is called once the rows are written (returns buffers)."""
+    waited on before reading; ``release`` is called once the rows are written (returns buffers).
+    ``aux_scales`` [N, n_aux] and ``last_scales`` [N] (float32): set when aux/last are already
+    quantised to fp8 (:func:`store_rows`); None otherwise (the writer converts or quantises)."""
 
     segments: list
     aux: Any
     last: Any
     ready: Any = None
     release: Optional[Callable[[], None]] = None
+    aux_scales: Any = None
+    last_scales: Any = None
+
+
+def store_rows(aux, last, layout: StoreLayout) -> tuple:
+    """Captured states -> what the store keeps, on the states' device: (aux, last, aux_scales,
+    last_scales), the states in the store dtype with scales None, or for an fp8 store the float8
+    values and their float32 scales (eagle3.fp8.quantize)."""
+    import torch
+
+    if layout.is_fp8:
+        from ..fp8 import quantize
+
+        av, as_ = quantize(aux)
+        lv, ls = quantize(last)
+        return av, lv, as_, ls
+    dtype = getattr(torch, layout.dtype)
+    return aux.to(dtype), last.to(dtype), None, None
 
 
 class _OpenShard:
@@ -72,6 +97,8 @@ class _OpenShard:
         self.size = self.off["__end__"]
         self.aux_row = layout.n_aux * layout.hidden_size * layout.itemsize
         self.last_row = layout.hidden_size * layout.itemsize
+        self.fp8 = layout.is_fp8
+        self.aux_scale_row, self.last_scale_row = 4 * layout.n_aux, 4
         self.written = np.zeros(plan.num_samples, dtype=np.int64)
         self.hash: Optional[_StreamHash] = None
         _remove_stale_temps(split_dir, plan.name)
@@ -82,9 +109,8 @@ class _OpenShard:
             self.discard()  # e.g. a full disk: no temp file stays behind
             raise
         if stream_hash:
-            # Everything but the hidden states is written: hashing can start.
-            self.hash = _StreamHash(self.fd, self.size, [(0, self.off["aux_hidden_states"]),
-                                                         (self.off["loss_mask"], self.size)], on_cpu)
+            # Everything but the per-token rows is written: hashing can start.
+            self.hash = _StreamHash(self.fd, self.size, _fixed_ranges(self.off), on_cpu)
 
     def _start(self, header: bytes) -> None:
         plan = self.plan
@@ -104,9 +130,9 @@ class _OpenShard:
         for name, arr in (("offsets", plan.offsets), ("sample_index", index), ("input_ids", ids), ("loss_mask", mask)):
             _pwrite(self.fd, np.ascontiguousarray(arr).tobytes(), self.off[name])
 
-    def claim_rows(self, j: int, pos: int, n: int) -> tuple[int, int]:
+    def claim_rows(self, j: int, pos: int, n: int) -> tuple:
         """Coverage bookkeeping for rows [pos, pos + n) of sample j (called in submission order);
-        returns the file offsets of their aux and last-state bytes."""
+        returns the file offsets of their aux and last-state bytes (fp8: then of their scales)."""
         length = int(self.plan.lengths[j])
         if pos > self.written[j] or pos + n > length:
             raise StoreWriteError(f"capture error: sample {self.plan.first + j} got rows [{pos}, {pos + n}) but has "
@@ -116,7 +142,11 @@ class _OpenShard:
             self.hash.rewritten()  # rows computed again (e.g. a preempted request): hash the final file
         self.written[j] = max(self.written[j], pos + n)
         row0 = int(self.plan.offsets[j]) + pos
-        return self.off["aux_hidden_states"] + row0 * self.aux_row, self.off["last_hidden_state"] + row0 * self.last_row
+        offs = (self.off["aux_hidden_states"] + row0 * self.aux_row, self.off["last_hidden_state"] + row0 * self.last_row)
+        if self.fp8:
+            offs += (self.off["aux_scales"] + row0 * self.aux_scale_row,
+                     self.off["last_scales"] + row0 * self.last_scale_row)
+        return offs
 
     def rows_written(self, offset: int, nbytes: int) -> None:
         if self.hash is not None:
@@ -153,6 +183,18 @@ class _OpenShard:
             self.tmp.unlink()
         except FileNotFoundError:
             pass
+
+
+def _fixed_ranges(off: dict) -> list:
+    """File ranges of a shard written when it is opened: the header and every tensor that is not
+    per-token rows (ROW_TENSORS), from shard_header's start offsets (the tensors are contiguous)."""
+    starts = sorted((o, name) for name, o in off.items() if name != "__end__")
+    bounds = [o for o, _ in starts] + [off["__end__"]]
+    ranges = [(0, bounds[0])]
+    for (o, name), end in zip(starts, bounds[1:]):
+        if name not in ROW_TENSORS:
+            ranges.append((o, end))
+    return ranges
 
 
 def _read_into(fd: int, view: memoryview, offset: int) -> None:
@@ -492,21 +534,36 @@ class ShardWriter:
 
         if batch.ready is not None:
             batch.ready.synchronize()
-        dtype = getattr(torch, self.layout.dtype)
         aux = batch.aux if isinstance(batch.aux, torch.Tensor) else torch.stack(list(batch.aux), dim=1)
-        aux = aux.to(dtype).contiguous()
-        last = batch.last.to(dtype).contiguous()
+        last, aux_s, last_s = batch.last, batch.aux_scales, batch.last_scales
+        if aux_s is None:  # not converted where the states were (CPU): here, the same arithmetic
+            aux, last, aux_s, last_s = store_rows(aux, last, self.layout)
+        elif not self.layout.is_fp8:
+            raise StoreWriteError("capture error: fp8 scales sent to a store of dtype " + self.layout.dtype)
+        aux, last = aux.contiguous(), last.contiguous()
+        if aux_s is not None:
+            from ..fp8 import bad_scales
+
+            aux_s, last_s = aux_s.contiguous(), last_s.contiguous()
+            if bad_scales(aux_s) or bad_scales(last_s):
+                raise StoreWriteError(f"capture error: non-finite hidden states (fp8 scales of a batch for "
+                                      f"{sorted({tuple(s[0]) for s in batch.segments})} are not finite): the target "
+                                      f"produced inf/nan")
         jobs = []
         for key, j, pos, rs, re in batch.segments:
             shard = self._open.get(tuple(key))
             if shard is None:
                 raise StoreWriteError(f"capture error: rows for shard {key} which is not open")
-            aux_off, last_off = shard.claim_rows(j, pos, re - rs)
+            offs = shard.claim_rows(j, pos, re - rs)
+            aux_off, last_off = offs[:2]
             step = max(1, _PIECE // shard.aux_row)  # pieces of ~16 MiB spread over the row threads
             for a in range(rs, re, step):
                 b = min(re, a + step)
                 jobs.append((shard, aux[a:b], aux_off + (a - rs) * shard.aux_row))
                 jobs.append((shard, last[a:b], last_off + (a - rs) * shard.last_row))
+            if shard.fp8:
+                jobs.append((shard, aux_s[rs:re], offs[2]))
+                jobs.append((shard, last_s[rs:re], offs[3]))
         # Wait for all of this batch's rows before the next op: "end" then finds every row written,
         # the batch's buffers are released only after the copies, and after a failure no row thread
         # still writes through a file descriptor that is about to be closed.
@@ -598,28 +655,48 @@ class HostStager:
 
     def stage(self, aux, last):
         """aux [N, n_aux, H], last [N, H] (any device) -> (aux_host, last_host, event, release)."""
-        import torch
-
         if not aux.is_cuda:
             return aux, last, None, None
-        na = aux.numel() * aux.element_size()
-        nl = last.numel() * last.element_size()
-        buf = self._buffer(na + nl)
-        compute = torch.cuda.current_stream(aux.device)
+        (aux_h, last_h), event, release = self._stage((aux, last))
+        return aux_h, last_h, event, release
+
+    def capture(self, segments: list, aux, last, layout: StoreLayout) -> CapturedBatch:
+        """A step's states as the store keeps them (:func:`store_rows`: the store dtype, or fp8
+        values + scales, computed on the states' device), staged to the host: the batch to write."""
+        aux, last, aux_s, last_s = store_rows(aux, last, layout)
+        if not aux.is_cuda:
+            return CapturedBatch(segments, aux, last, aux_scales=aux_s, last_scales=last_s)
+        tensors = (aux, last) if aux_s is None else (aux, last, aux_s, last_s)
+        host, event, release = self._stage(tensors)
+        return CapturedBatch(segments, host[0], host[1], event, release,
+                             *(host[2:] if aux_s is not None else ()))
+
+    def _stage(self, tensors: tuple) -> tuple:
+        """CUDA tensors -> (their pinned host copies, event, release): one device pack on the
+        compute stream, one copy on the stager's stream."""
+        import torch
+
+        device = tensors[0].device
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        starts, pos = [], 0
+        for n in sizes:
+            starts.append(pos)
+            pos += -(-n // 16) * 16  # every part 16-byte aligned (views of wider dtypes need it)
+        buf = self._buffer(pos)
+        compute = torch.cuda.current_stream(device)
         if self._stream is None:
-            self._stream = torch.cuda.Stream(aux.device)
-        packed = torch.empty(na + nl, dtype=torch.uint8, device=aux.device)
-        packed[:na].view(aux.dtype).view(aux.shape).copy_(aux)
-        packed[na:].view(last.dtype).view(last.shape).copy_(last)
+            self._stream = torch.cuda.Stream(device)
+        packed = torch.empty(pos, dtype=torch.uint8, device=device)
+        for t, a, n in zip(tensors, starts, sizes):
+            packed[a:a + n].view(t.dtype).view(t.shape).copy_(t)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            buf[:na + nl].copy_(packed, non_blocking=True)
+            buf[:pos].copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         packed.record_stream(self._stream)  # its memory is not reused before the copy has read it
-        aux_h = buf[:na].view(aux.dtype).view(aux.shape)
-        last_h = buf[na:na + nl].view(last.dtype).view(last.shape)
-        return aux_h, last_h, event, lambda: self._free.put(buf)
+        host = [buf[a:a + n].view(t.dtype).view(t.shape) for t, a, n in zip(tensors, starts, sizes)]
+        return host, event, lambda: self._free.put(buf)
 
 
 def _describe(e: BaseException, store_dir: Path) -> str:

@@ -110,7 +110,11 @@ class Epochs:
 
 def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> dict:
     """Rows of store items -> batch tensors [B, T]: a packed row holds several documents with
-    their own positions (from 0) and document ids; padding has doc id -1 and no loss."""
+    their own positions (from 0) and document ids; padding has doc id -1 and no loss.
+
+    Items of an fp8 store read raw (``HiddenStates(fp8="raw")``) stay float8 here, with their
+    scales: ``aux_scales`` float32 [B, T, n_aux], ``last_scales`` [B, T] (1 on padding);
+    ``model_inputs`` dequantises them on the device, so host memory never holds a wider copy."""
     row_lens = [sum(min(len(it["input_ids"]), max_len) for it in row) for row in rows]
     T = max(row_lens)
     T = -(-T // pad_to_multiple) * pad_to_multiple
@@ -124,6 +128,10 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> d
            "doc_ids": torch.full((B, T), -1, dtype=torch.long),
            "aux_hidden_states": torch.zeros(B, T, n_aux * H, dtype=dtype),
            "last_hidden_state": torch.zeros(B, T, H, dtype=dtype)}
+    fp8 = "aux_scales" in first
+    if fp8:
+        out["aux_scales"] = torch.ones(B, T, n_aux, dtype=torch.float32)
+        out["last_scales"] = torch.ones(B, T, dtype=torch.float32)
     for b, row in enumerate(rows):
         pos = 0
         for d, it in enumerate(row):
@@ -137,6 +145,9 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> d
             out["doc_ids"][b, sl] = d
             out["aux_hidden_states"][b, sl] = it["aux_hidden_states"][:n].reshape(n, n_aux * H)
             out["last_hidden_state"][b, sl] = it["last_hidden_state"][:n]
+            if fp8:
+                out["aux_scales"][b, sl] = it["aux_scales"][:n]
+                out["last_scales"][b, sl] = it["last_scales"][:n]
             pos += n
     out["num_tokens"] = torch.tensor(sum(row_lens))
     return out

@@ -131,10 +131,21 @@ def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype) -> d
 
     The frozen target's share of a step, without gradients: the token embeddings and the
     draft-vocabulary targets. Target probabilities are kept in the compute dtype (bf16 under mixed
-    precision: half the memory of float32; the loss upcasts them)."""
+    precision: half the memory of float32; the loss upcasts them).
+
+    A batch of an fp8 store (float8 states with ``aux_scales`` / ``last_scales``, see collate) is
+    dequantised here, on the batch's device (eagle3.fp8.dequantize: float32, then the compute dtype
+    for the aux states; the last state goes to the head in float32, which normalises in float32)."""
+    aux, last = batch["aux_hidden_states"], batch["last_hidden_state"]
+    if "aux_scales" in batch:
+        from ..fp8 import dequantize
+
+        B, T, n = batch["aux_scales"].shape
+        aux = dequantize(aux.view(B, T, n, -1), batch["aux_scales"], compute_dtype).view(B, T, -1)
+        last = dequantize(last, batch["last_scales"])
     with torch.no_grad():
         embeds = head.embed(batch["input_ids"], compute_dtype)
-        probs, in_vocab = head.targets(batch["last_hidden_state"], compute_dtype)
-    return dict(aux=batch["aux_hidden_states"].to(compute_dtype), embeds=embeds, target_probs=probs,
+        probs, in_vocab = head.targets(last, compute_dtype)
+    return dict(aux=aux.to(compute_dtype), embeds=embeds, target_probs=probs,
                 in_vocab=in_vocab, loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
                 doc_ids=batch["doc_ids"])

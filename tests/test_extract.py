@@ -171,11 +171,12 @@ def _store_bytes(d: Path) -> dict:
             for p in sorted(d.rglob("*")) if p.is_file() and not p.name.startswith(".")}
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_resume_after_kill_is_byte_identical(tmp_path, vllm_store, samples, layout, target):
+def _kill_then_resume(tmp_path, script_text, samples, layout, target, min_shards: int, max_shards: int) -> Path:
+    """Run ``script_text`` (an extraction of ``samples``) in its own process, kill -9 it once
+    ``min_shards`` shard files exist, check that ``min_shards``..``max_shards`` are complete and the
+    store is not, then run it again to the end; returns the store directory."""
     script = tmp_path / "run.py"
-    script.write_text(_RESUME_SCRIPT)
+    script.write_text(script_text)
     store = tmp_path / "store"
     args = {"store": str(store), "layout": layout.to_json(), "target": str(target), "ecfg": ECFG, "slow": True,
             "samples": {s: [v.input_ids, v.loss_mask] for s, v in samples.items()}}
@@ -186,9 +187,9 @@ def test_resume_after_kill_is_byte_identical(tmp_path, vllm_store, samples, layo
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:
-            if len(list(store.glob("*/shard-*.safetensors"))) >= 2:
+            if len(list(store.glob("*/shard-*.safetensors"))) >= min_shards:
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read().decode()[-3000:]}"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -196,14 +197,21 @@ def test_resume_after_kill_is_byte_identical(tmp_path, vllm_store, samples, layo
         if proc.poll() is None:
             proc.kill()
     done_before = sorted(p.name for p in store.glob("*/shard-*.safetensors"))
-    assert 2 <= len(done_before) < 4 + 1 and not (store / "store.json").exists()
+    assert min_shards <= len(done_before) <= max_shards and not (store / "store.json").exists()
     args["slow"] = False
     (tmp_path / "a.json").write_text(json.dumps(args))
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "a.json")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "COMPLETE" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
-    assert _store_bytes(store) == _store_bytes(vllm_store)
     assert not list(store.rglob(".*.tmp*")), "temp files of the killed run must be gone"
+    return store
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_resume_after_kill_is_byte_identical(tmp_path, vllm_store, samples, layout, target):
+    store = _kill_then_resume(tmp_path, _RESUME_SCRIPT, samples, layout, target, min_shards=2, max_shards=4)
+    assert _store_bytes(store) == _store_bytes(vllm_store)
 
 
 @pytest.mark.vllm
@@ -305,36 +313,8 @@ def test_hf_resume_after_kill_is_byte_identical(tmp_path, hf_store, samples, lay
     """kill -9 in the middle of the HF backend's pipelined writer (hash threads, writeback, finisher
     running), then run again: the complete shards are kept, the rest written, and the store is
     byte-identical to an uninterrupted run's, with no temp file left."""
-    script = tmp_path / "run.py"
-    script.write_text(_HF_RESUME_SCRIPT)
-    store = tmp_path / "store"
-    args = {"store": str(store), "layout": layout.to_json(), "target": str(target), "ecfg": ECFG, "slow": True,
-            "samples": {s: [v.input_ids, v.loss_mask] for s, v in samples.items()}}
-    (tmp_path / "a.json").write_text(json.dumps(args))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "a.json")], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if len(list(store.glob("*/shard-*.safetensors"))) >= 1:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read().decode()[-3000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    done_before = sorted(p.name for p in store.glob("*/shard-*.safetensors"))
-    assert 1 <= len(done_before) < 4 and not (store / "store.json").exists()
-    args["slow"] = False
-    (tmp_path / "a.json").write_text(json.dumps(args))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "a.json")], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and "COMPLETE" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    store = _kill_then_resume(tmp_path, _HF_RESUME_SCRIPT, samples, layout, target, min_shards=1, max_shards=3)
     assert _store_bytes(store) == _store_bytes(hf_store)
-    assert not list(store.rglob(".*.tmp*")), "temp files of the killed run must be gone"
 
 
 # -- the stage ------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def _record_outputs(job, splits) -> None:
 
     out = job.out_dir
     for split in splits:
-        index = json.loads((out / split / "index.json").read_text())
+        index = json.loads((out / split / INDEX_JSON).read_text())
         for shard in index["shards"]:
             job.add_output(out / split / shard["file"], sha256=shard["sha256"])
             job.add_output(out / split / (shard["file"][: -len(".safetensors")] + ".json"))

@@ -439,23 +439,17 @@ class HiddenStates(Sequence):
 
         h, k, a, b = self._locate(i)
         sl = h.get_slice(name)
-        scales = h.get_slice(name.replace("_hidden_states", "_scales").replace("_hidden_state", "_scales")) \
-            if self.is_fp8 else None
         out = []
         for t in positions:
             t = int(t)
             if not 0 <= t < b - a:
                 raise IndexError(f"position {t} out of range for sample {i} of {b - a} tokens")
             row = sl[a + t:a + t + 1]
-            if scales is not None:
-                from .fp8 import bad_scales, dequantize
+            if self.is_fp8:
+                from .fp8 import dequantize
 
-                s = scales[a + t:a + t + 1]
-                if bad_scales(s):
-                    raise StoreError(f"fp8 shard {self.store_dir / self.split / self.index['shards'][k]['file']}: "
-                                     f"a scale of {name} of sample {i} is not finite and positive; the shard is "
-                                     f"corrupt, re-run extract")
-                row = dequantize(row, s)
+                scale_name = {"aux_hidden_states": "aux_scales", "last_hidden_state": "last_scales"}[name]
+                row = dequantize(row, self._scales(h, scale_name, a + t, a + t + 1, k, i))
             out.append(row)
         return torch.cat(out) if out else sl[a:a]
 

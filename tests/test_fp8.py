@@ -219,6 +219,19 @@ def fp8_store(tmp_path):
     return tmp_path / "s", layout, ids, mask, states
 
 
+def test_rows_of_an_fp8_store_are_dequantised_as_items_are(fp8_store):
+    """HiddenStates.rows (what the agreement and parity checks read) gives the same float32 rows as
+    the dequantised item, for both tensors: never the raw float8 values."""
+    store, *_ = fp8_store
+    hs = open_hidden_states(store)
+    for i in (0, 5):
+        item = hs[i]
+        positions = [0, len(item["input_ids"]) - 1]
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            rows = hs.rows(i, name, positions)
+            assert rows.dtype == torch.float32 and torch.equal(rows, item[name][positions])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0])
 def test_reader_refuses_bad_scales_naming_the_shard(fp8_store, bad):
     store, layout, ids, mask, states = fp8_store

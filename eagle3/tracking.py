@@ -88,40 +88,33 @@ class _NoRun:
         return {}
 
 
-def read_offline_run(run_dir: str | Path) -> dict:
+def read_offline_run(run_dir: str | Path, timeout: float = 60.0) -> dict:
     """Read an offline wandb run back (config, history rows, group, job type) from its .wandb file.
 
     wandb >= 0.19 no longer ships a Python reader; the file is wandb's LevelDB-style record log:
     a 7-byte file header, then 32 KiB blocks of chunks (crc32, length, type) holding protobuf
-    ``Record`` messages.
+    ``Record`` messages. ``run.finish()`` can return before wandb's service has flushed the log
+    (seen with wandb 0.31 in offline mode: a 7-byte file right after ``finish``), so this waits up to
+    ``timeout`` seconds for the run's ``exit`` record before reading it.
     """
     import json
-    import struct
+    import time
 
     from wandb.proto import wandb_internal_pb2 as pb
 
     run_dir = Path(run_dir)
     (path,) = run_dir.glob("run-*.wandb")
-    raw = path.read_bytes()
-    block, pos, records, pending = 32768, 7, [], b""
-    while pos + 7 <= len(raw):
-        left = block - (pos % block)
-        if left < 7:  # block trailer padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-        chunk = raw[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [pb.Record.FromString(data) for data in _log_records(path.read_bytes())]
+        if any(rec.WhichOneof("record_type") == "exit" for rec in records):
             break
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            records.append(pending)
-            pending = b""
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} has no exit record after {timeout:.0f} s ({path.stat().st_size} bytes): "
+                               "the run is still open, or wandb stopped before flushing it")
+        time.sleep(0.1)
     out = {"config": {}, "history": [], "group": None, "job_type": None, "name": None}
-    for data in records:
-        rec = pb.Record()
-        rec.ParseFromString(data)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out.update(group=rec.run.run_group, job_type=rec.run.job_type, name=rec.run.display_name)
@@ -134,3 +127,27 @@ def read_offline_run(run_dir: str | Path) -> dict:
             out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                    for item in rec.history.item})
     return out
+
+
+def _log_records(raw: bytes) -> list[bytes]:
+    """The complete records of a LevelDB-style log (a partly written last record is left out)."""
+    import struct
+
+    block, pos, records, pending = 32768, 7, [], b""
+    while pos + 7 <= len(raw):
+        left = block - (pos % block)
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if pos + 7 + length > len(raw):  # still being written
+            break
+        chunk = raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    return records

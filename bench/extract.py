@@ -114,7 +114,7 @@ def main() -> None:
     info = identify(target_dir)
     L, H = info.num_hidden_layers, info.hidden_size
     layer_ids = resolve_layer_ids([int(x) for x in a.layer_ids.split(",") if x], L)
-    store_dtype = resolve_store_dtype(a.store_dtype, a.dtype)
+    store_dtype = resolve_store_dtype(a.store_dtype, a.dtype, H)
     layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
                          target_hash=info.hash)
     ecfg = ExtractConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,

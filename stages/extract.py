@@ -79,7 +79,7 @@ def run(cfg, manifest):
     layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
     refuse_known_bad(target.config, ecfg.backend, layer_ids)  # before any engine or job exists
     target_dtype = target.run_dtype(cfg.target.dtype)
-    store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype)
+    store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype, H)
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
               "store_dtype": store_dtype, "target_dtype": target_dtype}
     job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)

@@ -293,6 +293,10 @@ def test_layer_id_validation():
         resolve_layer_ids([2, 30], 30)
     with pytest.raises(LayerIdError, match=r"\[-1\] out of range"):
         resolve_layer_ids([-1, 3], 30)
-    assert resolve_store_dtype("auto", "float32") == "float32"
-    assert resolve_store_dtype("auto", "bfloat16") == "bfloat16"
-    assert resolve_store_dtype("float16", "float32") == "float16"
+    assert resolve_store_dtype("auto", "float32", 4096) == "float32"
+    assert resolve_store_dtype("auto", "bfloat16", 576) == "bfloat16"
+    assert resolve_store_dtype("auto", "bfloat16", 2047) == "bfloat16"
+    assert resolve_store_dtype("auto", "bfloat16", 2048) == "fp8"
+    assert resolve_store_dtype("auto", "float16", 7168) == "fp8"
+    assert resolve_store_dtype("float16", "float32", 64) == "float16"
+    assert resolve_store_dtype("bfloat16", "bfloat16", 7168) == "bfloat16"

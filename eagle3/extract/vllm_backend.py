@@ -96,7 +96,7 @@ class VLLMExtractor:
                  ecfg.enable_chunked_prefill, ecfg.max_num_batched_tokens, ecfg.tensor_parallel_size)
         self.layout = layout
         self.aux_setup = aux_setup
-        self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, **kwargs)
+        self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, work="batch", **kwargs)
         self.capture_info = None
         self.last_stats = None  # CPU seconds of the capture and the writer thread in the last run
 

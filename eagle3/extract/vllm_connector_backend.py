@@ -87,7 +87,7 @@ class VLLMConnectorExtractor:
         log.info("extract: vLLM engine with the extract_hidden_states method and %s (%s)", kv["kv_connector"],
                  "CPU-safe subclass" if cpu else "as shipped")
         self.llm = build_llm(target_path, speculative_config=extract_hidden_states_spec(layout),
-                             kv_transfer_config=kv, **kwargs)
+                             kv_transfer_config=kv, work="batch", **kwargs)
 
     def _collect(self, paths: dict, timeout: float = 300.0) -> None:
         """Wait until every request's file is written. The connector writes a finished request's file

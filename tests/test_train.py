@@ -187,17 +187,26 @@ def _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, 
                         p = probs[b, t + j + 1]
                         ce_sum[j] += -(p * logq).sum()
                         correct[j] += int(logq.argmax() == p.argmax())
-                h = out
+                h = draft.feedback(out)  # out itself, or norm(out) with norm_output
     loss = sum(decay ** j * ce_sum[j] / counts[j] for j in range(S))
     return loss, ce_sum, counts, correct
 
 
-@pytest.mark.parametrize("architecture,norm_before_residual", [("llama", True), ("qwen3", False)])
-def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_residual):
+@pytest.mark.parametrize("architecture,norm_before_residual,eagle31", [("llama", True, False), ("qwen3", False, False),
+                                                                         ("llama", True, True), ("qwen3", False, True)])
+def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_residual, eagle31):
+    """eagle31: norm_before_fc, fc_norm and norm_output set (the hand reference feeds back
+    draft.feedback(out); tests/test_draft.py proves fuse and feedback against vLLM's arithmetic)."""
     torch.manual_seed(0)
     cfg = _small_cfg()
     cfg.architecture, cfg.norm_before_residual = architecture, norm_before_residual
+    cfg.norm_before_fc = cfg.fc_norm = cfg.norm_output = eagle31
     draft = Eagle3Draft(cfg).double()
+    if eagle31:
+        with torch.no_grad():  # non-trivial norm weights, so that a norm left out would show
+            for n, p in draft.named_parameters():
+                if "norm" in n:
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
     B, T, S, decay = 2, 21, 4, 0.8
     aux = torch.randn(B, T, 3 * 64, dtype=torch.float64)
     embeds = torch.randn(B, T, 64, dtype=torch.float64)

@@ -13,6 +13,15 @@
 - ``sglang``: SpecForge's layout: ``midlayer.*`` with ``d2t`` and ``t2d`` always present, ids in
   ``eagle_config`` in SGLang's convention (SGLang captures the *output* of layer i for id i, i.e. our
   id i+1, so ids are written minus one).
+
+EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; tensors ``input_norm.weight``,
+``fc_norm.<i>.weight``): ``vllm`` writes the set ones top-level (vLLM's llama_eagle3.py reads them
+there); ``speculators`` writes all three top-level (vLLM's speculators adapter, algos.py
+``update_eagle3``, reads them there) and refuses norm_before_fc with fc_norm (speculators'
+``Eagle3SpeculatorConfig`` rejects the pair); ``sglang`` writes ``fc_norm`` (SpecForge's
+LlamaForCausalLMEagle3 reads it) and refuses norm_before_fc (SpecForge's draft has no input_norm)
+and norm_output (SpecForge's ``norm_output`` key means "norm before lm_head", default true, and
+always feeds back the pre-norm state: vLLM's norm_output=true has no SpecForge equivalent).
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.draft import draft_config_dict
+from ..model.draft import NORM_OPTIONS, draft_config_dict
 from ..target import TOKENIZER_FILES
 from .checkpoint import EMBED_NAME, DraftCheckpoint
 from .errors import ExportError
@@ -34,7 +43,7 @@ log = logging.getLogger("eagle3.export")
 FORMATS = ("vllm", "speculators", "sglang")
 WEIGHTS_FILE = "model.safetensors"
 _EAGLE_ONLY_KEYS = ("architectures", "draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                    "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype")
+                    "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype") + NORM_OPTIONS
 
 
 @dataclass
@@ -76,6 +85,10 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     full = vllm_config(ckpt, spec)
     layer = {k: v for k, v in full.items() if k not in _EAGLE_ONLY_KEYS}
     cfg = ckpt.config
+    if cfg.norm_before_fc and cfg.fc_norm:
+        raise ExportError("format=speculators cannot carry norm_before_fc and fc_norm together: speculators' "
+                          "Eagle3SpeculatorConfig rejects the pair as mutually exclusive (vLLM itself loads it). "
+                          "Use export.format=vllm for this draft.")
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -91,9 +104,9 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "torch_dtype": spec.dtype,
     }
@@ -110,6 +123,15 @@ def sglang_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     if 0 in cfg.aux_layer_ids:
         raise ExportError("aux layer id 0 (the embeddings) has no SGLang equivalent (SGLang captures layer "
                           "outputs); use export.format=vllm")
+    if cfg.norm_before_fc:
+        raise ExportError("format=sglang cannot carry norm_before_fc: SpecForge's LlamaForCausalLMEagle3 (the "
+                          "layout SGLang serves) has no input_norm over the concatenated aux states. Use "
+                          "export.format=vllm or speculators.")
+    if cfg.norm_output:
+        raise ExportError("format=sglang cannot carry norm_output=true: SpecForge's config key norm_output means "
+                          "'apply the final norm before lm_head' and its draft always feeds back the pre-norm "
+                          "state, so a SpecForge/SGLang reader would run another draft. Use export.format=vllm "
+                          "or speculators.")
     if cfg.norm_before_residual:
         log.warning("export: this draft was trained with norm_before_residual=true; SGLang's LlamaForCausalLMEagle3 "
                     "(python/sglang/srt/models/llama_eagle3.py as read) always keeps the un-normed residual, so "

@@ -692,7 +692,11 @@ def test_muon_resume_logs_the_same_losses(store_dir, target_dir, tmp_path):
     shutil.rmtree(cut / "checkpoints" / "step-00000020")  # as if killed after step 10's checkpoint
     for f in cut.glob("draft*"):
         f.unlink()
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "kept_by_the_resume": True})  # a fresh run would drop it
+    (cut / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     train(tcfg, make_inputs(store_dir, target_dir, eval_split=None), cut, progress=False)
+    assert json.loads((cut / "metrics.jsonl").read_text().splitlines()[0])["kept_by_the_resume"]
     assert _losses(cut) == _losses(whole) and len(_losses(whole)) == 20
     assert len({x for _, x, _ in _losses(whole)}) > 10  # the model did change
 

@@ -100,10 +100,11 @@ def draft_config(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), architecture:
     """``options``: the EAGLE-3.1 flags (norm_before_fc, fc_norm, norm_output)."""
     from eagle3.model.draft import Eagle3DraftConfig
 
+    options = {"norm_before_residual": True, **options}
     return Eagle3DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                              head_dim=32, intermediate_size=128, rms_norm_eps=1e-5, vocab_size=t.vocab,
-                             draft_vocab_size=len(kept), aux_layer_ids=list(layer_ids), norm_before_residual=True,
-                             architecture=architecture, **options)
+                             draft_vocab_size=len(kept), aux_layer_ids=list(layer_ids), architecture=architecture,
+                             **options)
 
 
 def perfect_draft(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), seed: int = 1, architecture: str = "llama",
@@ -297,13 +298,13 @@ def test_format_round_trips(fmt, target, kept, tmp_path):
         assert import_draft(out, target.config).config.aux_layer_ids == [1, 2, 3]
 
 
-def _noisy_norms(d, seed=5):
+def _noisy_norms(d, seed=5, scale=0.5):
     """The EAGLE-3.1 norms' weights made non-trivial (a norm applied twice or not at all shows)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in d.named_parameters():
             if n.startswith(("input_norm.", "fc_norm.")):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+                p.copy_(1 + scale * torch.randn(p.shape, generator=g))
     return d
 
 
@@ -475,6 +476,62 @@ def test_other_target_families_with_the_draft_config_each_needs(family, arch, tm
     assert st.outputs == expect  # the target's own greedy output: lossless
     assert st.acceptance_length == K + 1
     assert (off.num_drafts, off.num_accepted, off.outputs) == (st.num_drafts, st.num_accepted, st.outputs)
+
+
+def _sensitive_31_draft(target, kept, **options):
+    """The perfect draft made to depend on every EAGLE-3.1 option it has: the fused state feeds the
+    residual (norm_before_residual=false, fc scaled up), the fed-back state does too (norm_output
+    changes it), and the aux-state norms have far-from-one weights. Acceptance is partial."""
+    d = _noisy_norms(perfect_draft(target, kept, norm_before_residual=False, **options), scale=2.0)
+    with torch.no_grad():
+        d.fc.weight.mul_(4.0)
+    return d
+
+
+@pytest.mark.vllm
+def test_eagle31_imports_served_in_vllm_compute_what_was_read(target, kept, prompts, stops, plain, tmp_path):
+    """A speculators-layout draft (norm_before_fc, norm_output) and a SpecForge draft (fc_norm, its
+    norm_output=true), each imported and written out (speculators, vllm), served in vLLM: lossless, and
+    vLLM's acceptance equals the offline evaluator's for the draft as imported, while every reading
+    with one option flipped is more than 10% away from it (so vLLM applied each option as read)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from eagle3.export.formats import write_format
+    from eagle3.export.importers import import_draft
+
+    spec_src = tmp_path / "speculators_src"
+    write_format(checkpoint(_sensitive_31_draft(target, kept, norm_before_fc=True, norm_output=True)), "speculators",
+                 spec_src, spec(target))
+    sf_src = specforge_checkpoint(target, kept, tmp_path / "specforge_src")
+    d = _sensitive_31_draft(target, kept, fc_norm=True)
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(sf_src / "model.safetensors"))
+    conf = json.loads((sf_src / "config.json").read_text())
+    (sf_src / "config.json").write_text(json.dumps({**conf, "norm_before_residual": False, "fc_norm": True,
+                                                    "norm_output": True}))
+    for src, fmt, flags in ((spec_src, "vllm", ("norm_before_fc", "norm_output")),
+                            (sf_src, "speculators", ("fc_norm", "norm_output"))):
+        ck = import_draft(src, target.config)
+        assert all(getattr(ck.config, f) == (f != "norm_output" or src == spec_src) for f in flags)
+        write_format(ck, fmt, tmp_path / fmt, spec(target))
+        st = vllm_eagle(target, tmp_path / fmt, prompts, stops)
+        off = offline(target, ck, prompts, stops)
+        assert st.outputs == plain.outputs
+        assert 1.2 < st.acceptance_length < K + 0.9, st.summary()
+        assert abs(off.acceptance_length - st.acceptance_length) / st.acceptance_length < 0.05, (src, off.summary(),
+                                                                                                 st.summary())
+        for flag in flags:
+            other = copy.deepcopy(ck)
+            setattr(other.config, flag, not getattr(ck.config, flag))
+            if flag == "fc_norm":  # the other reading: no per-state norms
+                for i in range(3):
+                    other.tensors.pop(f"fc_norm.{i}.weight")
+            if flag == "norm_before_fc":
+                other.tensors.pop("input_norm.weight")
+            al = offline(target, other, prompts, stops).acceptance_length
+            assert abs(al - st.acceptance_length) / st.acceptance_length > 0.1, (src, flag, al, st.summary())
+        print(f"{src.name} -> {fmt}: vLLM AL {st.acceptance_length:.3f}, offline {off.acceptance_length:.3f}")
 
 
 # ----------------------------------------------------------------------------------------------

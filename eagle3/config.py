@@ -28,6 +28,23 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
+def eagle31_export_refusal(fmt: str, norm_before_fc: bool, fc_norm: bool, norm_output: bool) -> str | None:
+    """Why export format ``fmt`` cannot carry these EAGLE-3.1 draft options, or None. Used when the
+    config is composed (before training) and by the writers (eagle3/export/formats.py)."""
+    if fmt == "speculators" and norm_before_fc and fc_norm:
+        return ("format=speculators cannot carry norm_before_fc and fc_norm together: speculators' "
+                "Eagle3SpeculatorConfig rejects the pair as mutually exclusive (vLLM itself loads it). "
+                "Use export.format=vllm for this draft.")
+    if fmt == "sglang" and norm_before_fc:
+        return ("format=sglang cannot carry norm_before_fc: SpecForge's LlamaForCausalLMEagle3 (the layout SGLang "
+                "serves) has no input_norm over the concatenated aux states. Use export.format=vllm or speculators.")
+    if fmt == "sglang" and norm_output:
+        return ("format=sglang cannot carry norm_output=true: SpecForge's config key norm_output means 'apply the "
+                "final norm before lm_head' and its draft always feeds back the pre-norm state, so a "
+                "SpecForge/SGLang reader would run another draft. Use export.format=vllm or speculators.")
+    return None
+
+
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -506,6 +523,11 @@ class Config:
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
+        m = self.train.model
+        refusal = None if self.export.from_ else eagle31_export_refusal(
+            self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)
+        if refusal:  # before training a draft that export would refuse
+            raise ValueError(f"train.model.* and export.format={self.export.format} do not go together: {refusal}")
 
     @property
     def experiment_dir(self) -> Path:

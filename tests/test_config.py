@@ -154,3 +154,16 @@ def test_fields_added_with_hash_omit_defaults_keep_existing_hashes():
     assert "muon_lr" in semantic_dict(TrainConfig(muon_lr=2e-3))
     with pytest.raises(ValueError, match="train.optimizer='sgd' is not one of"):
         TrainConfig(optimizer="sgd")
+
+
+def test_eagle31_options_an_export_format_cannot_carry_fail_at_compose_time(compose):
+    """Before any training: the draft options that export.format would refuse, with the reason."""
+    with pytest.raises(Exception, match="export.format=sglang do not go together.*no input_norm"):
+        compose("train.model.norm_before_fc=true", "export.format=sglang")
+    with pytest.raises(Exception, match="norm_output=true.*feeds back the pre-norm state"):
+        compose("train.model.norm_output=true", "export.format=sglang")
+    with pytest.raises(Exception, match="mutually exclusive"):
+        compose("train.model.norm_before_fc=true", "train.model.fc_norm=true", "export.format=speculators")
+    cfg = compose("train.model.norm_before_fc=true", "train.model.fc_norm=true", "train.model.norm_output=true")
+    assert cfg.train.model.fc_norm and cfg.export.format == "vllm"  # vLLM loads every combination
+    assert compose("train.model.fc_norm=true", "export.format=sglang").train.model.fc_norm

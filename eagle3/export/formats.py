@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import eagle31_export_refusal
 from ..model.draft import NORM_OPTIONS, draft_config_dict
 from ..target import TOKENIZER_FILES
 from .checkpoint import EMBED_NAME, DraftCheckpoint
@@ -77,6 +78,14 @@ def _tensors_for(ckpt: DraftCheckpoint, spec: ExportSpec, with_mapping: bool, pr
     return out
 
 
+def _refuse_options(cfg, fmt: str) -> None:
+    """The EAGLE-3.1 options ``fmt`` cannot carry (eagle3.config.eagle31_export_refusal, also checked
+    when the config is composed): an ExportError with the reason."""
+    reason = eagle31_export_refusal(fmt, cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output)
+    if reason:
+        raise ExportError(reason)
+
+
 def vllm_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     return draft_config_dict(ckpt.config, torch_dtype=spec.dtype)
 
@@ -85,10 +94,7 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     full = vllm_config(ckpt, spec)
     layer = {k: v for k, v in full.items() if k not in _EAGLE_ONLY_KEYS}
     cfg = ckpt.config
-    if cfg.norm_before_fc and cfg.fc_norm:
-        raise ExportError("format=speculators cannot carry norm_before_fc and fc_norm together: speculators' "
-                          "Eagle3SpeculatorConfig rejects the pair as mutually exclusive (vLLM itself loads it). "
-                          "Use export.format=vllm for this draft.")
+    _refuse_options(cfg, "speculators")
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -123,15 +129,7 @@ def sglang_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     if 0 in cfg.aux_layer_ids:
         raise ExportError("aux layer id 0 (the embeddings) has no SGLang equivalent (SGLang captures layer "
                           "outputs); use export.format=vllm")
-    if cfg.norm_before_fc:
-        raise ExportError("format=sglang cannot carry norm_before_fc: SpecForge's LlamaForCausalLMEagle3 (the "
-                          "layout SGLang serves) has no input_norm over the concatenated aux states. Use "
-                          "export.format=vllm or speculators.")
-    if cfg.norm_output:
-        raise ExportError("format=sglang cannot carry norm_output=true: SpecForge's config key norm_output means "
-                          "'apply the final norm before lm_head' and its draft always feeds back the pre-norm "
-                          "state, so a SpecForge/SGLang reader would run another draft. Use export.format=vllm "
-                          "or speculators.")
+    _refuse_options(cfg, "sglang")
     if cfg.norm_before_residual:
         log.warning("export: this draft was trained with norm_before_residual=true; SGLang's LlamaForCausalLMEagle3 "
                     "(python/sglang/srt/models/llama_eagle3.py as read) always keeps the un-normed residual, so "

@@ -374,6 +374,11 @@ def test_import_eagle31_specforge_keys_and_missing_norm_weights(target, kept, tm
     (src / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ImportDraftError, match="hold fc_norm.* tensors but its config does not set fc_norm"):
         import_draft(src, target.config)
+    # an MLA draft (deepseek_eagle3.py) is named as such, not read as a Llama draft with odd tensors
+    (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                                 "model_type": "deepseek_v2", "kv_lora_rank": 512}))
+    with pytest.raises(ImportDraftError, match="an MLA draft"):
+        import_draft(src, target.config)
     # vLLM's meaning where the config is vLLM-style (top-level ids): norm_output=true is kept
     (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": True,
                                                  "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))

@@ -365,7 +365,8 @@ class TrainConfig:
     """adamw: AdamW on every parameter | muon: ``torch.optim.Muon`` on the 2-D weights of the hidden
     path (fc, q/k/v/o, gate/up/down) and AdamW (``lr``, ``betas``, ``weight_decay``) on the rest
     (lm_head, the norms), as vllm-project/speculators splits them (eagle3/train/optim.py). Both
-    follow the same warmup + cosine schedule. Not with FSDP (refused: untested on sharded weights)."""
+    follow the same warmup + cosine schedule (the logged ``lr`` is then Muon's). Not with FSDP
+    (refused: untested on sharded weights)."""
     muon_lr: float = 1e-3
     """Muon's peak learning rate (before ``muon_adjust_lr_fn``); speculators' default is 10 x its
     AdamW lr of 1e-4."""

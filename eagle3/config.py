@@ -7,7 +7,9 @@ string below it). Each stage's section is validated in ``__post_init__`` (a bad 
 compose time, naming the key). Fields listed in a section's ``NON_SEMANTIC`` tuple do not change
 what the stage computes (progress bars, batch sizes that only affect speed, which shard of a
 scale-out run this process is) and are left out of the config hash that names the stage's
-artifacts; renaming or adding any other field changes every hash of that stage.
+artifacts; renaming or adding any other field changes every hash of that stage, unless the new
+field is listed in the section's ``HASH_OMIT_DEFAULTS``: left out of the hash while it holds its
+default (a field added that way keeps every existing hash; set, it names new artifacts).
 """
 from __future__ import annotations
 
@@ -24,6 +26,23 @@ from .contracts import STAGES
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def eagle31_export_refusal(fmt: str, norm_before_fc: bool, fc_norm: bool, norm_output: bool) -> str | None:
+    """Why export format ``fmt`` cannot carry these EAGLE-3.1 draft options, or None. Used when the
+    config is composed (before training) and by the writers (eagle3/export/formats.py)."""
+    if fmt == "speculators" and norm_before_fc and fc_norm:
+        return ("format=speculators cannot carry norm_before_fc and fc_norm together: speculators' "
+                "Eagle3SpeculatorConfig rejects the pair as mutually exclusive (vLLM itself loads it). "
+                "Use export.format=vllm for this draft.")
+    if fmt == "sglang" and norm_before_fc:
+        return ("format=sglang cannot carry norm_before_fc: SpecForge's LlamaForCausalLMEagle3 (the layout SGLang "
+                "serves) has no input_norm over the concatenated aux states. Use export.format=vllm or speculators.")
+    if fmt == "sglang" and norm_output:
+        return ("format=sglang cannot carry norm_output=true: SpecForge's config key norm_output means 'apply the "
+                "final norm before lm_head' and its draft always feeds back the pre-norm state, so a "
+                "SpecForge/SGLang reader would run another draft. Use export.format=vllm or speculators.")
+    return None
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
@@ -273,6 +292,17 @@ class DraftModelConfig:
     """target: initialise lm_head from the target's rows of the kept tokens | random: normal init."""
     architecture: str = "llama"
     """The served draft class: llama (LlamaForCausalLMEagle3) | qwen3 (q/k norms)."""
+    norm_before_fc: bool = False
+    """EAGLE-3.1: one RMSNorm (``input_norm``) over the concatenated aux states before fc (vLLM's
+    ``norm_before_fc``)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per aux state (``fc_norm.<i>``) before fc (vLLM's ``fc_norm``); with
+    norm_before_fc both apply, input_norm first, as vLLM computes it."""
+    norm_output: bool = False
+    """EAGLE-3.1: each TTT step (and vLLM's chain step) receives the previous step's normed output,
+    the state the lm_head reads, instead of the pre-norm one (vLLM's ``norm_output``)."""
+
+    HASH_OMIT_DEFAULTS = ("norm_before_fc", "fc_norm", "norm_output")
 
     def __post_init__(self):
         _check_choice("train.model.lm_head_init", self.lm_head_init, ("target", "random"))
@@ -332,8 +362,28 @@ class TrainConfig:
     compile: str = "auto"
     """torch.compile of the unrolled TTT forward: auto (on CUDA, off on CPU where compiling is
     slow) | true | false."""
+    optimizer: str = "adamw"
+    """adamw: AdamW on every parameter | muon: ``torch.optim.Muon`` on the 2-D weights of the hidden
+    path (fc, q/k/v/o, gate/up/down) and AdamW (``lr``, ``betas``, ``weight_decay``) on the rest
+    (lm_head, the norms), as vllm-project/speculators splits them (eagle3/train/optim.py). Both
+    follow the same warmup + cosine schedule (the logged ``lr`` is then Muon's). Not with FSDP
+    (refused: untested on sharded weights)."""
+    muon_lr: float = 1e-3
+    """Muon's peak learning rate (before ``muon_adjust_lr_fn``); speculators' default is 10 x its
+    AdamW lr of 1e-4."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
+    muon_adjust_lr_fn: str = "match_rms_adamw"
+    """match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), an update RMS like AdamW's (speculators'
+    choice) | original: lr x sqrt(max(1, rows / cols)) (torch's default)."""
 
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
+    HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
+                          "muon_adjust_lr_fn")
 
     def __post_init__(self):
         _check_positive("train.ttt_steps", self.ttt_steps)
@@ -352,6 +402,12 @@ class TrainConfig:
             raise ValueError(f"train.decay must be in (0, 1], got {self.decay}")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
+        _check_choice("train.optimizer", self.optimizer, ("adamw", "muon"))
+        _check_positive("train.muon_lr", self.muon_lr)
+        _check_positive("train.muon_momentum", self.muon_momentum, allow_zero=True)
+        _check_positive("train.muon_weight_decay", self.muon_weight_decay, allow_zero=True)
+        _check_positive("train.muon_ns_steps", self.muon_ns_steps)
+        _check_choice("train.muon_adjust_lr_fn", self.muon_adjust_lr_fn, ("match_rms_adamw", "original"))
 
 
 @dataclass
@@ -471,6 +527,11 @@ class Config:
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
+        m = self.train.model
+        refusal = None if self.export.from_ else eagle31_export_refusal(
+            self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)
+        if refusal:  # before training a draft that export would refuse
+            raise ValueError(f"train.model.* and export.format={self.export.format} do not go together: {refusal}")
 
     @property
     def experiment_dir(self) -> Path:

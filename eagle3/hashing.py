@@ -18,14 +18,26 @@ def hash_obj(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
 def semantic_dict(section: Any) -> dict:
-    """A config section as a plain dict without the fields its class marks NON_SEMANTIC."""
+    """A config section as a plain dict without the fields its class marks NON_SEMANTIC, nor those
+    in its HASH_OMIT_DEFAULTS that hold their default (fields added later: existing hashes stay)."""
     skip = set(getattr(type(section), "NON_SEMANTIC", ()))
+    omit_default = set(getattr(type(section), "HASH_OMIT_DEFAULTS", ()))
     out = {}
     for f in dataclasses.fields(section):
         if f.name in skip:
             continue
         value = getattr(section, f.name)
+        if f.name in omit_default and value == _default(f):
+            continue
         out[f.name] = semantic_dict(value) if dataclasses.is_dataclass(value) else _plain(value)
     return out
 

@@ -138,3 +138,32 @@ def test_conf_has_no_group_that_only_restates_the_schema():
     """The stage sections have no YAML group: their values are the schema's (an experiment or the
     command line changes them)."""
     assert not {p.name for p in CONF.iterdir() if p.is_dir()} & {"prepare", "extract", "train", "export", "target"}
+
+
+def test_fields_added_with_hash_omit_defaults_keep_existing_hashes():
+    """EAGLE-3.1 draft options and the optimizer choice are left out of the train hash at their
+    defaults (every existing run keeps its hash) and change it when set."""
+    from eagle3.config import DraftModelConfig, TrainConfig
+    from eagle3.hashing import semantic_dict
+
+    plain = semantic_dict(TrainConfig())
+    assert "optimizer" not in plain and "muon_lr" not in plain
+    assert not {"norm_before_fc", "fc_norm", "norm_output"} & set(plain["model"])
+    assert semantic_dict(TrainConfig(model=DraftModelConfig(fc_norm=True)))["model"]["fc_norm"] is True
+    assert semantic_dict(TrainConfig(optimizer="muon"))["optimizer"] == "muon"
+    assert "muon_lr" in semantic_dict(TrainConfig(muon_lr=2e-3))
+    with pytest.raises(ValueError, match="train.optimizer='sgd' is not one of"):
+        TrainConfig(optimizer="sgd")
+
+
+def test_eagle31_options_an_export_format_cannot_carry_fail_at_compose_time(compose):
+    """Before any training: the draft options that export.format would refuse, with the reason."""
+    with pytest.raises(Exception, match="export.format=sglang do not go together.*no input_norm"):
+        compose("train.model.norm_before_fc=true", "export.format=sglang")
+    with pytest.raises(Exception, match="norm_output=true.*feeds back the pre-norm state"):
+        compose("train.model.norm_output=true", "export.format=sglang")
+    with pytest.raises(Exception, match="mutually exclusive"):
+        compose("train.model.norm_before_fc=true", "train.model.fc_norm=true", "export.format=speculators")
+    cfg = compose("train.model.norm_before_fc=true", "train.model.fc_norm=true", "train.model.norm_output=true")
+    assert cfg.train.model.fc_norm and cfg.export.format == "vllm"  # vLLM loads every combination
+    assert compose("train.model.fc_norm=true", "export.format=sglang").train.model.fc_norm

@@ -63,9 +63,10 @@ def test_config_from_target_and_vllm_config_json():
     assert Eagle3DraftConfig.from_target(new_style, [1, 4, 5], 100).rope_scaling == cfg.rope_scaling
 
 
-def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions, differentiable: bool = False):
+def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions, differentiable: bool = False, fed_back: bool = False):
     """vLLM's llama_eagle3 forward written out (float64), RoPE from transformers' own Llama code.
-    ``differentiable``: on the draft's own (float64) parameters, for comparing gradients."""
+    ``differentiable``: on the draft's own (float64) parameters, for comparing gradients.
+    ``fed_back``: also the state vLLM feeds to the next chain step (its ``aux_output``)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -82,7 +83,12 @@ def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions, differentiable: 
                      max_position_embeddings=c.max_position_embeddings,
                      rope_parameters={"rope_theta": c.rope_theta, **(c.rope_scaling or {"rope_type": "default"})})
     cos, sin = LlamaRotaryEmbedding(hf)(aux.double(), positions)
-    h = aux.double() @ W["fc.weight"].T
+    a = aux.double()  # vLLM's combine_hidden_states: input_norm over the whole, then fc_norm per state
+    if c.norm_before_fc:
+        a = rms(a, W["input_norm.weight"])
+    if c.fc_norm:
+        a = torch.cat([rms(x, W[f"fc_norm.{i}.weight"]) for i, x in enumerate(a.chunk(c.num_aux_hidden_states, -1))], -1)
+    h = a @ W["fc.weight"].T
     e = rms(embeds.double(), W["midlayer.input_layernorm.weight"])
     if c.norm_before_residual:
         x = rms(h, W["midlayer.hidden_norm.weight"])
@@ -107,7 +113,10 @@ def _vllm_reference(draft: Eagle3Draft, aux, embeds, positions, differentiable: 
     x = rms(residual, W["midlayer.post_attention_layernorm.weight"])
     gate, up = x @ W["midlayer.mlp.gate_proj.weight"].T, x @ W["midlayer.mlp.up_proj.weight"].T
     out = torch.nn.functional.silu(gate) * up @ W["midlayer.mlp.down_proj.weight"].T + residual
-    return rms(out, W["norm.weight"]) @ W["lm_head.weight"].T, out
+    normed = rms(out, W["norm.weight"])  # vLLM's LlamaModel.forward: (hidden_states, aux_output)
+    if fed_back:
+        return normed @ W["lm_head.weight"].T, out, (normed if c.norm_output else out)
+    return normed @ W["lm_head.weight"].T, out
 
 
 @pytest.mark.parametrize("norm_before_residual,architecture", [(True, "llama"), (False, "llama"), (True, "qwen3")])
@@ -156,6 +165,65 @@ def test_gradients_match_vllm_arithmetic(norm_before_residual, architecture):
         # 1e-6, not 1e-12: the reference's RoPE comes from transformers in float32 (~1e-7 relative)
         err = float((mine[n] - ref[n]).norm() / ref[n].norm())
         assert err < 1e-6, (n, err)
+
+
+# EAGLE-3.1: every combination vLLM 0.32's llama_eagle3.py / qwen3_eagle3.py accept (all of them: the
+# four flags are independent there), for both draft classes
+COMBOS = [dict(zip(("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), bits))
+          for bits in __import__("itertools").product((False, True), repeat=4)]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_eagle31_options_match_vllm_arithmetic(architecture):
+    """Each combination of norm_before_residual, norm_before_fc, fc_norm and norm_output: logits,
+    pre-norm output and the fed-back state equal vLLM's computation in float64, and the gradients
+    of every parameter (the norms' own included) equal those of the written-out reference."""
+    torch.manual_seed(0)
+    aux, emb = torch.randn(2, 12, 3 * 128, dtype=torch.float64), torch.randn(2, 12, 128, dtype=torch.float64)
+    aux = aux * torch.tensor([0.5, 3.0, 20.0], dtype=torch.float64).repeat_interleave(128)  # unequal state scales
+    pos = torch.arange(100, 112).expand(2, 12)
+    r = torch.randn(2, 12, 100, dtype=torch.float64)
+    seen = set()
+    for combo in COMBOS:
+        draft = Eagle3Draft(_cfg(architecture=architecture, **combo)).double()
+        names = set(draft.state_dict())
+        assert ("input_norm.weight" in names) == combo["norm_before_fc"]
+        assert {f"fc_norm.{i}.weight" for i in range(3)} <= names if combo["fc_norm"] else not any(
+            n.startswith("fc_norm.") for n in names)
+        with torch.no_grad():
+            for n, p in draft.named_parameters():
+                if "norm" in n:
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+        logits, out = draft(aux, emb, pos)
+        ref_logits, ref_out, ref_fed = _vllm_reference(draft, aux, emb, pos, differentiable=True, fed_back=True)
+        err = max(float((logits - ref_logits).detach().abs().max() / ref_logits.detach().abs().max()),
+                  float((out - ref_out).detach().abs().max() / ref_out.detach().abs().max()),
+                  float((draft.feedback(out) - ref_fed).detach().abs().max() / ref_fed.detach().abs().max()))
+        assert err < 1e-6, (combo, err)  # transformers' RoPE is float32 (~1e-7 relative)
+        draft.zero_grad()
+        (logits * r).sum().backward()
+        mine = {n: p.grad.clone() for n, p in draft.named_parameters()}
+        draft.zero_grad()
+        (ref_logits * r).sum().backward()
+        for n, p in draft.named_parameters():
+            assert float((mine[n] - p.grad).norm() / p.grad.norm()) < 1e-6, (combo, n)
+        seen.add((round(float(logits.sum()), 6), round(float(draft.feedback(out).sum()), 6)))
+    assert len(seen) == len(COMBOS)  # every option changes what is computed (the test can fail)
+
+
+def test_eagle31_options_in_configs_and_absent_at_their_defaults():
+    from eagle3.model.draft import NORM_OPTIONS
+
+    plain = _cfg()
+    d = draft_config_dict(plain)
+    assert not set(NORM_OPTIONS) & set(d) and not set(NORM_OPTIONS) & set(plain.to_dict())
+    on = _cfg(norm_before_fc=True, fc_norm=True, norm_output=True)
+    d = draft_config_dict(on)
+    assert all(d[k] is True for k in NORM_OPTIONS)
+    assert Eagle3DraftConfig.from_dict(json.loads(json.dumps(on.to_dict()))) == on
+    assert Eagle3DraftConfig.from_dict(json.loads(json.dumps(plain.to_dict()))) == plain
+    sd = Eagle3Draft(on).state_dict()
+    assert sd["input_norm.weight"].shape == (3 * 128,) and sd["fc_norm.2.weight"].shape == (128,)
 
 
 def test_export_state_dict_dtypes():

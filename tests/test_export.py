@@ -96,22 +96,25 @@ def build_lookup_target(out_dir: Path, seed: int = 0, family: str = "llama") -> 
                         lm_head, image, top2.indices[:, 0], specials)
 
 
-def draft_config(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), architecture: str = "llama"):
+def draft_config(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), architecture: str = "llama", **options):
+    """``options``: the EAGLE-3.1 flags (norm_before_fc, fc_norm, norm_output)."""
     from eagle3.model.draft import Eagle3DraftConfig
 
+    options = {"norm_before_residual": True, **options}
     return Eagle3DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                              head_dim=32, intermediate_size=128, rms_norm_eps=1e-5, vocab_size=t.vocab,
-                             draft_vocab_size=len(kept), aux_layer_ids=list(layer_ids), norm_before_residual=True,
-                             architecture=architecture)
+                             draft_vocab_size=len(kept), aux_layer_ids=list(layer_ids), architecture=architecture,
+                             **options)
 
 
-def perfect_draft(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), seed: int = 1, architecture: str = "llama"):
+def perfect_draft(t: LookupTarget, kept: list, layer_ids=(1, 2, 3), seed: int = 1, architecture: str = "llama",
+                  **options):
     """An Eagle3Draft that always predicts the target's next token (see the module docstring)."""
     from eagle3.model.draft import Eagle3Draft
 
     kept = sorted(kept)
     torch.manual_seed(seed)
-    d = Eagle3Draft(draft_config(t, kept, layer_ids, architecture))  # random init: fc, gate/up stay random
+    d = Eagle3Draft(draft_config(t, kept, layer_ids, architecture, **options))  # random init: fc, gate/up stay random
     H, c = 64, 16.0  # c: q = k = c per dim; the self score beats any other position by > 60 logits
     kept_t = torch.tensor(kept)
     t2d = torch.zeros(t.vocab, dtype=torch.bool)
@@ -295,6 +298,93 @@ def test_format_round_trips(fmt, target, kept, tmp_path):
         assert import_draft(out, target.config).config.aux_layer_ids == [1, 2, 3]
 
 
+def _noisy_norms(d, seed=5, scale=0.5):
+    """The EAGLE-3.1 norms' weights made non-trivial (a norm applied twice or not at all shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if n.startswith(("input_norm.", "fc_norm.")):
+                p.copy_(1 + scale * torch.randn(p.shape, generator=g))
+    return d
+
+
+def test_eagle31_formats_round_trip_or_refuse_with_the_reason(target, kept, tmp_path):
+    """Each format writes what its loader reads for norm_before_fc / fc_norm / norm_output, or refuses
+    the option it cannot carry; the files read back as the same draft."""
+    from safetensors.torch import load_file
+
+    from eagle3.export.errors import ExportError
+    from eagle3.export.formats import write_format
+    from eagle3.export.importers import MARKER, import_draft
+
+    def round_trip(fmt, **options):
+        ckpt = checkpoint(_noisy_norms(perfect_draft(target, kept, **options)))
+        out = tmp_path / (fmt + "".join(sorted(options)))
+        config = write_format(ckpt, fmt, out, spec(target))
+        if fmt == "sglang":
+            (out / MARKER).write_text(json.dumps({"layer_id_convention": "sglang"}))
+        back = import_draft(out, target.config)
+        assert back.config == ckpt.config and back.tensors.keys() == ckpt.tensors.keys()
+        assert all(torch.equal(back.tensors[n], ckpt.tensors[n]) for n in ckpt.tensors)
+        return config, set(load_file(str(out / "model.safetensors")))
+
+    every = dict(norm_before_fc=True, fc_norm=True, norm_output=True)
+    config, names = round_trip("vllm", **every)
+    assert all(config[k] is True for k in every)  # top-level: where llama_eagle3.py reads them
+    assert {"input_norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= names
+    config, names = round_trip("speculators", fc_norm=True, norm_output=True)
+    assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (False, True, True)
+    assert not set(every) & set(config["transformer_layer_config"])  # algos.update_eagle3 reads the top level
+    assert "fc_norm.2.weight" in names and any(n.startswith("layers.0.") for n in names)
+    config, names = round_trip("speculators", norm_before_fc=True)
+    assert config["norm_before_fc"] is True and "input_norm.weight" in names
+    config, names = round_trip("sglang", fc_norm=True)
+    assert config["fc_norm"] is True and "norm_output" not in config and "fc_norm.0.weight" in names
+
+    refused = [("speculators", every, "mutually exclusive"), ("sglang", dict(norm_before_fc=True), "no input_norm"),
+               ("sglang", dict(norm_output=True), "feeds back the pre-norm")]
+    for fmt, options, reason in refused:
+        with pytest.raises(ExportError, match=reason):
+            write_format(checkpoint(perfect_draft(target, kept, **options)), fmt, tmp_path / "refused", spec(target))
+
+
+def test_import_eagle31_specforge_keys_and_missing_norm_weights(target, kept, tmp_path):
+    """A SpecForge 3.1 config (fc_norm: true, norm_output: true as in its qwen3-30B-A3B-eagle3.1.json)
+    reads as vLLM's fc_norm=true, norm_output=false; a config that asks for a norm its weights lack,
+    or weights with a norm the config does not ask for, is refused with the reason."""
+    from safetensors.torch import save_file
+
+    from eagle3.export.errors import ImportDraftError
+    from eagle3.export.importers import import_draft
+
+    src = specforge_checkpoint(target, kept, tmp_path / "sf31")
+    d = _noisy_norms(perfect_draft(target, kept, fc_norm=True))
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(src / "model.safetensors"))
+    conf = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": True}))
+    ck = import_draft(src, target.config)
+    assert (ck.config.norm_before_fc, ck.config.fc_norm, ck.config.norm_output) == (False, True, False)
+    assert torch.equal(ck.tensors["fc_norm.1.weight"], d.fc_norm[1].weight.detach())
+    (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": False}))
+    with pytest.raises(ImportDraftError, match="no final norm"):
+        import_draft(src, target.config)
+    (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_before_fc": True}))
+    with pytest.raises(ImportDraftError, match="sets norm_before_fc=true but its weights have no input_norm"):
+        import_draft(src, target.config)
+    (src / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ImportDraftError, match="hold fc_norm.* tensors but its config does not set fc_norm"):
+        import_draft(src, target.config)
+    # an MLA draft (deepseek_eagle3.py) is named as such, not read as a Llama draft with odd tensors
+    (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                                 "model_type": "deepseek_v2", "kv_lora_rank": 512}))
+    with pytest.raises(ImportDraftError, match="an MLA draft"):
+        import_draft(src, target.config)
+    # vLLM's meaning where the config is vLLM-style (top-level ids): norm_output=true is kept
+    (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": True,
+                                                 "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}))
+    assert import_draft(src, target.config).config.norm_output is True
+
+
 def test_identity_vocabulary_ships_no_d2t(target, tmp_path):
     """vLLM has no draft_id_to_target_id when the vocabularies are equal and refuses a d2t then."""
     from safetensors.torch import load_file
@@ -391,6 +481,62 @@ def test_other_target_families_with_the_draft_config_each_needs(family, arch, tm
     assert st.outputs == expect  # the target's own greedy output: lossless
     assert st.acceptance_length == K + 1
     assert (off.num_drafts, off.num_accepted, off.outputs) == (st.num_drafts, st.num_accepted, st.outputs)
+
+
+def _sensitive_31_draft(target, kept, **options):
+    """The perfect draft made to depend on every EAGLE-3.1 option it has: the fused state feeds the
+    residual (norm_before_residual=false, fc scaled up), the fed-back state does too (norm_output
+    changes it), and the aux-state norms have far-from-one weights. Acceptance is partial."""
+    d = _noisy_norms(perfect_draft(target, kept, norm_before_residual=False, **options), scale=2.0)
+    with torch.no_grad():
+        d.fc.weight.mul_(4.0)
+    return d
+
+
+@pytest.mark.vllm
+def test_eagle31_imports_served_in_vllm_compute_what_was_read(target, kept, prompts, stops, plain, tmp_path):
+    """A speculators-layout draft (norm_before_fc, norm_output) and a SpecForge draft (fc_norm, its
+    norm_output=true), each imported and written out (speculators, vllm), served in vLLM: lossless, and
+    vLLM's acceptance equals the offline evaluator's for the draft as imported, while every reading
+    with one option flipped is more than 10% away from it (so vLLM applied each option as read)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from eagle3.export.formats import write_format
+    from eagle3.export.importers import import_draft
+
+    spec_src = tmp_path / "speculators_src"
+    write_format(checkpoint(_sensitive_31_draft(target, kept, norm_before_fc=True, norm_output=True)), "speculators",
+                 spec_src, spec(target))
+    sf_src = specforge_checkpoint(target, kept, tmp_path / "specforge_src")
+    d = _sensitive_31_draft(target, kept, fc_norm=True)
+    save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(sf_src / "model.safetensors"))
+    conf = json.loads((sf_src / "config.json").read_text())
+    (sf_src / "config.json").write_text(json.dumps({**conf, "norm_before_residual": False, "fc_norm": True,
+                                                    "norm_output": True}))
+    for src, fmt, flags in ((spec_src, "vllm", ("norm_before_fc", "norm_output")),
+                            (sf_src, "speculators", ("fc_norm", "norm_output"))):
+        ck = import_draft(src, target.config)
+        assert all(getattr(ck.config, f) == (f != "norm_output" or src == spec_src) for f in flags)
+        write_format(ck, fmt, tmp_path / fmt, spec(target))
+        st = vllm_eagle(target, tmp_path / fmt, prompts, stops)
+        off = offline(target, ck, prompts, stops)
+        assert st.outputs == plain.outputs
+        assert 1.2 < st.acceptance_length < K + 0.9, st.summary()
+        assert abs(off.acceptance_length - st.acceptance_length) / st.acceptance_length < 0.05, (src, off.summary(),
+                                                                                                 st.summary())
+        for flag in flags:
+            other = copy.deepcopy(ck)
+            setattr(other.config, flag, not getattr(ck.config, flag))
+            if flag == "fc_norm":  # the other reading: no per-state norms
+                for i in range(3):
+                    other.tensors.pop(f"fc_norm.{i}.weight")
+            if flag == "norm_before_fc":
+                other.tensors.pop("input_norm.weight")
+            al = offline(target, other, prompts, stops).acceptance_length
+            assert abs(al - st.acceptance_length) / st.acceptance_length > 0.1, (src, flag, al, st.summary())
+        print(f"{src.name} -> {fmt}: vLLM AL {st.acceptance_length:.3f}, offline {off.acceptance_length:.3f}")
 
 
 # ----------------------------------------------------------------------------------------------

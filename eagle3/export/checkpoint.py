@@ -49,6 +49,16 @@ class DraftCheckpoint:
         want = expected_shapes(cfg)
         missing = sorted(set(want) - set(self.tensors))
         extra = sorted(set(self.tensors) - set(want))
+        for option, prefix in (("norm_before_fc", "input_norm."), ("fc_norm", "fc_norm.")):
+            if getattr(cfg, option) and any(n.startswith(prefix) for n in missing):
+                raise ExportError(f"the draft's config sets {option}=true but its weights have no {prefix}* tensor "
+                                  f"(missing {[n for n in missing if n.startswith(prefix)]}); vLLM would run it with "
+                                  f"that norm's weight left at its initial value. Set {option} to false in its "
+                                  f"config.json if the draft was trained without it, or supply the trained weights.")
+            if not getattr(cfg, option) and any(n.startswith(prefix) for n in extra):
+                raise ExportError(f"the draft's weights hold {prefix}* tensors but its config does not set {option}: "
+                                  f"vLLM would not apply that norm (llama_eagle3.py drops input_norm.* when "
+                                  f"norm_before_fc is false). Set {option}=true in its config.json.")
         if missing or extra:
             raise ExportError(f"the draft's tensors do not match its config: missing {missing[:8]}, unexpected "
                               f"{extra[:8]}")

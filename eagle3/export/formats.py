@@ -13,6 +13,15 @@
 - ``sglang``: SpecForge's layout: ``midlayer.*`` with ``d2t`` and ``t2d`` always present, ids in
   ``eagle_config`` in SGLang's convention (SGLang captures the *output* of layer i for id i, i.e. our
   id i+1, so ids are written minus one).
+
+EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; tensors ``input_norm.weight``,
+``fc_norm.<i>.weight``): ``vllm`` writes the set ones top-level (vLLM's llama_eagle3.py reads them
+there); ``speculators`` writes all three top-level (vLLM's speculators adapter, algos.py
+``update_eagle3``, reads them there) and refuses norm_before_fc with fc_norm (speculators'
+``Eagle3SpeculatorConfig`` rejects the pair); ``sglang`` writes ``fc_norm`` (SpecForge's
+LlamaForCausalLMEagle3 reads it) and refuses norm_before_fc (SpecForge's draft has no input_norm)
+and norm_output (SpecForge's ``norm_output`` key means "norm before lm_head", default true, and
+always feeds back the pre-norm state: vLLM's norm_output=true has no SpecForge equivalent).
 """
 from __future__ import annotations
 
@@ -24,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.draft import draft_config_dict
+from ..config import eagle31_export_refusal
+from ..model.draft import NORM_OPTIONS, draft_config_dict
 from ..target import TOKENIZER_FILES
 from .checkpoint import EMBED_NAME, DraftCheckpoint
 from .errors import ExportError
@@ -34,7 +44,7 @@ log = logging.getLogger("eagle3.export")
 FORMATS = ("vllm", "speculators", "sglang")
 WEIGHTS_FILE = "model.safetensors"
 _EAGLE_ONLY_KEYS = ("architectures", "draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                    "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype")
+                    "eagle_config", "eagle_aux_hidden_state_layer_ids", "torch_dtype") + NORM_OPTIONS
 
 
 @dataclass
@@ -68,6 +78,14 @@ def _tensors_for(ckpt: DraftCheckpoint, spec: ExportSpec, with_mapping: bool, pr
     return out
 
 
+def _refuse_options(cfg, fmt: str) -> None:
+    """The EAGLE-3.1 options ``fmt`` cannot carry (eagle3.config.eagle31_export_refusal, also checked
+    when the config is composed): an ExportError with the reason."""
+    reason = eagle31_export_refusal(fmt, cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output)
+    if reason:
+        raise ExportError(reason)
+
+
 def vllm_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     return draft_config_dict(ckpt.config, torch_dtype=spec.dtype)
 
@@ -76,6 +94,7 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     full = vllm_config(ckpt, spec)
     layer = {k: v for k, v in full.items() if k not in _EAGLE_ONLY_KEYS}
     cfg = ckpt.config
+    _refuse_options(cfg, "speculators")
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -91,9 +110,9 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "torch_dtype": spec.dtype,
     }
@@ -110,6 +129,7 @@ def sglang_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     if 0 in cfg.aux_layer_ids:
         raise ExportError("aux layer id 0 (the embeddings) has no SGLang equivalent (SGLang captures layer "
                           "outputs); use export.format=vllm")
+    _refuse_options(cfg, "sglang")
     if cfg.norm_before_residual:
         log.warning("export: this draft was trained with norm_before_residual=true; SGLang's LlamaForCausalLMEagle3 "
                     "(python/sglang/srt/models/llama_eagle3.py as read) always keeps the un-normed residual, so "

@@ -12,6 +12,14 @@ the index of the layer whose *output* is taken (their k = our k+1). The top-leve
 ``eagle_config`` come from SpecForge/SGLang and are shifted by one unless
 ``export.from_layer_convention`` says otherwise. Drafts written by eagle3 say which convention
 they use in ``eagle3_export.json``.
+
+EAGLE-3.1 options (:func:`_norm_options`): the speculators layout and vLLM-style configs use vLLM's
+keys and meanings (``norm_before_fc`` in ``eagle_config`` or top-level, ``fc_norm``, ``norm_output``).
+A SpecForge config (midlayer layout, no eagle3 marker, no top-level ``eagle_aux_hidden_state_layer_ids``
+nor ``num_aux_hidden_states``, which SpecForge never writes) shares ``fc_norm`` but its
+``norm_output`` means "the final norm before lm_head" (SpecForge's default: true) while the fed-back
+state is always the pre-norm one, i.e. vLLM's norm_output=false; SpecForge's norm_output=false (no
+final norm at all) has no vLLM equivalent and is refused.
 """
 from __future__ import annotations
 
@@ -32,7 +40,6 @@ log = logging.getLogger("eagle3.export")
 
 MARKER = EXPORT_MARKER
 CONVENTIONS = ("auto", "vllm", "sglang")
-_UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def read_weights(path: Path) -> dict:
@@ -104,6 +111,38 @@ def _layer_ids(config: dict, layer: dict, layout: str, marker: Optional[dict], c
     return ids, "vLLM convention"
 
 
+def specforge_style(config: dict, layout: str, marker: Optional[dict]) -> bool:
+    """A SpecForge-written config: midlayer layout, not eagle3's, none of the keys only vLLM-style
+    writers put there (top-level aux ids, num_aux_hidden_states)."""
+    return (layout == "midlayer" and marker is None and not config.get("eagle_aux_hidden_state_layer_ids")
+            and "num_aux_hidden_states" not in config)
+
+
+def _norm_options(path: Path, config: dict, layer: dict, layout: str, marker: Optional[dict]) -> dict:
+    """The EAGLE-3.1 options as vLLM's meanings (see the module docstring)."""
+    def flag(name):
+        for where in ((config.get("eagle_config") or {}), config, layer):
+            if name in where:
+                value = where[name]
+                if not isinstance(value, bool):
+                    raise ImportDraftError(f"{path}: {name}={value!r} in its config.json is not a boolean")
+                return value
+        return None
+
+    options = {name: bool(flag(name)) for name in ("norm_before_fc", "fc_norm")}
+    norm_output = flag("norm_output")
+    if specforge_style(config, layout, marker) and norm_output is not None:
+        if norm_output is False:
+            raise ImportDraftError(f"{path}: a SpecForge config with norm_output=false: SpecForge's draft then applies "
+                                   f"no final norm before lm_head, which neither vLLM nor eagle3's draft computes")
+        log.warning("export.from: %s is a SpecForge config: its norm_output=true means the final norm before "
+                    "lm_head with the pre-norm state fed back, i.e. vLLM's norm_output=false (the export writes "
+                    "that)", path)
+        norm_output = False
+    options["norm_output"] = bool(norm_output)
+    return options
+
+
 def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCheckpoint:
     """Read a draft directory; ``target_config`` is the target's config.json (sizes are checked)."""
     path = Path(path).expanduser().resolve()
@@ -117,9 +156,7 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
     layer = dict(config.get("transformer_layer_config") or {}) if layout == "speculators" else dict(config)
     if not layer.get("hidden_size"):
         raise ImportDraftError(f"{path}/config.json has no hidden_size{' in transformer_layer_config' if layout == 'speculators' else ''}")
-    for flag in _UNSUPPORTED_FLAGS:
-        if config.get(flag) or layer.get(flag) or (config.get("eagle_config") or {}).get(flag):
-            raise ImportDraftError(f"{path}: the draft uses {flag}=true, which eagle3's draft model does not have")
+    options = _norm_options(path, config, layer, layout, marker)
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ImportDraftError(f"{path}: num_hidden_layers={layer.get('num_hidden_layers')}; only one-layer "
                                f"EAGLE-3 drafts are supported")
@@ -165,6 +202,10 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
     heads = int(layer["num_attention_heads"])
     model_type = str(layer.get("model_type", "llama"))
     archs = " ".join(config.get("architectures") or []) + " " + " ".join(layer.get("architectures") or [])
+    if "deepseek" in model_type or "Deepseek" in archs or "kv_lora_rank" in layer:
+        raise ImportDraftError(f"{path}: an MLA draft (vLLM's deepseek_eagle3.py, {archs.strip() or model_type}): "
+                               f"eagle3's draft model is the Llama-style or Qwen3 one only; export it with the "
+                               f"framework that trained it")
     arch = "qwen3" if model_type == "qwen3" or "Qwen3" in archs else "llama"
     theta, scaling = rope_parameters(layer)
     norm_before_residual = config.get("norm_before_residual", layer.get("norm_before_residual"))
@@ -177,7 +218,7 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), vocab_size=V, draft_vocab_size=draft_vocab,
         aux_layer_ids=ids, rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
-        norm_before_residual=bool(norm_before_residual), architecture=arch)
+        norm_before_residual=bool(norm_before_residual), architecture=arch, **options)
     source = {"kind": "import", "path": str(path), "layout": layout, "layer_ids_read_as": how,
               "written_by_eagle3": marker is not None}
     ckpt = DraftCheckpoint(cfg, tensors, d2t, t2d.bool(), embed, source)

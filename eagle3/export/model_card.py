@@ -28,6 +28,9 @@ def model_card(meta: dict, facts: dict) -> str:
              + (f" (coverage of training tokens {meta['coverage']:.3f})" if meta.get("coverage") is not None else ""),
              f"- norm_before_residual: {cfg['norm_before_residual']}; tensors stored as {meta['dtype']}",
              f"- source: {json.dumps(meta['source'], sort_keys=True)}"]
+    eagle31 = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(name)]
+    if eagle31:  # absent at their defaults: a default draft's card is unchanged
+        lines.insert(len(lines) - 1, f"- EAGLE-3.1 options: {', '.join(f'{n}=true' for n in eagle31)}")
     if meta.get("data"):
         lines += ["", "## Training data", ""] + [f"- {k}: {v}" for k, v in meta["data"].items()]
     lines += ["", "## Serving", ""]

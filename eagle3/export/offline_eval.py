@@ -144,7 +144,8 @@ class DraftRunner:
     @torch.inference_mode()
     def chain_step(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
         pos = self.k_cache.shape[2]
-        return self._run(hidden[None], [token], pos, commit=False)[-1]
+        # ``hidden`` is the previous step's pre-norm output; norm_output feeds its normed form
+        return self._run(self.module.feedback(hidden)[None], [token], pos, commit=False)[-1]
 
     def drop_speculative(self) -> None:
         if self.k_cache is not None and self.k_cache.shape[2] > self.committed:

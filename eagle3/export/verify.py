@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.draft import NORM_OPTIONS
 from .acceptance import AcceptanceStats
 from .checkpoint import DraftCheckpoint
 from .errors import VerificationError
@@ -40,7 +41,7 @@ def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict
         bad = int((got.d2t.long() != ref.d2t.long()).sum()) if got.d2t.shape == ref.d2t.shape else "all"
         raise VerificationError(f"{model_dir}: its d2t/t2d differ from the vocabulary mapping the draft was trained "
                                 f"with ({bad} draft ids map elsewhere)")
-    for name in ("norm_before_residual", "draft_vocab_size", "hidden_size", "architecture"):
+    for name in ("norm_before_residual", "draft_vocab_size", "hidden_size", "architecture") + NORM_OPTIONS:
         if getattr(got.config, name) != getattr(cfg, name):
             raise VerificationError(f"{model_dir}: {name}={getattr(got.config, name)!r} in the exported config, "
                                     f"{getattr(cfg, name)!r} in the trained draft")

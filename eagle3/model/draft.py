@@ -2,7 +2,10 @@
 
 vLLM (``model_executor/models/llama_eagle3.py``, same in ``qwen3_eagle3.py``) computes, per token:
 
-    h        = fc(concat(aux states))                    # step 0; later steps feed back `out`
+    a        = concat(aux states)                         # [n_aux * H_target]
+    norm_before_fc=True: a = input_norm(a)                # one RMSNorm over the concatenation
+    fc_norm=True:        a = concat(fc_norm[i](a_i))      # one RMSNorm per aux state (after input_norm)
+    h        = fc(a)                                      # step 0; later steps feed back `out` (below)
     e        = input_layernorm(embed(next token))
     norm_before_residual=False: residual = h;               x = hidden_norm(h)
     norm_before_residual=True:  residual = hidden_norm(h);  x = residual
@@ -10,6 +13,11 @@ vLLM (``model_executor/models/llama_eagle3.py``, same in ``qwen3_eagle3.py``) co
     residual = a + residual
     out      = mlp(post_attention_layernorm(residual)) + residual   # pre-norm, fed back
     logits   = lm_head(norm(out))                         # over the draft vocabulary
+    norm_output=True: the state fed back is norm(out) (with its weight), not out
+
+The three EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; all False by default
+and then absent from every written file) are read by vLLM 0.32's llama_eagle3.py and qwen3_eagle3.py
+from the draft's config.json (``norm_before_fc`` also from ``eagle_config``); every combination loads.
 
 The attention is split into ``pre_attention`` / ``post_attention`` so the training-time test can
 run its own attention over the keys of all steps in between (eagle3/train/ttt.py).
@@ -26,6 +34,8 @@ import torch.nn.functional as F
 from .rope import apply_rope, inv_freq_and_scale, rope_cos_sin, rope_parameters
 
 ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
+# EAGLE-3.1's draft options (vLLM's config keys), each False by default
+NORM_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass
@@ -46,6 +56,9 @@ class Eagle3DraftConfig:
     norm_before_residual: bool = True
     architecture: str = "llama"
     initializer_range: float = 0.02
+    norm_before_fc: bool = False  # RMSNorm ``input_norm`` over the concatenated aux states, before fc
+    fc_norm: bool = False  # one RMSNorm ``fc_norm.<i>`` per aux state, before fc
+    norm_output: bool = False  # feed back the normed output (what the lm_head sees), not the pre-norm one
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -63,7 +76,17 @@ class Eagle3DraftConfig:
         return len(self.aux_layer_ids)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain fields; the EAGLE-3.1 options only when set (a default draft's file is as before)."""
+        d = asdict(self)
+        for name in NORM_OPTIONS:
+            if not d[name]:
+                del d[name]
+        return d
+
+    @property
+    def norm_options(self) -> dict:
+        """The EAGLE-3.1 options that are set, as vLLM's config keys."""
+        return {name: True for name in NORM_OPTIONS if getattr(self, name)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3DraftConfig":
@@ -88,7 +111,8 @@ class Eagle3DraftConfig:
                    rope_theta=theta, rope_scaling=scaling,
                    max_position_embeddings=int(tc.get("max_position_embeddings", 8192)),
                    norm_before_residual=bool(getattr(overrides, "norm_before_residual", True)),
-                   architecture=getattr(overrides, "architecture", "llama"))
+                   architecture=getattr(overrides, "architecture", "llama"),
+                   **{name: bool(getattr(overrides, name, False)) for name in NORM_OPTIONS})
 
 
 def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> dict:
@@ -96,6 +120,7 @@ def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> 
 
     ``norm_before_residual`` and ``num_aux_hidden_states`` are written explicitly: vLLM's defaults
     differ between config styles, and the Llama draft sizes ``fc`` from ``num_aux_hidden_states``.
+    The EAGLE-3.1 options are written top-level when set (vLLM's default for each is False).
     """
     d = {
         "architectures": [ARCHITECTURES[cfg.architecture]],
@@ -124,6 +149,7 @@ def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> 
                          "use_aux_hidden_state": True},
         "torch_dtype": torch_dtype,
     }
+    d.update(cfg.norm_options)
     return d
 
 
@@ -255,6 +281,11 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # EAGLE-3.1 (vLLM's names): registered only when set, so a default draft's state is as before
+        self.input_norm = (RMSNorm(cfg.num_aux_hidden_states * cfg.target_hidden_size, cfg.rms_norm_eps)
+                           if cfg.norm_before_fc else None)
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                      for _ in range(cfg.num_aux_hidden_states)) if cfg.fc_norm else None)
         self.midlayer = Eagle3MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -289,11 +320,30 @@ class Eagle3Draft(nn.Module):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype)
 
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """The concatenated aux states [..., n_aux*H] as fc sees them: ``input_norm`` over the whole
+        (norm_before_fc), then ``fc_norm[i]`` over each state (fc_norm), as vLLM's
+        ``combine_hidden_states``; unchanged when neither is set."""
+        eps = self.config.rms_norm_eps
+        if self.input_norm is not None:
+            aux = rms_norm(aux, self.input_norm.weight, eps)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([rms_norm(c, n.weight, eps) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return aux
+
     def fuse(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated aux states: [B, T, n_aux*H] (or [B, T, n_aux, H]) -> [B, T, H]."""
         if aux_hidden_states.dim() == 4:
             aux_hidden_states = aux_hidden_states.flatten(-2)
-        return self.fc(aux_hidden_states)
+        return self.fc(self.fc_input(aux_hidden_states))
+
+    def feedback(self, out: torch.Tensor, norm_weight=None) -> torch.Tensor:
+        """The state the next chain step receives from a step's pre-norm output ``out``: ``out``
+        itself, or with norm_output its normed form (vLLM's ``aux_output``)."""
+        if not self.config.norm_output:
+            return out
+        return rms_norm(out, self.norm.weight if norm_weight is None else norm_weight, self.norm.eps)
 
     def logits(self, out: torch.Tensor, norm_weight=None, lm_head_weight=None) -> torch.Tensor:
         norm_weight = self.norm.weight if norm_weight is None else norm_weight
@@ -302,7 +352,8 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, aux_hidden_states: torch.Tensor, input_embeds: torch.Tensor,
                 position_ids: torch.Tensor):
-        """One plain causal pass (TTT step 0, as vLLM's first draft pass): (logits, pre-norm out).
+        """One plain causal pass (TTT step 0, as vLLM's first draft pass): (logits, pre-norm out);
+        the state fed back to the next step is ``feedback(out)``.
 
         ``input_embeds[t]`` is the embedding of token t+1; positions are those of the aux states.
         """

@@ -31,7 +31,7 @@ from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
 from .data import Epochs, MicroBatches, plan_epoch, to_device
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
-from .optim import adamw, clip_gradients, lr_schedule
+from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
 from .target_head import TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
@@ -77,7 +77,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
     head.compile = compile_
-    optimizer = adamw(model.parameters(), tcfg, device)
+    check_optimizer_distribution(accelerator, tcfg)
+    optimizer = build_optimizer(model, tcfg, device)  # train.optimizer: AdamW, or Muon + AdamW
     epochs = Epochs(inputs.train_store.lengths, tcfg, W)
     total = epochs.total_steps()
     scheduler = lr_schedule(optimizer, tcfg, total)

@@ -1,5 +1,14 @@
-"""The optimizer side of the train loop: fused AdamW, its learning-rate schedule (linear warmup,
-then cosine decay), and gradient-norm clipping folded into the fused AdamW kernel.
+"""The optimizer side of the train loop: fused AdamW (or Muon + AdamW, ``train.optimizer=muon``),
+the learning-rate schedule (linear warmup, then cosine decay), and gradient-norm clipping folded
+into the fused AdamW kernel.
+
+Muon (``torch.optim.Muon``) orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes
+only 2-D parameters. :func:`split_for_muon` gives it the 2-D weights of the hidden path and leaves
+lm_head (an output head, as speculators and Keller Jordan's Muon leave it) and the norms to AdamW.
+:class:`MuonWithAdamW` is the two as one ``torch.optim.Optimizer`` (the same group dicts, one state),
+so the loop, Accelerate's prepare/save_state/load_state and the LR schedule see one optimizer.
+Muon's update is per parameter, on the whole matrix: with DDP every rank holds the whole all-reduced
+gradient and computes the same update; FSDP shards are refused (:func:`check_optimizer_distribution`).
 
 Clipping: ``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then
 rewrites every gradient (a read and a write of 4 bytes per parameter) to scale it, before AdamW
@@ -21,6 +30,80 @@ def adamw(params, tcfg, device: torch.device) -> torch.optim.AdamW:
     """AdamW, fused (one kernel over all parameters, and what :func:`fold_clip` hands the clip to)."""
     return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                              fused=device.type in ("cuda", "cpu"))
+
+
+def split_for_muon(named_params) -> tuple[list, list]:
+    """(Muon's, AdamW's) (name, parameter) lists: Muon gets the trainable 2-D matrices (both sides
+    > 1) except lm_head and embeddings; AdamW everything else (norms, biases, lm_head)."""
+    muon, rest = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        if p.ndim == 2 and min(p.shape) > 1 and not any(h in name for h in ("lm_head", "embed_tokens")):
+            muon.append((name, p))
+        else:
+            rest.append((name, p))
+    return muon, rest
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon over ``muon_params`` and AdamW over ``adamw_params`` as one optimizer.
+
+    Its ``param_groups`` are the two inner optimizers' group dicts (Muon's first) and its ``state``
+    is theirs (the parameter sets are disjoint), so an LR scheduler scales both groups, and
+    ``state_dict``/``load_state_dict`` (torch's own, over the combined groups) save and restore both
+    exactly; after a load the inner optimizers are pointed at the loaded groups and state again."""
+
+    def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool):
+        if not muon_params:
+            raise ValueError("train.optimizer=muon: the draft has no 2-D weight for Muon")
+        self.muon = torch.optim.Muon([p for _, p in muon_params], lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay,
+                                     momentum=tcfg.muon_momentum, ns_steps=tcfg.muon_ns_steps,
+                                     adjust_lr_fn=tcfg.muon_adjust_lr_fn)
+        self.adamw = torch.optim.AdamW([p for _, p in adamw_params], lr=tcfg.lr, betas=tuple(tcfg.betas),
+                                       weight_decay=tcfg.weight_decay, fused=fused)
+        self.muon_names = [n for n, _ in muon_params]
+        super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
+        self._share()
+
+    def _share(self) -> None:
+        n = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.muon.state = self.adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+
+def build_optimizer(model: torch.nn.Module, tcfg, device: torch.device) -> torch.optim.Optimizer:
+    """``train.optimizer``: fused AdamW over every parameter, or :class:`MuonWithAdamW`."""
+    if getattr(tcfg, "optimizer", "adamw") == "adamw":
+        return adamw(model.parameters(), tcfg, device)
+    muon, rest = split_for_muon(model.named_parameters())
+    return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"))
+
+
+def check_optimizer_distribution(accelerator, tcfg) -> None:
+    """Refuse Muon under FSDP: its Newton-Schulz step needs each whole matrix, FSDP2 hands the
+    optimizer DTensor shards, and torch 2.13's Muon has no DTensor path of its own (whether DTensor's
+    op dispatch makes it correct, and at what gather cost, is not tested here)."""
+    from accelerate.utils import DistributedType
+
+    if getattr(tcfg, "optimizer", "adamw") == "muon" and accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError("train.optimizer=muon is not supported with FSDP: Muon orthogonalises whole 2-D "
+                         "weights and FSDP shards them (untested here). Train with DDP (the draft fits one "
+                         "device) or use train.optimizer=adamw.")
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):

@@ -2,7 +2,8 @@
 
 Indexing (one row of T tokens x_0..x_{T-1}; p_t = target's distribution of x_{t+1}):
 - step 0 at index t: hidden = fc(aux_t), input token x_{t+1}, position t (as vLLM's first pass);
-- step j at index t: hidden = step j-1's pre-norm output at t, input token x_{t+j+1}, position t+j;
+- step j at index t: hidden = step j-1's pre-norm output at t (its normed form with
+  ``norm_output``), input token x_{t+j+1}, position t+j;
 - its target is p_{t+j+1} (the token x_{t+j+2}); it is scored where x_{t+j+2} is a loss token of
   the same document and the target's full-vocab argmax at t+j+1 is in the draft vocabulary.
 Loss = sum_j decay**j * (sum of scored CE at step j) / denominators[j], where the caller passes
@@ -135,7 +136,8 @@ class TTTModel(nn.Module):
         # gate/up packed into single matmuls; gradients flow back to the fp32 parameters
         wl = layer.weights(dtype)
         norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
-        h = F.linear(aux, draft.fc.weight.to(dtype))
+        # fc_input: the EAGLE-3.1 norms of the aux states (norm_before_fc, fc_norm), if set
+        h = F.linear(draft.fc_input(aux), draft.fc.weight.to(dtype))
         ks, vs = [], []
         outs = []
         for j in range(S):
@@ -143,8 +145,9 @@ class TTTModel(nn.Module):
             q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
             ks.append(k)
             vs.append(v)
-            h = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
-            outs.append(h)
+            out = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
+            outs.append(out)
+            h = draft.feedback(out, norm_w)  # norm_output: the next step gets norm(out), as in vLLM
         # The draft head of all steps at once: no step needs another's logits (step j+1 is fed the
         # pre-norm output), so the lm_head runs as one matmul over S*B*T rows, and its weight
         # gradient as one matmul too, instead of S matmuls whose S outputs are then summed.

@@ -1,0 +1,506 @@
+"""Online training (``train.hidden_states=online``): the draft learns while the target produces its
+hidden states; no complete store is ever needed, and disk stays bounded.
+
+The trainer's data order is a pure function of the step (eagle3.train.data.Epochs), so the loop
+tells its store, before it reads anything, which samples it will read and in which order
+(``OnlineHiddenStates.expect``). Items are exactly a store's items (``HiddenStates(fp8="raw")``),
+so the loop does not know where they come from. Every sample's states are computed alone (one
+sample per forward, no padding): its bits depend on the sample only, so a resumed run, a cached
+sample and an offline store extracted with ``extract.backend=hf extract.batch_size=1`` are
+bit-identical.
+
+Producers (``train.online.producer``):
+
+- ``colocated``: the hf backend in the training process computes each sample when the loop reads it
+  (frozen, inference mode). Nothing touches the disk unless a cache is asked for.
+- ``external``: producer processes (``python -m eagle3 stage=produce`` with the same overrides as
+  the trainer, any ``extract.backend``) and the trainer share a directory; the directory is the
+  protocol, no server:
+
+  ``plan.json``      the trainer's order (sample ids, in reading order), its layout (target hash,
+                     layer ids, dtype), the window and the cached samples; rewritten atomically at
+                     every (re)start with a new ``plan_id``
+  ``consumed.json``  the trainer's position in the order (samples read), ``finished`` at the end
+  ``producer.json``  the producer's identity (target hash, layer ids, dtype, backend and its config),
+                     host, pid and a heartbeat
+  ``train/``, ``eval/``  one sample per shard, in the store's own format (eagle3.store, written by the
+                     backends' shard writer: atomic, sha256 sidecars): ``shard-<i>-of-<N>``
+
+  The producer writes the shards of the samples at positions ``consumed ..`` as long as their bytes
+  (not yet read by the trainer) stay within ``train.online.window_bytes``; the trainer reads each,
+  advances ``consumed`` and deletes it unless it is cached. The held-out split is produced first
+  and kept (it is read at every eval). A restarted producer resumes from what is on disk (a shard
+  that exists is complete); a restarted trainer writes a new plan from its checkpoint's step.
+
+The cache (``train.online.cache_bytes``): the first samples of the training split (by index) whose
+shards fit the budget are kept in ``<dir>/train`` and read again in later epochs. Once every
+training sample is cached the directory is finalized as a store (index.json, store.json) that
+``open_hidden_states`` reads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .atomic import atomic_write_json
+from .errors import Eagle3Error
+from .store import ShardPlan, StoreLayout, shard_header, shard_name, sidecar_path
+
+log = logging.getLogger("eagle3.online")
+
+PLAN_FILE = "plan.json"
+CONSUMED_FILE = "consumed.json"
+PRODUCER_FILE = "producer.json"
+_SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
+
+
+class OnlineError(Eagle3Error):
+    """Online training cannot go on: a producer that does not match or does not answer, a window
+    too small, a directory that cannot be written."""
+
+
+# -- sizes and identities -------------------------------------------------------------------------
+
+def shard_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout) -> int:
+    """Bytes on disk of sample ``i``'s one-sample shard (file + sidecar)."""
+    plan = ShardPlan(split, i, num, i, [range(int(length))], [range(int(length))])
+    return int(shard_header(plan, layout)[1]["__end__"]) + _SIDECAR_BYTES
+
+
+def cached_count(lengths: Sequence[int], layout: StoreLayout, cache_bytes: int, split: str = "train") -> int:
+    """How many leading samples (by index) of ``lengths`` fit the cache budget."""
+    total, n = 0, 0
+    for i, length in enumerate(lengths):
+        b = shard_bytes(split, i, len(lengths), int(length), layout)
+        if total + b > cache_bytes:
+            break
+        total += b
+        n += 1
+    return n
+
+
+def layout_identity(layout: StoreLayout) -> dict:
+    """What producer and trainer must agree on (the shards' bytes depend on it)."""
+    return layout.to_json()
+
+
+def check_writable(path: Path, what: str) -> None:
+    """``path`` exists (made if needed) and a file can be written in it; else an OnlineError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise OnlineError(f"{what} {path} is not writable ({e.strerror or e}): set train.online.dir to a "
+                          f"directory this process can write (local NVMe, /dev/shm, a shared filesystem)") from None
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def read_shard_item(path: Path, fp8: str = "raw") -> dict:
+    """A one-sample shard file -> a store item (as HiddenStates gives it), fully in memory (the file
+    may be deleted right after)."""
+    import torch
+    from safetensors.torch import load
+
+    t = load(path.read_bytes())
+    item = {"input_ids": t["input_ids"].to(torch.int64), "loss_mask": t["loss_mask"].to(torch.bool),
+            "aux_hidden_states": t["aux_hidden_states"], "last_hidden_state": t["last_hidden_state"],
+            "sample_index": int(t["sample_index"][0])}
+    if "aux_scales" in t:
+        if fp8 == "raw":
+            item.update(aux_scales=t["aux_scales"], last_scales=t["last_scales"])
+        else:
+            from .fp8 import dequantize
+
+            item["aux_hidden_states"] = dequantize(item["aux_hidden_states"], t["aux_scales"])
+            item["last_hidden_state"] = dequantize(item["last_hidden_state"], t["last_scales"])
+    return item
+
+
+def _one_sample_plan(split: str, i: int, num: int, ids, mask) -> ShardPlan:
+    return ShardPlan(split, i, num, i, [list(ids)], [list(mask)])
+
+
+def finalize_cache(cache_dir: Path, layout: StoreLayout, lengths) -> bool:
+    """Index + store.json over ``cache_dir`` when every training sample's shard is there (then it
+    is a store with one sample per shard); False when some are missing."""
+    from .store import finalize_store, missing_shards, shard_ranges
+
+    if missing_shards(cache_dir, {"train": shard_ranges(len(lengths), 1)}):
+        return False
+    finalize_store(cache_dir, layout, {"train": lengths}, 1)
+    return True
+
+
+# -- the trainer's side ---------------------------------------------------------------------------
+
+class OnlineHiddenStates(Sequence):
+    """One split of the prepared dataset as a store whose items are computed while training.
+
+    Items are those of ``HiddenStates(fp8="raw")``; ``lengths``, ``layer_ids``, ``hidden_size``,
+    ``dtype`` too. ``source`` produces them (:class:`ColocatedSource` or :class:`ExternalSource`).
+    The loop calls :meth:`expect` with its micro-batches first; reads must then follow that order
+    (one process, ``train.num_workers=0``)."""
+
+    def __init__(self, split: str, samples, layout: StoreLayout, source):
+        self.split, self.samples, self.layout, self.source = split, samples, layout, source
+        self.lengths = np.asarray(samples.lengths, dtype=np.int64)
+        source.attach(self)
+
+    layer_ids = property(lambda self: tuple(self.layout.layer_ids))
+    last_layer_id = property(lambda self: self.layout.last_layer_id)
+    hidden_size = property(lambda self: self.layout.hidden_size)
+    dtype = property(lambda self: self.layout.dtype)
+    is_fp8 = property(lambda self: self.layout.is_fp8)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tokens(self, i: int) -> tuple:
+        ids, mask = self.samples.get(int(i), int(i) + 1)
+        return list(ids[0]), list(mask[0])
+
+    def expect(self, micro_batches: list) -> None:
+        """The loop's reading order from here on: micro-batches of rows of sample ids."""
+        self.source.expect(self, micro_batches)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.source.item(self, int(i))
+
+    def close(self, finished: bool) -> None:
+        self.source.close(self, finished)
+
+
+class ColocatedSource:
+    """The hf backend in this process computes each sample when it is read; cached samples (the
+    leading ones within ``cache_bytes``) are written once to ``cache_dir/train`` and read back."""
+
+    def __init__(self, extractor, layout: StoreLayout, cache_dir: Optional[Path], cache_bytes: int):
+        self.ext, self.layout = extractor, layout
+        self.cache_dir, self.cache_bytes = cache_dir, cache_bytes
+        self.cached: dict[str, int] = {}
+        self.computed = 0  # samples computed (the tests count them)
+
+    def attach(self, store: OnlineHiddenStates) -> None:
+        n = 0
+        if store.split == "train" and self.cache_bytes > 0:
+            n = cached_count(store.lengths, self.layout, self.cache_bytes)
+            check_writable(self.cache_dir / "train", "the online cache directory")
+        self.cached[store.split] = n
+
+    def expect(self, store, micro_batches) -> None:
+        pass  # computed on demand
+
+    def item(self, store: OnlineHiddenStates, i: int) -> dict:
+        ids, mask = store.tokens(i)
+        if i < self.cached.get(store.split, 0):
+            path = self.cache_dir / store.split / shard_name(i, len(store))
+            if not path.exists():
+                from .extract.backend import Progress
+
+                plan = _one_sample_plan(store.split, i, len(store), ids, mask)
+                self.ext.run([plan], self.cache_dir, Progress(len(ids), "", False))
+                self.computed += 1
+                if store.split == "train" and i == self.cached["train"] - 1 == len(store) - 1:
+                    finalize_cache(self.cache_dir, self.layout, store.lengths)
+            return read_shard_item(path)
+        self.computed += 1
+        return self._compute(i, ids, mask)
+
+    def _compute(self, i: int, ids, mask) -> dict:
+        import torch
+
+        from .extract.writer import store_rows
+
+        aux, last = self.ext._forward([(0, np.asarray(ids, dtype=np.int64))])
+        with torch.inference_mode():
+            av, lv, as_, ls = store_rows(aux, last, self.layout)
+        item = {"input_ids": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
+                "loss_mask": torch.as_tensor(np.asarray(mask, dtype=bool)),
+                "aux_hidden_states": av.cpu().clone(), "last_hidden_state": lv.cpu().clone(), "sample_index": i}
+        if as_ is not None:
+            item.update(aux_scales=as_.float().cpu().clone(), last_scales=ls.float().cpu().clone())
+        return item
+
+    def close(self, store, finished: bool) -> None:
+        pass
+
+
+class ExternalSource:
+    """Shards from producer processes through ``exchange_dir`` (the protocol in the module
+    docstring). One training process (rank) per directory."""
+
+    def __init__(self, exchange_dir: Path, layout: StoreLayout, ocfg, identity: dict):
+        self.dir, self.layout, self.ocfg = Path(exchange_dir), layout, ocfg
+        self.identity = identity  # the trainer's expectation: layout + producer settings
+        check_writable(self.dir, "the online exchange directory")
+        self.order: list = []
+        self.pos = 0
+        self.plan_id = ""
+        self.cached = 0
+        self.stores: dict = {}
+        self.kept: set = set()  # (split, i) never deleted: cached train samples, every eval sample
+
+    def attach(self, store: OnlineHiddenStates) -> None:
+        self.stores[store.split] = store
+        check_writable(self.dir / store.split, "the online exchange directory")
+        if store.split == "train":
+            self.cached = cached_count(store.lengths, self.layout, self.ocfg.cache_bytes)
+
+    def expect(self, store: OnlineHiddenStates, micro_batches) -> None:
+        if store.split != "train":
+            return
+        N = len(store)
+        order = [i for mb in micro_batches for row in mb for i in row]
+        size = {}
+        worst, worst_mb = 0, 0
+        for m, mb in enumerate(micro_batches):
+            ids = {i for row in mb for i in row if i >= self.cached}
+            b = sum(size.setdefault(i, shard_bytes("train", i, N, int(store.lengths[i]), self.layout)) for i in ids)
+            if b > worst:
+                worst, worst_mb = b, m
+        if worst > self.ocfg.window_bytes:
+            raise OnlineError(f"train.online.window_bytes={self.ocfg.window_bytes} is smaller than one micro-batch: "
+                              f"micro-batch {worst_mb} needs {worst} bytes of hidden states on disk at once; set "
+                              f"train.online.window_bytes to at least {worst} (a few micro-batches lets the producer "
+                              f"run ahead)")
+        self.order, self.pos = order, 0
+        self.plan_id = uuid.uuid4().hex
+        evals = self.stores.get("eval")
+        plan = {"plan_id": self.plan_id, "identity": self.identity, "order": order, "num_samples": N,
+                "cached": self.cached, "window_bytes": self.ocfg.window_bytes,
+                "eval": len(evals) if evals is not None else 0, "host": socket.gethostname(), "pid": os.getpid()}
+        # consumed first: a producer that sees the new plan finds its position
+        atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": 0, "finished": False})
+        atomic_write_json(self.dir / PLAN_FILE, plan)
+        log.info("online: plan %s written to %s: %d samples to read, window %d bytes, %d samples cached",
+                 self.plan_id[:8], self.dir, len(order), self.ocfg.window_bytes, self.cached)
+
+    def _producer_line(self) -> str:
+        p = read_json(self.dir / PRODUCER_FILE)
+        if p is None:
+            return f"no producer has written {self.dir / PRODUCER_FILE} (none was started on this directory?)"
+        age = time.time() - float(p.get("heartbeat", 0))
+        return (f"the producer (backend {p.get('identity', {}).get('backend')!r}, pid {p.get('pid')} on host "
+                f"{p.get('host')}) was last heard from {age:.0f} s ago")
+
+    def _check_producer(self) -> Optional[float]:
+        """The producer's heartbeat time (None if none); an identity that differs is an error."""
+        p = read_json(self.dir / PRODUCER_FILE)
+        if p is None:
+            return None
+        theirs = p.get("identity", {})
+        diff = {k: (theirs.get(k), v) for k, v in self.identity.items() if theirs.get(k) != v}
+        if diff:
+            raise OnlineError(f"the producer writing to {self.dir} (pid {p.get('pid')} on {p.get('host')}) does not "
+                              f"produce what this trainer needs: {diff} as (producer, trainer). Start the producer "
+                              f"with the trainer's target and extract settings (`python -m eagle3 stage=produce` "
+                              f"with the same overrides)")
+        return float(p.get("heartbeat", 0))
+
+    def _wait(self, path: Path, what: str) -> None:
+        t0 = time.monotonic()
+        while not path.exists():
+            beat = self._check_producer()
+            waited = time.monotonic() - t0
+            silent = time.time() - beat if beat is not None else waited
+            if waited > self.ocfg.timeout_s and silent > self.ocfg.timeout_s:
+                raise OnlineError(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
+                                  f"{self._producer_line()}. Restart the producer on that directory "
+                                  f"(`python -m eagle3 stage=produce` with the trainer's overrides) and then this "
+                                  f"run (it resumes from its last checkpoint); train.online.timeout_s="
+                                  f"{self.ocfg.timeout_s}")
+            time.sleep(self.ocfg.poll_s)
+
+    def item(self, store: OnlineHiddenStates, i: int) -> dict:
+        N = len(store)
+        path = self.dir / store.split / shard_name(i, N)
+        if store.split != "train":
+            self._wait(path, f"held-out sample {i}")
+            return read_shard_item(path)
+        if self.pos >= len(self.order) or self.order[self.pos] != i:
+            raise RuntimeError(f"online: the loop read sample {i} at position {self.pos}, its plan says "
+                               f"{self.order[self.pos] if self.pos < len(self.order) else 'nothing more'}")
+        self._wait(path, f"training sample {i} (position {self.pos} of plan {self.plan_id[:8]})")
+        from .store import completed_shard
+
+        plan = _one_sample_plan("train", i, N, *store.tokens(i))
+        completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
+        item = read_shard_item(path)
+        if item["input_ids"].tolist() != list(plan.input_ids[0]):
+            raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
+                              f"reads another prepare run; start it with the trainer's overrides")
+        self.pos += 1
+        atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": self.pos, "finished": False})
+        if i >= self.cached and i not in self.order[self.pos:self.pos + 1]:
+            path.unlink(missing_ok=True)
+            sidecar_path(path.parent, path.name).unlink(missing_ok=True)
+        return item
+
+    def close(self, store, finished: bool) -> None:
+        if store.split == "train" and finished and self.plan_id:
+            atomic_write_json(self.dir / CONSUMED_FILE,
+                              {"plan_id": self.plan_id, "position": self.pos, "finished": True})
+            finalize_cache(self.dir, self.layout, store.lengths)
+
+
+# -- the producer's side --------------------------------------------------------------------------
+
+class _Heartbeat:
+    def __init__(self, path: Path, record: dict, every: float):
+        self.path, self.record, self.every = path, record, every
+        self.stop = threading.Event()
+        self.beat()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="eagle3-producer-heartbeat")
+        self.thread.start()
+
+    def beat(self) -> None:
+        atomic_write_json(self.path, dict(self.record, heartbeat=time.time()))
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                self.beat()
+            except OSError as e:
+                log.warning("online producer: heartbeat not written: %s", e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity: dict, *, poll_s: float = 0.05,
+            idle_timeout_s: float = 0.0, progress: bool = True) -> dict:
+    """The producer loop: serve the trainer's plans in ``exchange_dir`` until it says it finished.
+
+    ``splits``: {"train": samples, "eval": samples} of the prepared dataset (``lengths``, ``get``);
+    ``extractor``: a built backend (``Extractor.run(plans, dir, progress)``); ``identity``: what
+    this producer computes (the trainer checks it). ``idle_timeout_s`` > 0: give up when no plan
+    appears for that long. Returns counts (samples written, plans served)."""
+    from tqdm.auto import tqdm
+
+    from .extract.backend import Progress
+
+    d = Path(exchange_dir)
+    check_writable(d, "the online exchange directory")
+    beat = _Heartbeat(d / PRODUCER_FILE, {"identity": identity, "host": socket.gethostname(), "pid": os.getpid()},
+                      max(1.0, 10 * poll_s))
+    stats = {"written": 0, "plans": 0}
+    bar = tqdm(desc="produce", unit="sample", disable=not progress)
+    try:
+        plan_id, t_idle = None, time.monotonic()
+        while True:
+            plan = read_json(d / PLAN_FILE)
+            if plan is None:
+                if idle_timeout_s and time.monotonic() - t_idle > idle_timeout_s:
+                    raise OnlineError(f"no trainer wrote {d / PLAN_FILE} within {idle_timeout_s:.0f} s")
+                time.sleep(poll_s)
+                continue
+            if plan["plan_id"] != plan_id:
+                plan_id = plan["plan_id"]
+                stats["plans"] += 1
+                _check_plan(plan, identity, d, splits)
+                log.info("online producer: plan %s: %d samples, window %d bytes", plan_id[:8], len(plan["order"]),
+                         plan["window_bytes"])
+                _produce_eval(d, plan, splits, layout, extractor, stats)
+            consumed = read_json(d / CONSUMED_FILE) or {}
+            if consumed.get("plan_id") != plan_id:
+                time.sleep(poll_s)
+                continue
+            if consumed.get("finished"):
+                log.info("online producer: the trainer finished plan %s", plan_id[:8])
+                return stats
+            todo = _window(d, plan, int(consumed["position"]), splits["train"], layout)
+            if not todo:
+                time.sleep(poll_s)
+                continue
+            N = plan["num_samples"]
+            plans = []
+            for i in todo:
+                ids, mask = splits["train"].get(i, i + 1)
+                plans.append(_one_sample_plan("train", i, N, ids[0], mask[0]))
+            extractor.run(plans, d, Progress(sum(p.num_tokens for p in plans), "", False))
+            stats["written"] += len(plans)
+            bar.update(len(plans))
+    finally:
+        bar.close()
+        beat.close()
+
+
+def _check_plan(plan: dict, identity: dict, d: Path, splits: dict) -> None:
+    theirs = plan.get("identity", {})
+    diff = {k: (v, theirs.get(k)) for k, v in identity.items() if theirs.get(k) != v}
+    if diff:
+        raise OnlineError(f"the trainer's plan in {d} (pid {plan.get('pid')} on {plan.get('host')}) needs other "
+                          f"hidden states than this producer computes: {diff} as (producer, trainer). Start the "
+                          f"producer with the trainer's overrides")
+    if plan["num_samples"] != len(splits["train"]):
+        raise OnlineError(f"the trainer's plan in {d} is over {plan['num_samples']} training samples, this producer's "
+                          f"prepared dataset has {len(splits['train'])}: they read different prepare runs")
+
+
+def _produce_eval(d: Path, plan: dict, splits: dict, layout: StoreLayout, extractor, stats: dict) -> None:
+    from .extract.backend import Progress
+
+    n = int(plan.get("eval", 0))
+    if not n:
+        return
+    todo = [i for i in range(n) if not (d / "eval" / shard_name(i, n)).exists()]
+    plans = []
+    for i in todo:
+        ids, mask = splits["eval"].get(i, i + 1)
+        plans.append(_one_sample_plan("eval", i, n, ids[0], mask[0]))
+    if plans:
+        extractor.run(plans, d, Progress(sum(p.num_tokens for p in plans), "", False))
+        stats["written"] += len(plans)
+
+
+def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout) -> list:
+    """The samples to write now: those at positions ``position ..`` not on disk, as long as the
+    bytes not yet read (on disk or about to be) stay within the window; removes what no position
+    from ``position`` on needs (read already, or left by an earlier plan) and is not cached."""
+    order, N, cached = plan["order"], plan["num_samples"], int(plan["cached"])
+    window, used, todo, seen = int(plan["window_bytes"]), 0, [], set()
+    for p in range(position, len(order)):
+        i = order[p]
+        if i in seen:
+            continue
+        present = (d / "train" / shard_name(i, N)).exists()
+        if i >= cached:
+            b = shard_bytes("train", i, N, int(samples.lengths[i]), layout)
+            if used + b > window:
+                break
+            used += b
+        seen.add(i)
+        if not present:
+            todo.append(i)
+    # what is on disk and not needed within the window: gone (a cached sample stays)
+    for f in (d / "train").glob("shard-*.safetensors"):
+        i = int(f.name.split("-")[1])
+        if i >= cached and i not in seen:
+            f.unlink(missing_ok=True)
+            sidecar_path(f.parent, f.name).unlink(missing_ok=True)
+    return todo
+
+
+def disk_bytes(d: Path) -> int:
+    """Bytes of the shards and sidecars under ``d`` (what the window and cache bound)."""
+    return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file() and f.name.startswith((".shard", "shard")))

@@ -487,7 +487,8 @@ class Config:
 
     stage: str = "all"
     """prepare | extract | train | export | all (the four in order) | status (the manifest as a
-    table) | eval (the offline evaluator alone)."""
+    table) | eval (the offline evaluator alone) | produce (an online producer for a train run with
+    train.hidden_states=online train.online.producer=external, eagle3/online.py)."""
     workspace: str = "workspace"
     """Root of every experiment's artifacts."""
     name: str = "default"
@@ -512,7 +513,7 @@ class Config:
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
-        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval"))
+        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")

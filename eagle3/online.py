@@ -219,8 +219,6 @@ class ColocatedSource:
                 plan = _one_sample_plan(store.split, i, len(store), ids, mask)
                 self.ext.run([plan], self.cache_dir, Progress(len(ids), "", False))
                 self.computed += 1
-                if store.split == "train" and i == self.cached["train"] - 1 == len(store) - 1:
-                    finalize_cache(self.cache_dir, self.layout, store.lengths)
             return read_shard_item(path)
         self.computed += 1
         return self._compute(i, ids, mask)
@@ -241,7 +239,8 @@ class ColocatedSource:
         return item
 
     def close(self, store, finished: bool) -> None:
-        pass
+        if store.split == "train" and finished and self.cached.get("train", 0) == len(store):
+            finalize_cache(self.cache_dir, self.layout, store.lengths)
 
 
 class ExternalSource:
@@ -348,18 +347,26 @@ class ExternalSource:
         if item["input_ids"].tolist() != list(plan.input_ids[0]):
             raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
                               f"reads another prepare run; start it with the trainer's overrides")
-        self.pos += 1
-        atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": self.pos, "finished": False})
-        if i >= self.cached and i not in self.order[self.pos:self.pos + 1]:
+        # deleted before the position advances: a producer that saw the old position counts the
+        # sample in its window (and may write it again, which its next look removes), so the shards
+        # on disk never exceed the window
+        nxt = self.pos + 1
+        if i >= self.cached and (nxt >= len(self.order) or self.order[nxt] != i):
             path.unlink(missing_ok=True)
             sidecar_path(path.parent, path.name).unlink(missing_ok=True)
+        self.pos = nxt
+        atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": self.pos, "finished": False})
         return item
 
     def close(self, store, finished: bool) -> None:
         if store.split == "train" and finished and self.plan_id:
             atomic_write_json(self.dir / CONSUMED_FILE,
                               {"plan_id": self.plan_id, "position": self.pos, "finished": True})
-            finalize_cache(self.dir, self.layout, store.lengths)
+            import shutil
+
+            shutil.rmtree(self.dir / "eval", ignore_errors=True)  # kept for the evals only
+            if self.cached == len(store):
+                finalize_cache(self.dir, self.layout, store.lengths)
 
 
 # -- the producer's side --------------------------------------------------------------------------
@@ -504,3 +511,94 @@ def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout) ->
 def disk_bytes(d: Path) -> int:
     """Bytes of the shards and sidecars under ``d`` (what the window and cache bound)."""
     return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file() and f.name.startswith((".shard", "shard")))
+
+
+# -- the stages' common setup ---------------------------------------------------------------------
+
+class OnlineRun:
+    """What ``stage=train`` (online) and ``stage=produce`` both derive from the config and the
+    manifest: the target, the prepare run, the layout the producer must write, the train job (its
+    config hash names the run and the default exchange directory) and the prepared splits."""
+
+    def __init__(self, cfg, manifest):
+        from .extract import DatasetSamples, resolve_layer_ids, resolve_store_dtype
+        from .extract.checks import refuse_known_bad
+        from .hashing import semantic_dict
+        from .manifest import ManifestError
+        from .target import resolve
+
+        tcfg, ecfg, ocfg = cfg.train, cfg.extract, cfg.train.online
+        self.cfg, self.ocfg = cfg, ocfg
+        self.target = target = resolve(cfg.target, cfg.workspace)
+        self.upstream = manifest.consume_upstream("train", target.hash, only=("prepare",))
+        self.prep = prep = self.upstream["prepare"]
+        if prep.facts.tokenizer_hash != target.tokenizer_hash:
+            raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer "
+                                f"{str(prep.facts.tokenizer_hash)[:12]}, but the target {target.path} has tokenizer "
+                                f"{target.tokenizer_hash[:12]}. Re-run `python -m eagle3 stage=prepare`.")
+        if ocfg.producer == "colocated" and ecfg.backend != "hf":
+            raise OnlineError(f"train.online.producer=colocated runs the target with the hf backend inside the "
+                              f"training process, but extract.backend={ecfg.backend}: set extract.backend=hf, or "
+                              f"train.online.producer=external to use {ecfg.backend} engines in their own processes "
+                              f"(`python -m eagle3 stage=produce`)")
+        L, H = target.num_hidden_layers, target.hidden_size
+        self.layer_ids = layer_ids = list(resolve_layer_ids(ecfg.layer_ids, L))
+        refuse_known_bad(target.config, ecfg.backend, layer_ids)
+        self.target_dtype = target.run_dtype(cfg.target.dtype)
+        store_dtype = resolve_store_dtype(ecfg.store_dtype, self.target_dtype)
+        self.layout = StoreLayout(layer_ids=tuple(layer_ids), last_layer_id=L, hidden_size=H, dtype=store_dtype,
+                                  target_hash=target.hash)
+        extract = {k: v for k, v in semantic_dict(ecfg).items() if k not in ("samples_per_shard", "splits")}
+        # what the producer's numbers depend on: in the config hash, checked between the processes
+        self.identity = {**layout_identity(self.layout), "target_dtype": self.target_dtype, "backend": ecfg.backend}
+        self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
+        config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids, "hidden_states": "online",
+                  "producer": {**self.identity, "extract": extract}}
+        self.job = manifest.start("train", config=config, target=target.identity(), inputs=self.upstream)
+        self.dir = Path(ocfg.dir).expanduser().resolve() if ocfg.dir else self.job.out_dir / "online"
+
+        import datasets
+
+        from .artifacts import DATASET_DIR
+
+        ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
+        self.splits = {"train": DatasetSamples(ds["train"])}
+        if "eval" in ds and "eval" in ecfg.splits and len(ds["eval"]):
+            self.splits["eval"] = DatasetSamples(ds["eval"])
+        longest = max(int(v.lengths.max()) for v in self.splits.values() if len(v))
+        self.max_model_len = -(-(longest + 1) // 16) * 16
+
+    def extractor(self):
+        """The producer's backend with the target loaded (``extract.*``); the hf backend on this
+        process's GPU under torchrun / accelerate launch when ``extract.device=auto``."""
+        import dataclasses
+
+        from .extract.backend import make_extractor
+
+        ecfg = self.cfg.extract
+        if ecfg.backend == "hf" and ecfg.device == "auto" and "LOCAL_RANK" in os.environ:
+            import torch
+
+            if torch.cuda.is_available():
+                ecfg = dataclasses.replace(ecfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
+        return make_extractor(ecfg.backend, self.target.path, self.layout, self.target_dtype, ecfg,
+                              self.max_model_len, self.dir)
+
+    def stores(self, world_size: int) -> tuple:
+        """(train store, eval store or None) for the trainer: OnlineHiddenStates over this run's source."""
+        ocfg, tcfg = self.ocfg, self.cfg.train
+        if tcfg.num_workers:
+            raise OnlineError(f"train.hidden_states=online reads samples in the loop's order in the training "
+                              f"process: set train.num_workers=0 (it is {tcfg.num_workers})")
+        if ocfg.producer == "colocated":
+            if ocfg.cache_bytes:
+                check_writable(self.dir, "the online cache directory")
+            source = ColocatedSource(self.extractor(), self.layout, self.dir, ocfg.cache_bytes)
+        else:
+            if world_size > 1:
+                raise OnlineError("train.online.producer=external serves one training process per exchange "
+                                  "directory in this version; train on one process, or use producer=colocated")
+            source = ExternalSource(self.dir, self.layout, ocfg, self.identity)
+        train = OnlineHiddenStates("train", self.splits["train"], self.layout, source)
+        ev = OnlineHiddenStates("eval", self.splits["eval"], self.layout, source) if "eval" in self.splits else None
+        return train, ev

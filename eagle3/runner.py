@@ -59,6 +59,8 @@ def run(cfg: Config) -> dict:
         print_status(manifest)
         return {"stage": "status"}
     names = list(STAGES) if cfg.stage == "all" else [cfg.stage]
+    if cfg.stage == "all" and cfg.train.hidden_states == "online":  # train computes the states itself
+        names.remove("extract")
     records = {}
     from .cpu import cpu_threads
 

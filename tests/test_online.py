@@ -460,3 +460,34 @@ def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_
     assert off.config_hash != rec.config_hash and off.facts.hidden_states == "store" and off.facts.producer is None
     offline_draft = load_file(str(off.path("draft.safetensors")))
     assert all(torch.equal(online_draft[k], offline_draft[k]) for k in offline_draft)
+
+
+def test_cli_producer_and_trainer_processes(target_dir, tmp_path):
+    """The commands the README gives: `python -m eagle3 stage=produce` and `stage=train` with the
+    same overrides, in two processes: both find the same train run and exchange directory; the
+    producer exits when the trainer has finished, and the run is complete with the producer facts."""
+    from eagle3.manifest import Manifest
+
+    ws = tmp_path / "ws"
+    common = [f"workspace={ws}", "experiment=t", f"target.path={target_dir}", "data.max_samples=24",
+              "prepare.max_length=128", "prepare.draft_vocab_size=200", "extract.layer_ids=[1,2,3]",
+              "extract.device=cpu", "extract.batch_size=1", "logger.mode=disabled", "progress=false", "cpu_threads=1",
+              "train.ttt_steps=2", "train.max_steps=6", "train.batch_size=2", "train.max_seq_len=128",
+              "train.packing=false", "train.eval_every=4", "train.hidden_states=online",
+              "train.online.producer=external", "train.online.window_bytes=1000000", "train.online.poll_s=0.02",
+              "train.online.timeout_s=300"]
+
+    def eagle3(stage, backend="hf"):
+        return subprocess.Popen([sys.executable, "-m", "eagle3", f"stage={stage}", f"extract.backend={backend}",
+                                 *common], env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    _wait(eagle3("prepare"))
+    producer, trainer = eagle3("produce"), eagle3("train")
+    out_t, out_p = _wait(trainer), _wait(producer)
+    rec = Manifest(ws / "t").current("train")
+    assert rec.status == "complete" and rec.facts.producer["placement"] == "external", out_t[-2000:]
+    d = rec.out_dir / "online"
+    assert f"exchange directory {d}" in out_p and f"exchange/cache directory {d}" in out_t
+    assert "produce: the trainer finished" in out_p
+    assert not list((d / "train").glob("shard-*")), "cache=none: no shard left"

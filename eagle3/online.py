@@ -61,6 +61,7 @@ PLAN_FILE = "plan.json"
 CONSUMED_FILE = "consumed.json"
 PRODUCER_FILE = "producer.json"
 _SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
+_READ_AHEAD = 2  # training samples the trainer reads ahead of the loop (the next ones, in order)
 
 
 class OnlineError(Eagle3Error):
@@ -256,7 +257,9 @@ class ExternalSource:
         self.plan_id = ""
         self.cached = 0
         self.stores: dict = {}
-        self.kept: set = set()  # (split, i) never deleted: cached train samples, every eval sample
+        # the next samples are read by a thread while the loop computes (file reads release the GIL)
+        self.ahead: dict = {}  # position -> Future of its item
+        self._pool = None
 
     def attach(self, store: OnlineHiddenStates) -> None:
         self.stores[store.split] = store
@@ -281,6 +284,7 @@ class ExternalSource:
                               f"micro-batch {worst_mb} needs {worst} bytes of hidden states on disk at once; set "
                               f"train.online.window_bytes to at least {worst} (a few micro-batches lets the producer "
                               f"run ahead)")
+        self._drop_ahead()
         self.order, self.pos = order, 0
         self.plan_id = uuid.uuid4().hex
         evals = self.stores.get("eval")
@@ -338,15 +342,14 @@ class ExternalSource:
         if self.pos >= len(self.order) or self.order[self.pos] != i:
             raise RuntimeError(f"online: the loop read sample {i} at position {self.pos}, its plan says "
                                f"{self.order[self.pos] if self.pos < len(self.order) else 'nothing more'}")
-        self._wait(path, f"training sample {i} (position {self.pos} of plan {self.plan_id[:8]})")
-        from .store import completed_shard
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        plan = _one_sample_plan("train", i, N, *store.tokens(i))
-        completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
-        item = read_shard_item(path)
-        if item["input_ids"].tolist() != list(plan.input_ids[0]):
-            raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
-                              f"reads another prepare run; start it with the trainer's overrides")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="eagle3-online-read")
+        for p in range(self.pos, min(self.pos + _READ_AHEAD, len(self.order))):
+            if p not in self.ahead:
+                self.ahead[p] = self._pool.submit(self._read, store, p)
+        item = self.ahead.pop(self.pos).result()
         # deleted before the position advances: a producer that saw the old position counts the
         # sample in its window (and may write it again, which its next look removes), so the shards
         # on disk never exceed the window
@@ -358,7 +361,37 @@ class ExternalSource:
         atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": self.pos, "finished": False})
         return item
 
+    def _read(self, store: OnlineHiddenStates, p: int) -> dict:
+        """The item at position ``p`` once its shard is there, checked against the prepared sample."""
+        from .store import completed_shard
+
+        i, N = self.order[p], len(store)
+        path = self.dir / "train" / shard_name(i, N)
+        self._wait(path, f"training sample {i} (position {p} of plan {self.plan_id[:8]})")
+        plan = _one_sample_plan("train", i, N, *store.tokens(i))
+        completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
+        item = read_shard_item(path)
+        if item["input_ids"].tolist() != list(plan.input_ids[0]):
+            raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
+                              f"reads another prepare run; start it with the trainer's overrides")
+        return item
+
+    def _drop_ahead(self) -> None:
+        for f in self.ahead.values():
+            f.cancel()
+        for f in self.ahead.values():
+            if not f.cancelled():
+                try:
+                    f.result()
+                except Exception:  # a read for the old plan: its error no longer matters
+                    pass
+        self.ahead.clear()
+
     def close(self, store, finished: bool) -> None:
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if store.split == "train" and finished and self.plan_id:
             atomic_write_json(self.dir / CONSUMED_FILE,
                               {"plan_id": self.plan_id, "position": self.pos, "finished": True})

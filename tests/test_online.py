@@ -491,3 +491,34 @@ def test_cli_producer_and_trainer_processes(target_dir, tmp_path):
     assert f"exchange directory {d}" in out_p and f"exchange/cache directory {d}" in out_t
     assert "produce: the trainer finished" in out_p
     assert not list((d / "train").glob("shard-*")), "cache=none: no shard left"
+
+
+COLOCATED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from eagle3.config import TrainConfig
+from eagle3.extract.hf_backend import HFExtractor
+from eagle3.online import ColocatedSource, OnlineHiddenStates
+from eagle3.train.loop import train
+from test_online import ECFG, TCFG, make_inputs, make_layout, make_splits
+run, target, cache = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+layout, splits = make_layout(), make_splits()
+src = ColocatedSource(HFExtractor(target, layout, "float32", ECFG), layout, run.parent / "cache", cache)
+stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+train(TrainConfig(**dict(TCFG, batch_size=1)), make_inputs(target, *stores), run, progress=False)
+stores[0].close(finished=True)
+"""
+
+
+def test_colocated_on_two_processes_trains_the_one_process_model(offline, target_dir, tmp_path):
+    """Two training processes (torchrun, gloo), each with its own hf producer computing its own
+    micro-batches (1 row each) and sharing a cache: the model of one process on the same global
+    batch (2 rows), to the tolerance of the store-fed two-process test (tests/test_train.py)."""
+    script = tmp_path / "colocated.py"
+    script.write_text(COLOCATED.format(tests=str(TESTS)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29541", str(script), str(tmp_path / "run"), str(target_dir), "200000"],
+                          env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert_same_training(offline, tmp_path / "run", rtol=1e-5)

@@ -522,3 +522,51 @@ def test_colocated_on_two_processes_trains_the_one_process_model(offline, target
                           env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert_same_training(offline, tmp_path / "run", rtol=1e-5)
+
+
+def test_fp8_items_equal_the_fp8_store_computed_and_cached(target_dir, splits, tmp_path):
+    """extract.store_dtype=fp8 online: the items (float8 values + float32 scales, as the train stage
+    reads an fp8 store raw) are the offline fp8 store's, bit for bit, whether computed in memory or
+    written to the cache and read back."""
+    import dataclasses
+
+    from eagle3.extract import extract_store
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import ColocatedSource, OnlineHiddenStates
+    from eagle3.store import open_hidden_states
+
+    layout = dataclasses.replace(make_layout(), dtype="fp8")
+    res = extract_store(tmp_path / "store", {"train": splits["train"]}, layout, backend="hf", target_path=target_dir,
+                        target_dtype="float32", ecfg=ECFG, progress=False)
+    assert res.complete
+    ref = open_hidden_states(tmp_path / "store", "train", fp8="raw")
+    src = ColocatedSource(HFExtractor(str(target_dir), layout, "float32", ECFG), layout, tmp_path / "cache", 60_000)
+    online = OnlineHiddenStates("train", splits["train"], layout, src)
+    assert src.cached["train"] >= 2
+    for i in range(6):  # samples 0, 1 (at least) through the cache, the others in memory
+        a, b = online[i], ref[i]
+        assert a["aux_hidden_states"].dtype == torch.float8_e4m3fn
+        for k in ("input_ids", "loss_mask", "aux_scales", "last_scales"):
+            assert torch.equal(a[k], b[k]), (i, k)
+        for k in ("aux_hidden_states", "last_hidden_state"):
+            assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (i, k)
+
+
+def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_dir, tmp_path):
+    """stage=train, external producer, none started: after train.online.timeout_s the stage fails
+    with the error naming the directory; the manifest's train run is failed, not complete."""
+    import dataclasses
+
+    from eagle3.manifest import Manifest
+    from eagle3.online import OnlineError
+    from eagle3.runner import run
+
+    cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
+                        online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05))
+    run(dataclasses.replace(cfg, stage="prepare"))
+    with pytest.raises(OnlineError, match="no producer has written .*producer.json") as e:
+        run(dataclasses.replace(cfg, stage="train"))
+    rec = Manifest(tmp_path / "ws" / "t").record("train", Manifest(tmp_path / "ws" / "t").read()["stages"]["train"]
+                                                  ["latest"])
+    assert rec.status == "failed" and str(rec.out_dir / "online") in str(e.value)
+    assert not (rec.out_dir / "draft.safetensors").exists()

@@ -447,6 +447,7 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
     bar = tqdm(desc="produce", unit="sample", disable=not progress)
     try:
         plan_id, t_idle = None, time.monotonic()
+        served = set()  # plans seen unfinished: a plan finished before this producer started is not its end
         while True:
             plan = read_json(d / PLAN_FILE)
             if plan is None:
@@ -466,8 +467,12 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                 time.sleep(poll_s)
                 continue
             if consumed.get("finished"):
-                log.info("online producer: the trainer finished plan %s", plan_id[:8])
-                return stats
+                if plan_id in served:
+                    log.info("online producer: the trainer finished plan %s", plan_id[:8])
+                    return stats
+                time.sleep(poll_s)  # left by an earlier run: wait for a trainer's new plan
+                continue
+            served.add(plan_id)
             todo = _window(d, plan, int(consumed["position"]), splits["train"], layout)
             if not todo:
                 time.sleep(poll_s)

@@ -151,6 +151,12 @@ def test_colocated_online_training_equals_offline(offline, target_dir, splits, l
     # every sample computed once per read, minus the second epoch's reads of cached samples
     evals = 3 * 3
     assert src.computed == 2 * 12 - kept + evals
+    if cache == "part":  # a second online run reuses the cache: its samples are not computed again
+        src = ColocatedSource(ext, layout, tmp_path / "cache", budget)
+        stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
+        train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run2", progress=False)
+        assert_same_training(offline, tmp_path / "run2")
+        assert src.computed == 2 * 12 - 2 * kept + evals
 
 
 def test_full_cache_is_a_store_offline_training_reads(offline, target_dir, splits, layout, tmp_path):
@@ -570,3 +576,40 @@ def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_
                                                   ["latest"])
     assert rec.status == "failed" and str(rec.out_dir / "online") in str(e.value)
     assert not (rec.out_dir / "draft.safetensors").exists()
+
+
+def test_producer_waits_for_a_new_plan_after_a_finished_run(target_dir, splits, layout, tmp_path):
+    """A producer started on a directory where an earlier run finished does not take that for its
+    end: it waits for the next trainer's plan, serves it within the window, and ends when it finishes."""
+    import threading
+
+    from eagle3.atomic import atomic_write_json
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import CONSUMED_FILE, PLAN_FILE, produce, shard_bytes
+    from eagle3.store import shard_name
+
+    d = tmp_path / "x"
+    d.mkdir()
+    ident = identity(layout, "hf")
+    plan = {"plan_id": "old", "identity": ident, "order": [0, 1], "num_samples": 12, "cached": 0,
+            "window_bytes": 1 << 20, "eval": 0}
+    atomic_write_json(d / CONSUMED_FILE, {"plan_id": "old", "position": 2, "finished": True})
+    atomic_write_json(d / PLAN_FILE, plan)
+    ext = HFExtractor(str(target_dir), layout, "float32", ECFG)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(produce(d, splits, layout, ext, ident, poll_s=0.01,
+                                                            progress=False)))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and not list(d.glob("train/shard-*"))
+    window = sum(shard_bytes("train", i, 12, int(splits["train"].lengths[i]), layout) for i in (5, 3))
+    atomic_write_json(d / CONSUMED_FILE, {"plan_id": "new", "position": 0, "finished": False})
+    atomic_write_json(d / PLAN_FILE, dict(plan, plan_id="new", order=[5, 3, 7], window_bytes=window))
+    deadline = time.time() + 60
+    while time.time() < deadline and not (d / "train" / shard_name(3, 12)).exists():
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert sorted(p.name for p in d.glob("train/shard-*.safetensors")) == [shard_name(3, 12), shard_name(5, 12)]
+    atomic_write_json(d / CONSUMED_FILE, {"plan_id": "new", "position": 3, "finished": True})
+    t.join(timeout=60)
+    assert not t.is_alive() and done["written"] == 2

@@ -488,7 +488,10 @@ def test_cli_producer_and_trainer_processes(target_dir, tmp_path):
                                  *common], env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
-    _wait(eagle3("prepare"))
+    from eagle3.__main__ import compose_config
+    from eagle3.runner import run
+
+    run(compose_config(["stage=prepare", "extract.backend=hf", *common]))  # what the command line composes
     producer, trainer = eagle3("produce"), eagle3("train")
     out_t, out_p = _wait(trainer), _wait(producer)
     rec = Manifest(ws / "t").current("train")

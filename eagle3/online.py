@@ -21,8 +21,8 @@ Producers (``train.online.producer``):
                      layer ids, dtype), the window and the cached samples; rewritten atomically at
                      every (re)start with a new ``plan_id``
   ``consumed.json``  the trainer's position in the order (samples read), ``finished`` at the end
-  ``producer.json``  the producer's identity (target hash, layer ids, dtype, backend and its config),
-                     host, pid and a heartbeat
+  ``producer-<p>-of-<N>.json``  each producer's identity (target hash, layer ids, dtype, backend),
+                     host, pid and a heartbeat; producer p of N writes the samples i with i % N == p
   ``train/``, ``eval/``  one sample per shard, in the store's own format (eagle3.store, written by the
                      backends' shard writer: atomic, sha256 sidecars): ``shard-<i>-of-<N>``
 
@@ -59,7 +59,12 @@ log = logging.getLogger("eagle3.online")
 
 PLAN_FILE = "plan.json"
 CONSUMED_FILE = "consumed.json"
-PRODUCER_FILE = "producer.json"
+PRODUCER_GLOB = "producer-*-of-*.json"
+
+
+def producer_file(part: int = 0, parts: int = 1) -> str:
+    """The heartbeat file of producer ``part`` of ``parts`` (it writes the samples i with i % parts == part)."""
+    return f"producer-{part}-of-{parts}.json"
 _SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
 _READ_AHEAD = 2  # training samples the trainer reads ahead of the loop (the next ones, in order)
 
@@ -297,37 +302,43 @@ class ExternalSource:
         log.info("online: plan %s written to %s: %d samples to read, window %d bytes, %d samples cached",
                  self.plan_id[:8], self.dir, len(order), self.ocfg.window_bytes, self.cached)
 
-    def _producer_line(self) -> str:
-        p = read_json(self.dir / PRODUCER_FILE)
-        if p is None:
-            return f"no producer has written {self.dir / PRODUCER_FILE} (none was started on this directory?)"
-        age = time.time() - float(p.get("heartbeat", 0))
-        return (f"the producer (backend {p.get('identity', {}).get('backend')!r}, pid {p.get('pid')} on host "
-                f"{p.get('host')}) was last heard from {age:.0f} s ago")
+    def _owners(self, i: int) -> list:
+        """The records of the producers that write sample ``i`` (by their part); any whose identity
+        differs from the trainer's is an error."""
+        owners = []
+        for f in sorted(self.dir.glob(PRODUCER_GLOB)):
+            p = read_json(f)
+            if p is None:
+                continue
+            theirs = p.get("identity", {})
+            diff = {k: (theirs.get(k), v) for k, v in self.identity.items() if theirs.get(k) != v}
+            if diff:
+                raise OnlineError(f"the producer writing to {self.dir} (pid {p.get('pid')} on {p.get('host')}, "
+                                  f"{f.name}) does not produce what this trainer needs: {diff} as (producer, "
+                                  f"trainer). Start the producer with the trainer's target and extract settings "
+                                  f"(`python -m eagle3 stage=produce` with the same overrides)")
+            if i % int(p.get("parts", 1)) == int(p.get("part", 0)):
+                owners.append(p)
+        return owners
 
-    def _check_producer(self) -> Optional[float]:
-        """The producer's heartbeat time (None if none); an identity that differs is an error."""
-        p = read_json(self.dir / PRODUCER_FILE)
-        if p is None:
-            return None
-        theirs = p.get("identity", {})
-        diff = {k: (theirs.get(k), v) for k, v in self.identity.items() if theirs.get(k) != v}
-        if diff:
-            raise OnlineError(f"the producer writing to {self.dir} (pid {p.get('pid')} on {p.get('host')}) does not "
-                              f"produce what this trainer needs: {diff} as (producer, trainer). Start the producer "
-                              f"with the trainer's target and extract settings (`python -m eagle3 stage=produce` "
-                              f"with the same overrides)")
-        return float(p.get("heartbeat", 0))
+    def _producer_line(self, i: int) -> str:
+        owners = self._owners(i)
+        if not owners:
+            return (f"no producer has written {self.dir / PRODUCER_GLOB} for this sample (none was started on this "
+                    f"directory, or not every part of extract.num_shards)")
+        return "; ".join(f"the producer part {p.get('part', 0)} of {p.get('parts', 1)} (backend "
+                         f"{p.get('identity', {}).get('backend')!r}, pid {p.get('pid')} on host {p.get('host')}) was "
+                         f"last heard from {time.time() - float(p.get('heartbeat', 0)):.0f} s ago" for p in owners)
 
-    def _wait(self, path: Path, what: str) -> None:
+    def _wait(self, path: Path, i: int, what: str) -> None:
         t0 = time.monotonic()
         while not path.exists():
-            beat = self._check_producer()
+            beats = [float(p.get("heartbeat", 0)) for p in self._owners(i)]
             waited = time.monotonic() - t0
-            silent = time.time() - beat if beat is not None else waited
+            silent = time.time() - max(beats) if beats else waited
             if waited > self.ocfg.timeout_s and silent > self.ocfg.timeout_s:
                 raise OnlineError(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
-                                  f"{self._producer_line()}. Restart the producer on that directory "
+                                  f"{self._producer_line(i)}. Restart the producer on that directory "
                                   f"(`python -m eagle3 stage=produce` with the trainer's overrides) and then this "
                                   f"run (it resumes from its last checkpoint); train.online.timeout_s="
                                   f"{self.ocfg.timeout_s}")
@@ -337,7 +348,7 @@ class ExternalSource:
         N = len(store)
         path = self.dir / store.split / shard_name(i, N)
         if store.split != "train":
-            self._wait(path, f"held-out sample {i}")
+            self._wait(path, i, f"held-out sample {i}")
             return read_shard_item(path)
         if self.pos >= len(self.order) or self.order[self.pos] != i:
             raise RuntimeError(f"online: the loop read sample {i} at position {self.pos}, its plan says "
@@ -367,7 +378,7 @@ class ExternalSource:
 
         i, N = self.order[p], len(store)
         path = self.dir / "train" / shard_name(i, N)
-        self._wait(path, f"training sample {i} (position {p} of plan {self.plan_id[:8]})")
+        self._wait(path, i, f"training sample {i} (position {p} of plan {self.plan_id[:8]})")
         plan = _one_sample_plan("train", i, N, *store.tokens(i))
         completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
         item = read_shard_item(path)
@@ -428,8 +439,12 @@ class _Heartbeat:
 
 
 def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity: dict, *, poll_s: float = 0.05,
-            idle_timeout_s: float = 0.0, progress: bool = True) -> dict:
+            idle_timeout_s: float = 0.0, progress: bool = True, part: int = 0, parts: int = 1) -> dict:
     """The producer loop: serve the trainer's plans in ``exchange_dir`` until it says it finished.
+
+    Several producers share a directory as ``parts`` (``stage=produce extract.num_shards=N
+    extract.shard_index=p``): part p writes the samples i with i % N == p, each counting every
+    sample of the window (so together they stay within it) and removing only its own.
 
     ``splits``: {"train": samples, "eval": samples} of the prepared dataset (``lengths``, ``get``);
     ``extractor``: a built backend (``Extractor.run(plans, dir, progress)``); ``identity``: what
@@ -441,7 +456,10 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
 
     d = Path(exchange_dir)
     check_writable(d, "the online exchange directory")
-    beat = _Heartbeat(d / PRODUCER_FILE, {"identity": identity, "host": socket.gethostname(), "pid": os.getpid()},
+    if not 0 <= part < parts:
+        raise OnlineError(f"producer part {part} of {parts}: the part must be in [0, {parts})")
+    beat = _Heartbeat(d / producer_file(part, parts), {"identity": identity, "host": socket.gethostname(),
+                                                        "pid": os.getpid(), "part": part, "parts": parts},
                       max(1.0, 10 * poll_s))
     stats = {"written": 0, "plans": 0}
     bar = tqdm(desc="produce", unit="sample", disable=not progress)
@@ -461,7 +479,7 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                 _check_plan(plan, identity, d, splits)
                 log.info("online producer: plan %s: %d samples, window %d bytes", plan_id[:8], len(plan["order"]),
                          plan["window_bytes"])
-                _produce_eval(d, plan, splits, layout, extractor, stats)
+                _produce_eval(d, plan, splits, layout, extractor, stats, part, parts)
             consumed = read_json(d / CONSUMED_FILE) or {}
             if consumed.get("plan_id") != plan_id:
                 time.sleep(poll_s)
@@ -473,7 +491,7 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                 time.sleep(poll_s)  # left by an earlier run: wait for a trainer's new plan
                 continue
             served.add(plan_id)
-            todo = _window(d, plan, int(consumed["position"]), splits["train"], layout)
+            todo = _window(d, plan, int(consumed["position"]), splits["train"], layout, part, parts)
             if not todo:
                 time.sleep(poll_s)
                 continue
@@ -502,13 +520,14 @@ def _check_plan(plan: dict, identity: dict, d: Path, splits: dict) -> None:
                           f"prepared dataset has {len(splits['train'])}: they read different prepare runs")
 
 
-def _produce_eval(d: Path, plan: dict, splits: dict, layout: StoreLayout, extractor, stats: dict) -> None:
+def _produce_eval(d: Path, plan: dict, splits: dict, layout: StoreLayout, extractor, stats: dict, part: int = 0,
+                  parts: int = 1) -> None:
     from .extract.backend import Progress
 
     n = int(plan.get("eval", 0))
     if not n:
         return
-    todo = [i for i in range(n) if not (d / "eval" / shard_name(i, n)).exists()]
+    todo = [i for i in range(n) if i % parts == part and not (d / "eval" / shard_name(i, n)).exists()]
     plans = []
     for i in todo:
         ids, mask = splits["eval"].get(i, i + 1)
@@ -518,10 +537,11 @@ def _produce_eval(d: Path, plan: dict, splits: dict, layout: StoreLayout, extrac
         stats["written"] += len(plans)
 
 
-def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout) -> list:
-    """The samples to write now: those at positions ``position ..`` not on disk, as long as the
-    bytes not yet read (on disk or about to be) stay within the window; removes what no position
-    from ``position`` on needs (read already, or left by an earlier plan) and is not cached."""
+def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout, part: int = 0, parts: int = 1) -> list:
+    """The samples of this part to write now: those at positions ``position ..`` not on disk, as
+    long as the bytes not yet read (on disk or about to be, of every part) stay within the window;
+    removes this part's shards that no position in the window needs (read already, or left by an
+    earlier plan) and that are not cached."""
     order, N, cached = plan["order"], plan["num_samples"], int(plan["cached"])
     window, used, todo, seen = int(plan["window_bytes"]), 0, [], set()
     for p in range(position, len(order)):
@@ -535,12 +555,12 @@ def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout) ->
                 break
             used += b
         seen.add(i)
-        if not present:
+        if not present and i % parts == part:
             todo.append(i)
     # what is on disk and not needed within the window: gone (a cached sample stays)
     for f in (d / "train").glob("shard-*.safetensors"):
         i = int(f.name.split("-")[1])
-        if i >= cached and i not in seen:
+        if i >= cached and i not in seen and i % parts == part:
             f.unlink(missing_ok=True)
             sidecar_path(f.parent, f.name).unlink(missing_ok=True)
     return todo

@@ -184,7 +184,7 @@ def test_full_cache_is_a_store_offline_training_reads(offline, target_dir, split
 # -- an external producer in another process, through the exchange directory ---------------------
 
 PRODUCER = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, {tests!r})
 from eagle3.config import ExtractConfig
 from eagle3.extract.backend import make_extractor
@@ -201,7 +201,10 @@ if len(sys.argv) > 5:  # first a reference store of the same samples, with the s
     extract_store(sys.argv[5], make_splits(), layout, backend=backend, target_path=target, target_dtype="float32",
                   ecfg=dataclasses.replace(ecfg, samples_per_shard=1), extractor=ext, progress=False)
 print("producer ready", flush=True)
-produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False)
+part, parts = map(int, os.environ.get("PRODUCER_PART", "0/1").split("/"))
+stats = produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False, part=part,
+                parts=parts)
+print("producer stats", json.dumps(stats), flush=True)
 ext.close()
 """
 
@@ -228,12 +231,13 @@ def _env():
     return env
 
 
-def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2, 3), store=None) -> subprocess.Popen:
+def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2, 3), store=None,
+                   part: str = "0/1") -> subprocess.Popen:
     script = tmp_path / "producer.py"
     script.write_text(PRODUCER.format(tests=str(TESTS)))
     return subprocess.Popen([sys.executable, str(script), str(d), backend, str(target_dir), json.dumps(list(layer_ids))]
-                            + ([str(store)] if store else []),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            + ([str(store)] if store else []), env=dict(_env(), PRODUCER_PART=part),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, **ocfg) -> subprocess.Popen:
@@ -276,8 +280,9 @@ def _wait(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
-def test_external_hf_producer_kill9_and_restart_bounded_disk(offline, target_dir, splits, layout, tmp_path):
-    """A producer in another process (hf backend) feeds the trainer through the directory; killed
+def test_external_hf_producers_kill9_and_restart_bounded_disk(offline, target_dir, splits, layout, tmp_path):
+    """Two producers in their own processes (hf backend; parts 0 and 1 of 2, as `stage=produce
+    extract.num_shards=2 extract.shard_index=p`) feed the trainer through the directory; one killed
     with -9 mid-run and started again, the run finishes with the offline losses and weights. The
     training shards on disk never exceed the window plus the cache budget, and after the run only
     the cache is left."""
@@ -288,7 +293,8 @@ def test_external_hf_producer_kill9_and_restart_bounded_disk(offline, target_dir
     biggest = max(shard_bytes("train", i, N, int(n), layout) for i, n in enumerate(splits["train"].lengths))
     window, budget = 4 * biggest, 150_000
     watch = DiskWatch(d / "train")
-    producer = start_producer(tmp_path, d, "hf", target_dir)
+    other = start_producer(tmp_path, d, "hf", target_dir, part="0/2")
+    producer = start_producer(tmp_path, d, "hf", target_dir, part="1/2")
     trainer = start_trainer(tmp_path, d, run, target_dir, "hf", window_bytes=window, cache_bytes=budget, timeout_s=120)
     deadline = time.time() + 300
     while time.time() < deadline and not (run / "checkpoints" / "step-00000004" / "COMPLETE").exists():
@@ -297,9 +303,10 @@ def test_external_hf_producer_kill9_and_restart_bounded_disk(offline, target_dir
     producer.kill()  # SIGKILL
     producer.wait()
     time.sleep(0.5)
-    producer = start_producer(tmp_path, d, "hf", target_dir)
+    producer = start_producer(tmp_path, d, "hf", target_dir, part="1/2")
     _wait(trainer)
-    _wait(producer)
+    written = [json.loads(out.split("producer stats ")[1])["written"] for out in (_wait(producer), _wait(other))]
+    assert all(n > 0 for n in written), written  # both parts wrote (the restarted one too)
     peak = watch.close()
     assert_same_training(offline, run)
     assert 0 < peak <= window + budget, (peak, window, budget)
@@ -334,13 +341,13 @@ def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, 
     trainer stops with an error naming the producer and the directory; no draft is written (the
     stage marks nothing complete: the exception fails its job)."""
     from eagle3.atomic import atomic_write_json
-    from eagle3.online import PRODUCER_FILE, ExternalSource, OnlineError, OnlineHiddenStates
+    from eagle3.online import ExternalSource, OnlineError, OnlineHiddenStates, producer_file
     from eagle3.train.loop import train
 
     d = tmp_path / "x"
     d.mkdir()
     # what a producer killed with -9 leaves behind: its record with a heartbeat that stopped
-    atomic_write_json(d / PRODUCER_FILE, {"identity": identity(layout, "vllm"), "host": "gpu-node-7", "pid": 4242,
+    atomic_write_json(d / producer_file(), {"identity": identity(layout, "vllm"), "host": "gpu-node-7", "pid": 4242,
                                           "heartbeat": time.time() - 30})
     src = ExternalSource(d, layout, OnlineConfig(producer="external", timeout_s=1, poll_s=0.05), identity(layout, "vllm"))
     stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
@@ -350,7 +357,7 @@ def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, 
     assert str(d) in msg and "pid 4242" in msg and "gpu-node-7" in msg and "'vllm'" in msg and "timeout_s" in msg
     assert not (tmp_path / "run" / "draft.safetensors").exists()
     # and with no producer at all
-    (d / PRODUCER_FILE).unlink()
+    (d / producer_file()).unlink()
     stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
     with pytest.raises(OnlineError, match="no producer has written"):
         train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), tmp_path / "run2", progress=False)
@@ -358,7 +365,7 @@ def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, 
 
 def test_bad_inputs_one_clear_error_each(target_dir, splits, layout, tmp_path):
     from eagle3.atomic import atomic_write_json
-    from eagle3.online import PRODUCER_FILE, ExternalSource, OnlineError, OnlineHiddenStates, shard_bytes
+    from eagle3.online import ExternalSource, OnlineError, OnlineHiddenStates, producer_file, shard_bytes
     from eagle3.train.loop import train
 
     def trainer(d, **kw):
@@ -376,7 +383,7 @@ def test_bad_inputs_one_clear_error_each(target_dir, splits, layout, tmp_path):
                          ("target_hash", {**identity(layout, "hf"), "target_hash": "0123abcd"})):
         d = tmp_path / what
         d.mkdir()
-        atomic_write_json(d / PRODUCER_FILE, {"identity": theirs, "host": "h", "pid": 1, "heartbeat": time.time()})
+        atomic_write_json(d / producer_file(), {"identity": theirs, "host": "h", "pid": 1, "heartbeat": time.time()})
         with pytest.raises(OnlineError, match=f"does not produce what this trainer needs: .*'{what}'"):
             trainer(d)()
     # a directory that cannot be written (a path through a file: refused for root too)
@@ -573,7 +580,7 @@ def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_
     cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
                         online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05))
     run(dataclasses.replace(cfg, stage="prepare"))
-    with pytest.raises(OnlineError, match="no producer has written .*producer.json") as e:
+    with pytest.raises(OnlineError, match=r"no producer has written .*producer-\*-of-\*.json") as e:
         run(dataclasses.replace(cfg, stage="train"))
     rec = Manifest(tmp_path / "ws" / "t").record("train", Manifest(tmp_path / "ws" / "t").read()["stages"]["train"]
                                                   ["latest"])

@@ -17,6 +17,7 @@ Producers (``train.online.producer``):
   the trainer, any ``extract.backend``) and the trainer share a directory; the directory is the
   protocol, no server:
 
+  (a trainer of several processes: each rank has the files below in ``rank-<r>/``, its own window)
   ``plan.json``      the trainer's order (sample ids, in reading order), its layout (target hash,
                      layer ids, dtype), the window and the cached samples; rewritten atomically at
                      every (re)start with a new ``plan_id``
@@ -251,10 +252,14 @@ class ColocatedSource:
 
 class ExternalSource:
     """Shards from producer processes through ``exchange_dir`` (the protocol in the module
-    docstring). One training process (rank) per directory."""
+    docstring). With several training processes, rank r has its own ``rank-<r>/`` in it (plan,
+    position, shards); the producers' heartbeats stay at the top."""
 
-    def __init__(self, exchange_dir: Path, layout: StoreLayout, ocfg, identity: dict):
-        self.dir, self.layout, self.ocfg = Path(exchange_dir), layout, ocfg
+    def __init__(self, exchange_dir: Path, layout: StoreLayout, ocfg, identity: dict, rank: int = 0,
+                 world_size: int = 1):
+        self.base = Path(exchange_dir)
+        self.dir = self.base if world_size == 1 else self.base / f"rank-{rank}"
+        self.layout, self.ocfg = layout, ocfg
         self.identity = identity  # the trainer's expectation: layout + producer settings
         check_writable(self.dir, "the online exchange directory")
         self.order: list = []
@@ -306,14 +311,14 @@ class ExternalSource:
         """The records of the producers that write sample ``i`` (by their part); any whose identity
         differs from the trainer's is an error."""
         owners = []
-        for f in sorted(self.dir.glob(PRODUCER_GLOB)):
+        for f in sorted(self.base.glob(PRODUCER_GLOB)):
             p = read_json(f)
             if p is None:
                 continue
             theirs = p.get("identity", {})
             diff = {k: (theirs.get(k), v) for k, v in self.identity.items() if theirs.get(k) != v}
             if diff:
-                raise OnlineError(f"the producer writing to {self.dir} (pid {p.get('pid')} on {p.get('host')}, "
+                raise OnlineError(f"the producer writing to {self.base} (pid {p.get('pid')} on {p.get('host')}, "
                                   f"{f.name}) does not produce what this trainer needs: {diff} as (producer, "
                                   f"trainer). Start the producer with the trainer's target and extract settings "
                                   f"(`python -m eagle3 stage=produce` with the same overrides)")
@@ -324,7 +329,7 @@ class ExternalSource:
     def _producer_line(self, i: int) -> str:
         owners = self._owners(i)
         if not owners:
-            return (f"no producer has written {self.dir / PRODUCER_GLOB} for this sample (none was started on this "
+            return (f"no producer has written {self.base / PRODUCER_GLOB} for this sample (none was started on this "
                     f"directory, or not every part of extract.num_shards)")
         return "; ".join(f"the producer part {p.get('part', 0)} of {p.get('parts', 1)} (backend "
                          f"{p.get('identity', {}).get('backend')!r}, pid {p.get('pid')} on host {p.get('host')}) was "
@@ -463,46 +468,53 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                       max(1.0, 10 * poll_s))
     stats = {"written": 0, "plans": 0}
     bar = tqdm(desc="produce", unit="sample", disable=not progress)
+    chans: dict = {}  # trainer directory (the top, or rank-<r>/ of a multi-process trainer) -> its state
     try:
-        plan_id, t_idle = None, time.monotonic()
-        served = set()  # plans seen unfinished: a plan finished before this producer started is not its end
+        t_idle = time.monotonic()
         while True:
-            plan = read_json(d / PLAN_FILE)
-            if plan is None:
-                if idle_timeout_s and time.monotonic() - t_idle > idle_timeout_s:
+            work, waiting = [], False
+            for cd in [d] + sorted(p for p in d.glob("rank-*") if p.is_dir()):
+                plan = read_json(cd / PLAN_FILE)
+                if plan is None:
+                    continue
+                ch = chans.setdefault(cd, {"plan_id": None, "served": set(), "done": False})
+                if plan["plan_id"] != ch["plan_id"]:
+                    ch["plan_id"], ch["done"] = plan["plan_id"], False
+                    stats["plans"] += 1
+                    _check_plan(plan, identity, cd, splits)
+                    log.info("online producer: plan %s in %s: %d samples, window %d bytes", ch["plan_id"][:8], cd,
+                             len(plan["order"]), plan["window_bytes"])
+                    _produce_eval(cd, plan, splits, layout, extractor, stats, part, parts)
+                consumed = read_json(cd / CONSUMED_FILE) or {}
+                if consumed.get("plan_id") != ch["plan_id"]:
+                    waiting = True
+                    continue
+                if consumed.get("finished"):
+                    # a plan finished before this producer saw it unfinished is an earlier run's: not an end
+                    ch["done"] = ch["plan_id"] in ch["served"]
+                    continue
+                ch["served"].add(ch["plan_id"])
+                waiting = True
+                todo = _window(cd, plan, int(consumed["position"]), splits["train"], layout, part, parts)
+                if todo:
+                    work.append((cd, plan["num_samples"], todo))
+            served = [ch for ch in chans.values() if ch["served"]]
+            if served and not waiting and all(ch["done"] for ch in served):
+                log.info("online producer: every trainer finished (%s)", ", ".join(str(c) for c in chans))
+                return stats
+            if not work:
+                if not chans and idle_timeout_s and time.monotonic() - t_idle > idle_timeout_s:
                     raise OnlineError(f"no trainer wrote {d / PLAN_FILE} within {idle_timeout_s:.0f} s")
                 time.sleep(poll_s)
                 continue
-            if plan["plan_id"] != plan_id:
-                plan_id = plan["plan_id"]
-                stats["plans"] += 1
-                _check_plan(plan, identity, d, splits)
-                log.info("online producer: plan %s: %d samples, window %d bytes", plan_id[:8], len(plan["order"]),
-                         plan["window_bytes"])
-                _produce_eval(d, plan, splits, layout, extractor, stats, part, parts)
-            consumed = read_json(d / CONSUMED_FILE) or {}
-            if consumed.get("plan_id") != plan_id:
-                time.sleep(poll_s)
-                continue
-            if consumed.get("finished"):
-                if plan_id in served:
-                    log.info("online producer: the trainer finished plan %s", plan_id[:8])
-                    return stats
-                time.sleep(poll_s)  # left by an earlier run: wait for a trainer's new plan
-                continue
-            served.add(plan_id)
-            todo = _window(d, plan, int(consumed["position"]), splits["train"], layout, part, parts)
-            if not todo:
-                time.sleep(poll_s)
-                continue
-            N = plan["num_samples"]
-            plans = []
-            for i in todo:
-                ids, mask = splits["train"].get(i, i + 1)
-                plans.append(_one_sample_plan("train", i, N, ids[0], mask[0]))
-            extractor.run(plans, d, Progress(sum(p.num_tokens for p in plans), "", False))
-            stats["written"] += len(plans)
-            bar.update(len(plans))
+            for cd, N, todo in work:
+                plans = []
+                for i in todo:
+                    ids, mask = splits["train"].get(i, i + 1)
+                    plans.append(_one_sample_plan("train", i, N, ids[0], mask[0]))
+                extractor.run(plans, cd, Progress(sum(p.num_tokens for p in plans), "", False))
+                stats["written"] += len(plans)
+                bar.update(len(plans))
     finally:
         bar.close()
         beat.close()
@@ -642,7 +654,7 @@ class OnlineRun:
         return make_extractor(ecfg.backend, self.target.path, self.layout, self.target_dtype, ecfg,
                               self.max_model_len, self.dir)
 
-    def stores(self, world_size: int) -> tuple:
+    def stores(self, world_size: int, rank: int = 0) -> tuple:
         """(train store, eval store or None) for the trainer: OnlineHiddenStates over this run's source."""
         ocfg, tcfg = self.ocfg, self.cfg.train
         if tcfg.num_workers:
@@ -653,10 +665,7 @@ class OnlineRun:
                 check_writable(self.dir, "the online cache directory")
             source = ColocatedSource(self.extractor(), self.layout, self.dir, ocfg.cache_bytes)
         else:
-            if world_size > 1:
-                raise OnlineError("train.online.producer=external serves one training process per exchange "
-                                  "directory in this version; train on one process, or use producer=colocated")
-            source = ExternalSource(self.dir, self.layout, ocfg, self.identity)
+            source = ExternalSource(self.dir, self.layout, ocfg, self.identity, rank=rank, world_size=world_size)
         train = OnlineHiddenStates("train", self.splits["train"], self.layout, source)
         ev = OnlineHiddenStates("eval", self.splits["eval"], self.layout, source) if "eval" in self.splits else None
         return train, ev

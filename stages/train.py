@@ -57,7 +57,7 @@ def run(cfg, manifest):
             return rec
 
     if online is not None:
-        train_store, eval_store = online.stores(int(os.environ.get("WORLD_SIZE", "1")))
+        train_store, eval_store = online.stores(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
         print(f"train: online, {online.ocfg.producer} {cfg.extract.backend} producer, layers {layer_ids}, "
               f"{online.layout.dtype} states; exchange/cache directory {online.dir}"
               + ("" if online.ocfg.producer == "colocated" else

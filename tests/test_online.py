@@ -209,7 +209,7 @@ ext.close()
 """
 
 TRAINER = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from eagle3.config import OnlineConfig, TrainConfig
@@ -218,9 +218,11 @@ from eagle3.train.loop import train
 from test_online import TCFG, identity, make_inputs, make_layout, make_splits
 d, run, target, backend, ocfg = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 layout, splits = make_layout(), make_splits()
-src = ExternalSource(Path(d), layout, OnlineConfig(producer="external", poll_s=0.02, **ocfg), identity(layout, backend))
+W, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+src = ExternalSource(Path(d), layout, OnlineConfig(producer="external", poll_s=0.02, **ocfg), identity(layout, backend),
+                     rank=rank, world_size=W)
 stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
-train(TrainConfig(**TCFG), make_inputs(target, *stores), run, progress=False)
+train(TrainConfig(**dict(TCFG, batch_size=TCFG["batch_size"] // W)), make_inputs(target, *stores), run, progress=False)
 stores[0].close(finished=True)
 """
 
@@ -623,3 +625,21 @@ def test_producer_waits_for_a_new_plan_after_a_finished_run(target_dir, splits, 
     atomic_write_json(d / CONSUMED_FILE, {"plan_id": "new", "position": 3, "finished": True})
     t.join(timeout=60)
     assert not t.is_alive() and done["written"] == 2
+
+
+def test_external_producer_serves_a_trainer_of_two_processes(offline, target_dir, tmp_path):
+    """A trainer of two processes (torchrun, gloo), each with its own rank-<r>/ in the exchange
+    directory, fed by one producer process: the model of one process on the same global batch."""
+    d, run = tmp_path / "x", tmp_path / "run"
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER.format(tests=str(TESTS)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29543", str(script), str(d), str(run), str(target_dir), "hf",
+                           json.dumps(dict(window_bytes=1 << 20, timeout_s=120))],
+                          env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = _wait(producer)
+    assert_same_training(offline, run, rtol=1e-5)
+    assert sorted(p.name for p in d.glob("rank-*")) == ["rank-0", "rank-1"]
+    assert json.loads(out.split("producer stats ")[1])["plans"] == 2

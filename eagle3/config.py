@@ -295,11 +295,11 @@ class OnlineConfig:
     run's directory (``stage=produce`` prints it). Local NVMe, /dev/shm or a shared filesystem."""
     window_bytes: int = 4 << 30
     """External producer: how far it may run ahead of the trainer, in bytes of hidden states on disk
-    (what the trainer has not read yet). Must hold the largest micro-batch."""
+    (what the trainer has not read yet), per training process. Must hold the largest micro-batch."""
     cache_bytes: int = 0
     """Bytes of hidden states kept on disk and reused in later epochs (the first samples of the
-    split, by index, that fit); 0 = none: every epoch computes every sample again. The cache is in
-    the store's format (one sample per shard)."""
+    split, by index, that fit), per training process; 0 = none: every epoch computes every sample
+    again. The cache is in the store's format (one sample per shard)."""
     timeout_s: float = 600.0
     """The trainer stops with an error when a sample it needs has not arrived and the producer has
     not been heard from for this long."""

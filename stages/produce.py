@@ -24,6 +24,10 @@ def run(cfg, manifest):
         raise OnlineError("stage=produce serves a train run with train.hidden_states=online "
                           "train.online.producer=external: pass the trainer's overrides")
     run_ = OnlineRun(cfg, manifest)
+    rec = manifest.record("train", run_.job.config_hash)
+    if rec is not None and rec.status == "complete":
+        print(f"produce: the train run {run_.job.config_hash[:12]} is complete already; nothing to produce")
+        return None
     part = f" part {cfg.extract.shard_index} of {cfg.extract.num_shards}," if cfg.extract.num_shards > 1 else ""
     print(f"produce:{part} {cfg.extract.backend} producer, layers {run_.layer_ids}, {run_.layout.dtype} states, for train "
           f"run {run_.job.config_hash[:12]}; exchange directory {run_.dir}")

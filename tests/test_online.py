@@ -509,6 +509,10 @@ def test_cli_producer_and_trainer_processes(target_dir, tmp_path):
     assert f"exchange directory {d}" in out_p and f"exchange/cache directory {d}" in out_t
     assert "produce: the trainer finished" in out_p
     assert not list((d / "train").glob("shard-*")), "cache=none: no shard left"
+    # a producer started for a run that is complete says so and ends (in-process: the same code path)
+    from eagle3.__main__ import compose_config as compose
+
+    run(compose(["stage=produce", "extract.backend=hf", *common]))
 
 
 COLOCATED = """

@@ -310,6 +310,44 @@ class DraftModelConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """``train.online.*``: training while the target produces the hidden states
+    (``train.hidden_states=online``, eagle3/online.py). The producer's numbers come from the extract
+    settings (``extract.backend``, ``layer_ids``, ``store_dtype``); nothing here changes a computed
+    number, so no field is in the config hash."""
+
+    producer: str = "colocated"
+    """colocated: the hf backend inside the training process computes each sample when the trainer
+    needs it (``extract.device``; frozen, no grad) | external: producer processes
+    (``python -m eagle3 stage=produce``, any ``extract.backend``) write shards in the store's format
+    into ``dir`` for the samples the trainer needs next."""
+    dir: str = ""
+    """The exchange directory (external producer) and the cache; empty = ``online/`` in the train
+    run's directory (``stage=produce`` prints it). Local NVMe, /dev/shm or a shared filesystem."""
+    window_bytes: int = 4 << 30
+    """External producer: how far it may run ahead of the trainer, in bytes of hidden states on disk
+    (what the trainer has not read yet), per training process. Must hold the largest micro-batch."""
+    cache_bytes: int = 0
+    """Bytes of hidden states kept on disk and reused in later epochs (the first samples of the
+    split, by index, that fit), per training process; 0 = none: every epoch computes every sample
+    again. The cache is in the store's format (one sample per shard)."""
+    timeout_s: float = 600.0
+    """The trainer stops with an error when a sample it needs has not arrived and the producer has
+    not been heard from for this long."""
+    poll_s: float = 0.05
+    """How often the trainer and producer look at the exchange directory."""
+
+    NON_SEMANTIC = ("producer", "dir", "window_bytes", "cache_bytes", "timeout_s", "poll_s")
+
+    def __post_init__(self):
+        _check_choice("train.online.producer", self.producer, ("colocated", "external"))
+        _check_positive("train.online.window_bytes", self.window_bytes)
+        _check_positive("train.online.cache_bytes", self.cache_bytes, allow_zero=True)
+        _check_positive("train.online.timeout_s", self.timeout_s)
+        _check_positive("train.online.poll_s", self.poll_s)
+
+
+@dataclass
 class TrainConfig:
     """``train.*``: the EAGLE-3 draft with training-time test (TTT), on Accelerate."""
 
@@ -381,7 +419,17 @@ class TrainConfig:
     """match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), an update RMS like AdamW's (speculators'
     choice) | original: lr x sqrt(max(1, rows / cols)) (torch's default)."""
 
-    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile")
+    hidden_states: str = "store"
+    """Where the target's hidden states come from: store (the extract stage's complete store) |
+    online (computed while training, from the prepare stage's dataset: no extract run; ``online``
+    says by whom and what stays on disk). Both train the same draft."""
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    """train.hidden_states=online: the producer, the window ahead and the cache."""
+
+    # hidden_states and online change no number (online trains the draft offline would); an online
+    # run's hash differs anyway: its lineage has no extract run but the producer's settings
+    NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
+                    "hidden_states", "online")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 
@@ -396,6 +444,7 @@ class TrainConfig:
         _check_choice("train.attention", self.attention, ("auto", "flex", "flex_stacked", "sdpa"))
         self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
+        _check_choice("train.hidden_states", self.hidden_states, ("store", "online"))
         for name in ("eval_every", "save_every", "log_every", "keep_last"):
             _check_positive(f"train.{name}", getattr(self, name))
         if not 0 < self.decay <= 1:
@@ -496,7 +545,8 @@ class Config:
 
     stage: str = "all"
     """prepare | extract | train | export | all (the four in order) | status (the manifest as a
-    table) | eval (the offline evaluator alone)."""
+    table) | eval (the offline evaluator alone) | produce (an online producer for a train run with
+    train.hidden_states=online train.online.producer=external, eagle3/online.py)."""
     workspace: str = "workspace"
     """Root of every experiment's artifacts."""
     name: str = "default"
@@ -523,7 +573,7 @@ class Config:
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
-        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval"))
+        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")

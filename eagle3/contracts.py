@@ -188,6 +188,12 @@ class TrainFacts(Facts):
     # at its final step (nothing was left to log)
     train: Optional[StepMetrics] = None
     eval: Optional[StepMetrics] = None  # the last pass over the held-out split, if there is one
+    # where the hidden states came from: "store" (the extract run upstream) or "online" (computed
+    # while training, train.hidden_states=online); an online run records what the store would:
+    # ``producer`` = {target_hash, layer_ids, last_layer_id, hidden_size, dtype (the store dtype),
+    # target_dtype, backend, placement (colocated | external), extract (the backend's semantic config)}
+    hidden_states: str = "store"
+    producer: Optional[dict] = None
 
     @property
     def final(self) -> Optional[StepMetrics]:

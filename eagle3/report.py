@@ -45,6 +45,10 @@ def _facts_line(stage: str, facts) -> str:
         parts.append(facts.checks_line())
     if stage == "train":
         parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
+        if facts.hidden_states == "online" and facts.producer:
+            pr = facts.producer
+            parts.append(f"online ({pr.get('placement')} {pr.get('backend')} producer, layer_ids={pr.get('layer_ids')}, "
+                         f"{pr.get('dtype')} from a {pr.get('target_dtype')} target)")
     if stage == "extract" and getattr(facts, "num_tokens", None):  # the store's size: tokens x bytes/token
         tokens = sum(facts.num_tokens.values())
         parts.append(f"tokens={tokens}, store={fmt_size(tokens * facts.bytes_per_token)}")

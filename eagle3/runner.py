@@ -23,7 +23,8 @@ log = logging.getLogger("eagle3")
 
 # the kind of CPU work that dominates each stage (eagle3.cpu.threads_for): regeneration, export's
 # verification and the offline evaluator decode; extraction and training run large matmuls
-STAGE_WORK = {"prepare": "decode", "extract": "batch", "train": "batch", "export": "decode", "eval": "decode"}
+STAGE_WORK = {"prepare": "decode", "extract": "batch", "produce": "batch", "train": "batch", "export": "decode",
+              "eval": "decode"}
 
 
 def run_stage(name: str, cfg: Config, manifest: Manifest):
@@ -32,7 +33,7 @@ def run_stage(name: str, cfg: Config, manifest: Manifest):
     module = importlib.import_module(f"stages.{name}")
     t0 = time.perf_counter()
     new_stage()
-    with phase_threads(STAGE_WORK[name], on_cpu=_on_cpu()):
+    with phase_threads(STAGE_WORK.get(name, "batch"), on_cpu=_on_cpu()):
         record = module.run(cfg, manifest)
     log.info("stage %s finished in %.1f s", name, time.perf_counter() - t0)
     return record
@@ -74,6 +75,8 @@ def run(cfg: Config) -> dict:
         print_status(manifest)
         return {"stage": "status"}
     names = list(STAGES) if cfg.stage == "all" else [cfg.stage]
+    if cfg.stage == "all" and cfg.train.hidden_states == "online":  # train computes the states itself
+        names.remove("extract")
     records = {}
     from .cpu import set_policy
 

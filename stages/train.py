@@ -1,7 +1,9 @@
 """Stage 3, train: the EAGLE-3 draft from the extract stage's hidden states (eagle3/train/).
 
 Inputs through the manifest: prepare's vocabulary mapping (``vocab.safetensors``) and the extract
-run's store (its layer ids, hidden size and dtype are facts). The target's embedding, final norm and
+run's store (its layer ids, hidden size and dtype are facts); with ``train.hidden_states=online``
+prepare's dataset instead, the states computed while training (eagle3/online.py), and the
+producer's settings recorded as ``TrainFacts.producer``. The target's embedding, final norm and
 lm_head are read from the checkpoint alone (eagle3.target_weights), never the whole model.
 Outputs in the run's directory: ``draft.safetensors`` (vLLM tensor names, float32),
 ``draft_config.json`` (eagle3.model.Eagle3DraftConfig), ``draft_vllm_config.json`` (vLLM's
@@ -29,12 +31,20 @@ def run(cfg, manifest):
     from eagle3.train.loop import TrainInputs, train
 
     tcfg = cfg.train
-    target = resolve(cfg.target, cfg.workspace)
-    upstream = manifest.consume_upstream("train", target.hash)
-    prep, ext = upstream["prepare"], upstream["extract"]
-    layer_ids = [int(i) for i in ext.facts.layer_ids]
-    config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
-    job = manifest.start("train", config=config, target=target.identity(), inputs=upstream)
+    online = None
+    if tcfg.hidden_states == "online":  # no extract run: the states are computed while training
+        from eagle3.online import OnlineRun
+
+        online = OnlineRun(cfg, manifest)
+        target, upstream, prep, job = online.target, online.upstream, online.prep, online.job
+        layer_ids = list(online.layer_ids)
+    else:
+        target = resolve(cfg.target, cfg.workspace)
+        upstream = manifest.consume_upstream("train", target.hash)
+        prep, ext = upstream["prepare"], upstream["extract"]
+        layer_ids = [int(i) for i in ext.facts.layer_ids]
+        config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
+        job = manifest.start("train", config=config, target=target.identity(), inputs=upstream)
     # the launcher's rank (torchrun / accelerate launch set RANK); not accelerate.PartialState():
     # creating it here, before the Accelerator, would fix its device and distributed mode too early
     main = int(os.environ.get("RANK", "0")) == 0
@@ -46,17 +56,24 @@ def run(cfg, manifest):
         if rec is not None and rec.status == "complete":
             return rec
 
-    # an fp8 store is read as stored (values + scales): the loop dequantises on its device
-    train_store = open_hidden_states(ext.out_dir, "train", fp8="raw")
-    if list(train_store.layer_ids) != layer_ids:
-        raise ManifestError(f"the store in {ext.out_dir} holds layers {list(train_store.layer_ids)} but the extract "
-                            f"run records {layer_ids}; re-run `python -m eagle3 stage=extract`")
-    try:
-        eval_store = open_hidden_states(ext.out_dir, "eval", fp8="raw")
-        eval_store = eval_store if len(eval_store) else None
-    except Exception as e:  # a store extracted without the eval split
-        log.warning("train: no held-out split in the store (%s); training without eval", e)
-        eval_store = None
+    if online is not None:
+        train_store, eval_store = online.stores(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+        print(f"train: online, {online.ocfg.producer} {cfg.extract.backend} producer, layers {layer_ids}, "
+              f"{online.layout.dtype} states; exchange/cache directory {online.dir}"
+              + ("" if online.ocfg.producer == "colocated" else
+                 " (start the producer: `python -m eagle3 stage=produce` with this run's overrides)"))
+    else:
+        # an fp8 store is read as stored (values + scales): the loop dequantises on its device
+        train_store = open_hidden_states(ext.out_dir, "train", fp8="raw")
+        if list(train_store.layer_ids) != layer_ids:
+            raise ManifestError(f"the store in {ext.out_dir} holds layers {list(train_store.layer_ids)} but the "
+                                f"extract run records {layer_ids}; re-run `python -m eagle3 stage=extract`")
+        try:
+            eval_store = open_hidden_states(ext.out_dir, "eval", fp8="raw")
+            eval_store = eval_store if len(eval_store) else None
+        except Exception as e:  # a store extracted without the eval split
+            log.warning("train: no held-out split in the store (%s); training without eval", e)
+            eval_store = None
     d2t, t2d = load_vocab(prep.path(VOCAB_FILE))
     draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), tcfg.model)
     if train_store.hidden_size != draft_cfg.target_hidden_size:
@@ -71,13 +88,21 @@ def run(cfg, manifest):
         for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):
             job.add_output(job.out_dir / name)
         job.facts = TrainFacts(steps=result.steps, ttt_steps=tcfg.ttt_steps, layer_ids=layer_ids,
-                               draft_vocab_size=draft_cfg.draft_vocab_size, train=result.train, eval=result.eval)
+                               draft_vocab_size=draft_cfg.draft_vocab_size, train=result.train, eval=result.eval,
+                               hidden_states=tcfg.hidden_states,
+                               producer=online.producer if online is not None else None)
+
+    def finished():  # an online store: the producer may stop, the cache becomes a store if complete
+        if online is not None:
+            train_store.close(finished=True)
 
     if not main:
         train(tcfg, inputs, job.out_dir, progress=False)
+        finished()
         return None
     with job:
         result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress)
+        finished()
         record(result)
     final = result.eval or result.train
     prefix = "eval" if result.eval else "train"

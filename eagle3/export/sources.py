@@ -2,7 +2,7 @@
 
 For a trained draft every fact that decides what the served model computes is taken from the
 manifest, never retyped: the aux layer ids from the extract run (the layers the training data came
-from), the vocabulary mapping from the prepare run's ``vocab.safetensors``, and the target identity
+from; for a draft trained online, from the producer facts its train run recorded), the vocabulary mapping from the prepare run's ``vocab.safetensors``, and the target identity
 from the runs' records. The draft's own files must agree with them, or the export stops.
 """
 from __future__ import annotations
@@ -42,17 +42,27 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     own_d2t, own_t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     embed = tensors.pop("embed_tokens.weight", None)
 
-    layer_ids = [int(i) for i in extract_rec.facts.layer_ids]
-    H = int(extract_rec.facts.hidden_size)
+    if extract_rec is not None:
+        layer_ids = [int(i) for i in extract_rec.facts.layer_ids]
+        H = int(extract_rec.facts.hidden_size)
+        states = f"the extract run {extract_rec.config_hash[:12]} stored"
+    else:  # trained online (train.hidden_states=online): the producer's facts, recorded by the train run
+        producer = facts.producer or {}
+        if not producer.get("layer_ids") or not producer.get("hidden_size"):
+            raise ExportError(f"the train run {train_rec.config_hash[:12]} was trained online but records no "
+                              f"producer layer ids and hidden size; re-run `python -m eagle3 stage=train`")
+        layer_ids = [int(i) for i in producer["layer_ids"]]
+        H = int(producer["hidden_size"])
+        states = f"the online producer of train run {train_rec.config_hash[:12]} computed"
     fc = tensors.get("fc.weight")
     if fc is not None and fc.shape[1] != len(layer_ids) * H:
         raise ExportError(f"the trained draft's fc takes {fc.shape[1]} inputs = {fc.shape[1] / H:g} aux states of "
-                          f"width {H}, but the extract run {extract_rec.config_hash[:12]} stored {len(layer_ids)} "
+                          f"width {H}, but {states} {len(layer_ids)} "
                           f"layers {layer_ids}: the draft was not trained on this experiment's hidden states. "
                           f"Re-run `python -m eagle3 stage=train`.")
     if list(cfg.aux_layer_ids) != layer_ids:
-        raise ExportError(f"the trained draft's config says layer ids {list(cfg.aux_layer_ids)}, the extract run "
-                          f"{extract_rec.config_hash[:12]} stored {layer_ids}; re-run `python -m eagle3 stage=train`")
+        raise ExportError(f"the trained draft's config says layer ids {list(cfg.aux_layer_ids)}, {states} "
+                          f"{layer_ids}; re-run `python -m eagle3 stage=train`")
     if H != target.hidden_size or cfg.target_hidden_size != target.hidden_size:
         raise ExportError(f"the draft fuses states of width {cfg.target_hidden_size}, the target {target.path} "
                           f"has hidden size {target.hidden_size}")
@@ -68,7 +78,9 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
                           f"vocabulary mapping; re-run `python -m eagle3 stage=train`")
     if own_t2d is not None and not torch.equal(own_t2d.bool(), t2d.bool()):
         raise ExportError("the trained draft's t2d differs from the prepare run's vocabulary mapping")
-    source = {"kind": "train", "train_run": train_rec.config_hash[:12], "extract_run": extract_rec.config_hash[:12],
+    source = {"kind": "train", "train_run": train_rec.config_hash[:12],
+              "extract_run": extract_rec.config_hash[:12] if extract_rec is not None else None,
+              "hidden_states": facts.hidden_states,
               "prepare_run": prepare_rec.config_hash[:12], "train_steps": facts.steps,
               # the train stage's own estimate, from its held-out TTT accuracies (k = 1, 2, ...)
               "train_expected_acceptance_length": list(facts.final.accept_len) if facts.final else None}
@@ -98,8 +110,10 @@ def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export
         needs_prompts = needs_prompts and not ecfg.prompts
         inputs = manifest.consume_upstream(stage, target.hash, only=("prepare",) if needs_prompts else ())
         return ckpt, inputs, inputs.get("prepare"), from_id
-    inputs = manifest.consume_upstream(stage, target.hash)
-    ckpt = trained_draft(inputs["train"], inputs["extract"], inputs["prepare"], target)
+    inputs = manifest.consume_upstream(stage, target.hash, only=("prepare", "train"))
+    if inputs["train"].facts.hidden_states != "online":  # trained on a store: its extract run too
+        inputs = manifest.consume_upstream(stage, target.hash)
+    ckpt = trained_draft(inputs["train"], inputs.get("extract"), inputs["prepare"], target)
     return ckpt, inputs, inputs["prepare"], None
 
 

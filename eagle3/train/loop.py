@@ -98,9 +98,11 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
             metrics.path.unlink(missing_ok=True)
 
     pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
+    order = epochs.micro_batches(state.step, total, accelerator.process_index)
+    if hasattr(inputs.train_store, "expect"):  # an online store (eagle3.online): what it will be asked for
+        inputs.train_store.expect(order)
     loader = torch.utils.data.DataLoader(
-        MicroBatches(inputs.train_store, epochs.micro_batches(state.step, total, accelerator.process_index),
-                     tcfg.max_seq_len, pad),
+        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad),
         batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=device.type == "cuda")
     batches = iter(loader)
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)

@@ -1,0 +1,314 @@
+"""Benchmark of online training (train.hidden_states=online, eagle3/online.py) against its ideals.
+
+A random Llama-3.1-8B-shaped target (bf16, built from a config, random weights), a draft of the
+same width (TTT 7), samples of 2048 random tokens (one per row). Everything timed is eagle3's own
+code: the target forward is the hf backend's (eagle3.extract.hf_backend.HFExtractor), training is
+eagle3.train.loop.train (Accelerate, data loader, metrics), the online store and its sources are
+eagle3.online's.
+
+    python bench/online.py                       # one GPU, colocated (the default layout)
+    python bench/online.py --layout split        # two GPUs: target on cuda:0 (a producer process),
+                                                 # trainer on cuda:1, shards through --dir
+    python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs
+
+colocated, in one run on one device: f = the target's forward rate alone (tokens/s, one sample
+per forward, as the online producer runs it), t = the train loop's rate on in-memory states,
+online = the train loop's rate with the states computed by the colocated producer; the ideal of
+running the two back to back is 1 / (1/f + 1/t), and online / ideal is the figure (goal >= 0.9).
+
+split: t = the train loop's rate on the trainer GPU alone (in-memory states), online = its rate fed
+by the producer process through the exchange directory; online / t is the figure (goal >= 0.9),
+and the peak bytes of shards on disk (sampled every 2 ms) against the window.
+
+Prints a markdown table last; writes the numbers to $OUT/bench_online.json when OUT is set.
+Needs no hydra (the config is a namespace with TrainConfig's fields, as bench/train.py does).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def _bench_train():
+    """bench/train.py as a module: its draft config, target head and loop config helpers."""
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BT = _bench_train()
+
+SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
+                draft_vocab=32000, n_aux=3, ttt=7, seq=2048, batch=1, layers=32)
+SHAPE_TINY = dict(hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=512, draft_vocab=256,
+                  n_aux=3, ttt=2, seq=128, batch=1, layers=8)
+
+
+def args_shape(a) -> None:
+    for k, v in (SHAPE_TINY if a.tiny else SHAPE_8B).items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+
+
+def layout_of(a):
+    from eagle3.extract.layers import default_layer_ids
+    from eagle3.store import StoreLayout
+
+    dtype = "float32" if a.device == "cpu" else "bfloat16"
+    return StoreLayout(layer_ids=tuple(default_layer_ids(a.layers)), last_layer_id=a.layers, hidden_size=a.hidden,
+                       dtype=dtype, target_hash="bench-random-target")
+
+
+def target_model(a, device):
+    """A random Llama base model of the bench shape (seeded: every process builds the same)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      head_dim=a.head_dim, max_position_embeddings=max(8192, 2 * a.seq), rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
+    with torch.device(device):
+        model = LlamaModel(cfg).to(dtype)
+    return model.eval()
+
+
+def extractor(a, device):
+    from eagle3.extract.hf_backend import HFExtractor
+
+    ecfg = SimpleNamespace(device=str(device), batch_size=1, samples_per_shard=1)
+    return HFExtractor(None, layout_of(a), "bfloat16", ecfg, model=target_model(a, device))
+
+
+def samples(a):
+    """``a.samples`` samples of ``a.seq`` random token ids (eagle3.extract.Samples), seeded."""
+    from eagle3.extract import Samples
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, a.vocab, size=a.seq).tolist() for _ in range(a.samples)]
+    return Samples(ids, [[0] * 8 + [1] * (a.seq - 8) for _ in ids])
+
+
+def draft_inputs(a, store):
+    """TrainInputs over ``store`` with a draft of the bench shape and a random target head."""
+    from eagle3.train.loop import TrainInputs
+
+    cfg = BT.make_config(a)
+    cfg.aux_layer_ids = list(store.layer_ids)
+    gen = torch.Generator().manual_seed(0)
+    head, tensors = BT.make_head(cfg, "cpu", torch.float32 if a.device == "cpu" else torch.bfloat16, gen)
+    kept = head.kept_ids
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    return TrainInputs(store, None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+
+
+class MemoryStore:
+    """``n`` samples cycling over a few items computed once (the train-only rate: no producer)."""
+
+    def __init__(self, items: list, n: int, layout):
+        self.items, self.lengths, self.layer_ids = items, np.full(n, len(items[0]["input_ids"])), layout.layer_ids
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return dict(self.items[i % len(self.items)], sample_index=i)
+
+
+def tcfg(a):
+    return BT.loop_config(a, "auto", max_steps=a.steps, num_workers=0, log_every=a.log_every, packing=False,
+                          mixed_precision="no" if a.device == "cpu" else "auto")
+
+
+def run_train(a, store, name: str) -> dict:
+    from eagle3.train.loop import train
+
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.time()
+        train(tcfg(a), draft_inputs(a, store), Path(out), progress=False)
+        wall = time.time() - t0
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return BT.loop_summary(name, recs, a.batch * a.seq, wall)
+
+
+def forward_rate(ext, smp, reps: int) -> float:
+    """Tokens/s of the target forward alone, one sample per forward (after one warm-up)."""
+    def sync():
+        if ext.device.type == "cuda":
+            torch.cuda.synchronize(ext.device)
+
+    ext._forward([(0, np.asarray(smp.input_ids[0]))])
+    sync()
+    t0, tokens = time.perf_counter(), 0
+    for r in range(reps):
+        x = np.asarray(smp.input_ids[r % len(smp)])
+        ext._forward([(0, x)])
+        tokens += len(x)
+    sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def memory_items(ext, smp, layout, k: int = 4) -> list:
+    from eagle3.online import ColocatedSource, OnlineHiddenStates
+
+    src = ColocatedSource(ext, layout, None, 0)
+    store = OnlineHiddenStates("train", smp, layout, src)
+    return [store[i] for i in range(min(k, len(smp)))]
+
+
+def colocated(a) -> dict:
+    from eagle3.online import ColocatedSource, OnlineHiddenStates
+
+    device = torch.device(a.device)
+    layout, smp = layout_of(a), samples(a)
+    ext = extractor(a, device)
+    f = forward_rate(ext, smp, a.forward_reps)
+    t = run_train(a, MemoryStore(memory_items(ext, smp, layout), a.samples, layout), "train only")
+    online = run_train(a, OnlineHiddenStates("train", smp, layout, ColocatedSource(ext, layout, None, 0)),
+                       "online (colocated)")
+    ideal = 1 / (1 / f + 1 / t["tokens_per_s"])
+    return {"layout": "colocated", "forward_tokens_per_s": f, "train_only": t, "online": online,
+            "ideal_tokens_per_s": ideal, "ratio": online["tokens_per_s"] / ideal}
+
+
+def identity(layout) -> dict:
+    return {**layout.to_json(), "target_dtype": "bfloat16", "backend": "hf"}
+
+
+def role_producer(a) -> None:
+    from eagle3.online import produce
+
+    ext = extractor(a, torch.device(a.device))
+    layout = layout_of(a)
+    produce(a.dir, {"train": samples(a)}, layout, ext, identity(layout), poll_s=0.005, progress=False)
+
+
+def role_trainer(a) -> None:
+    from eagle3.online import ExternalSource, OnlineHiddenStates
+
+    layout, smp = layout_of(a), samples(a)
+    # train-only: in-memory states of the layout's shape (random: the rate does not depend on them)
+    gen = torch.Generator().manual_seed(1)
+    dt = torch.float32 if a.device == "cpu" else torch.bfloat16
+    items = [{"input_ids": torch.as_tensor(smp.input_ids[i]), "loss_mask": torch.as_tensor(smp.loss_mask[i]).bool(),
+              "aux_hidden_states": torch.randn(a.seq, layout.n_aux, a.hidden, generator=gen).to(dt),
+              "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).to(dt)} for i in range(4)]
+    t = run_train(a, MemoryStore(items, a.samples, layout), "train only")
+    ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)
+    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout))
+    store = OnlineHiddenStates("train", smp, layout, src)
+    online = run_train(a, store, "online (producer process)")
+    store.close(finished=True)
+    Path(a.result).write_text(json.dumps({"train_only": t, "online": online}))
+
+
+def split(a) -> dict:
+    """Producer on device 0, trainer on device 1 (CUDA_VISIBLE_DEVICES), shards through a.dir."""
+    from eagle3.online import disk_bytes
+
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    result = d.parent / f"{d.name}.result.json"
+    base = [sys.executable, __file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)]
+    gpu = a.device != "cpu"
+    procs = []
+    for role, dev in (("producer", "0"), ("trainer", "1")):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": dev} if gpu else {}))
+        procs.append(subprocess.Popen(base + ["--role", role, "--device", "cuda:0" if gpu else "cpu"], env=env))
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], disk_bytes(d))
+            except FileNotFoundError:
+                pass
+            time.sleep(0.002)
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    rcs = [p.wait() for p in reversed(procs)]
+    stop.set()
+    w.join()
+    if any(rcs):
+        sys.exit(f"bench/online.py --layout split: a role failed (trainer, producer exit codes {rcs})")
+    r = json.loads(result.read_text())
+    return {"layout": "split", **r, "ratio": r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"],
+            "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes}
+
+
+def table(r: dict, a) -> str:
+    mib = 2 ** 20
+    shape = f"hidden {a.hidden}, {a.layers} layers, TTT {a.ttt}, {a.seq}-token rows, {a.steps} steps, {a.device}"
+    lines = [f"online training, {r['layout']} ({shape})", "",
+             "| rate | tokens/s |", "| --- | ---: |"]
+    if r["layout"] == "colocated":
+        lines += [f"| target forward alone (f) | {r['forward_tokens_per_s']:.0f} |",
+                  f"| train loop alone (t) | {r['train_only']['tokens_per_s']:.0f} |",
+                  f"| ideal back to back 1/(1/f+1/t) | {r['ideal_tokens_per_s']:.0f} |",
+                  f"| online, colocated | {r['online']['tokens_per_s']:.0f} |",
+                  f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |"]
+    else:
+        lines += [f"| train loop alone, trainer GPU (t) | {r['train_only']['tokens_per_s']:.0f} |",
+                  f"| online, producer process on the other GPU | {r['online']['tokens_per_s']:.0f} |",
+                  f"| **online / t** (goal >= 0.9) | **{r['ratio']:.3f}** |",
+                  f"| peak shard bytes on disk / window | {r['peak_disk_bytes'] / mib:.1f} / "
+                  f"{r['window_bytes'] / mib:.1f} MiB |"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", choices=("colocated", "split"), default="colocated")
+    p.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU): checks the script works")
+    p.add_argument("--device", default=None, help="cuda (default when available) | cpu")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per measured loop run")
+    p.add_argument("--log-every", type=int, default=5, help="steps per measured window (the first is left out)")
+    p.add_argument("--samples", type=int, default=64, help="distinct samples (the loop cycles over them)")
+    p.add_argument("--forward-reps", type=int, default=20)
+    p.add_argument("--window-bytes", type=int, default=2 << 30, help="split: train.online.window_bytes")
+    p.add_argument("--dir", default="/dev/shm/eagle3-online-bench", help="split: the exchange directory")
+    for k in SHAPE_8B:
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--role", default="", help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    args_shape(a)
+    a.loop_steps = a.steps  # bench/train.py's loop_config reads it
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.role == "producer":
+        return role_producer(a)
+    if a.role == "trainer":
+        return role_trainer(a)
+    if not a.tiny and a.device == "cpu":
+        sys.exit("bench/online.py times 8B-shaped work on a GPU; on a CPU run it with --tiny")
+    if a.layout == "split" and a.device != "cpu" and torch.cuda.device_count() < 2:
+        sys.exit("--layout split needs two GPUs (target on cuda:0, trainer on cuda:1)")
+    r = colocated(a) if a.layout == "colocated" else split(a)
+    r["args"] = vars(a)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"bench_online_{r['layout']}.json").write_text(json.dumps(r, indent=2))
+    print(table(r, a))
+
+
+if __name__ == "__main__":
+    main()

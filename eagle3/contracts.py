@@ -91,6 +91,24 @@ class PrepareFacts(Facts):
     bad_records: int = 0                # malformed source records skipped (data.on_bad_record=skip)
     regenerated: bool = False           # answers written by the target (prepare.regenerate)
     regen: Optional[dict] = None        # the regeneration settings, when regenerated
+    # str(n) -> share of trainable (train split) tokens covered by the n most frequent tokens, at
+    # eagle3.data.vocab.COVERAGE_SIZES and the chosen draft_vocab_size; None in runs before it existed
+    coverage_curve: Optional[dict] = None
+    # split -> {category: samples} when the source records carry a `category` (or `domain`) field
+    # (the dataset then has a `category` column); None without categories or in runs before them
+    categories: Optional[dict] = None
+
+    def coverage_line(self) -> str:
+        """The coverage curve in one line for a person (prepare's end, stage=status, stage=plan)."""
+        if not self.coverage_curve:
+            return f"{self.coverage:.4f} at {self.draft_vocab_size} (no curve recorded: a run before eagle3 recorded it)"
+        return ", ".join(f"{_size_label(int(n))}{'*' if int(n) == self.draft_vocab_size else ''} {v:.4f}"
+                         for n, v in sorted(self.coverage_curve.items(), key=lambda kv: int(kv[0]))) + \
+            " (* = prepare.draft_vocab_size)"
+
+
+def _size_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 @dataclass

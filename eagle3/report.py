@@ -43,6 +43,13 @@ def _facts_line(stage: str, facts) -> str:
     parts = [f"{k}={getattr(facts, k)}" for k in shown if getattr(facts, k, None) is not None]
     if stage == "extract":
         parts.append(facts.checks_line())
+    if stage == "prepare" and getattr(facts, "coverage_curve", None):
+        parts.append(f"coverage by draft vocabulary size: {facts.coverage_line()}")
+    if stage == "prepare" and getattr(facts, "categories", None):
+        parts.append("categories (eval split): " + ", ".join(
+            f"{c} {n}" for c, n in (facts.categories.get("eval") or {}).items()))
+    if stage == "export" and getattr(facts, "lookup_summary", None):
+        parts.append(facts.lookup_summary)
     if stage == "train":
         parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
     if stage == "extract" and getattr(facts, "num_tokens", None):  # the store's size: tokens x bytes/token

@@ -380,6 +380,13 @@ class ExportConfig:
     """Held-out prompts served."""
     eval_max_tokens: int = 128
     """New tokens per prompt."""
+    eval_temperatures: List[float] = field(default_factory=lambda: [0.0])
+    """Temperatures vLLM's acceptance is measured at, each k and prompt lookup in the same engines:
+    0 greedy (always measured: the lossless check), others vLLM's speculative sampling with request i
+    seeded ``eval_seed + i``. The offline evaluator (and ``stage=eval``) is greedy only. Hashed
+    only when it holds more than [0.0] (runs of earlier versions keep their hash)."""
+    eval_seed: int = 0
+    """Seed of the sampled verification runs (``eval_temperatures`` > 0); hashed only with them."""
     prompts: str = ""
     """Held-out prompts for verification and stage=eval from a JSONL file instead of the prepare
     stage's eval split: one per line, {"messages": [...]} (the chat template adds the assistant
@@ -408,6 +415,10 @@ class ExportConfig:
         _check_positive("export.kv_cache_gb", self.kv_cache_gb)
         if any(int(k) < 1 for k in self.eval_ks):
             raise ValueError(f"export.eval_ks must be positive numbers of draft tokens, got {list(self.eval_ks)}")
+        if any(float(t) < 0 for t in self.eval_temperatures):
+            raise ValueError(f"export.eval_temperatures must be >= 0 (0 = greedy), got {list(self.eval_temperatures)}")
+        if len({float(t) for t in self.eval_temperatures}) != len(self.eval_temperatures):
+            raise ValueError(f"export.eval_temperatures has duplicates: {list(self.eval_temperatures)}")
         if not 0 < self.verify_tolerance <= 1:
             raise ValueError(f"export.verify_tolerance must be in (0, 1], got {self.verify_tolerance}")
 

@@ -98,6 +98,11 @@ class PrepareFacts(Facts):
     # (the dataset then has a `category` column); None without categories or in runs before them
     categories: Optional[dict] = None
 
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        out.update({f"{prefix}/coverage_top_{n}": v for n, v in (self.coverage_curve or {}).items()})
+        return out
+
     def coverage_line(self) -> str:
         """The coverage curve in one line for a person (prepare's end, stage=status, stage=plan)."""
         if not self.coverage_curve:
@@ -254,6 +259,33 @@ class ExportFacts(Facts):
     beats_prompt_lookup: Optional[bool] = None
     vllm_version: Optional[str] = None
     train_expected_acceptance_length: Optional[float] = None  # the train stage's estimate at k
+    # -- reports (issue 19); None in runs recorded before them --------------------------------------
+    lookup_gain: Optional[float] = None           # tokens per target step vs prompt lookup's, at k, minus 1
+    lookup_summary: Optional[str] = None          # that comparison (overall and per domain) as a sentence
+    # category -> {num_prompts, acceptance_length, acceptance_per_position, tokens_per_step,
+    # acceptance_by_k, tokens_per_step_by_k, ngram_tokens_per_step, beats_prompt_lookup, lookup_gain}:
+    # vLLM's per-request acceptance over the held-out prompts of each category ("(none)": without one);
+    # None when the prompts carry no category
+    by_domain: Optional[dict] = None
+    # str(temperature) -> {acceptance_by_k, tokens_per_step_by_k, ngram_tokens_per_step,
+    # ngram_acceptance_length}: "0" greedy, others vLLM's speculative sampling, request i seeded
+    # sampling_seed + i (export.eval_temperatures)
+    by_temperature: Optional[dict] = None
+    eval_temperatures: Optional[list] = None
+    sampling_seed: Optional[int] = None
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        for cat, d in (self.by_domain or {}).items():
+            for name in ("acceptance_length", "tokens_per_step", "ngram_tokens_per_step", "lookup_gain"):
+                if d.get(name) is not None:
+                    out[f"{prefix}/domain/{cat}/{name}"] = d[name]
+        for t, row in (self.by_temperature or {}).items():
+            for kk, v in (row.get("acceptance_by_k") or {}).items():
+                out[f"{prefix}/temperature_{t}/acceptance_length_k{kk}"] = v
+            if row.get("ngram_tokens_per_step") is not None:
+                out[f"{prefix}/temperature_{t}/ngram_tokens_per_step"] = row["ngram_tokens_per_step"]
+        return out
 
 
 @dataclass
@@ -273,6 +305,7 @@ class EvalFacts(Facts):
     num_accepted: Optional[int] = None
     generated_tokens: Optional[int] = None
     target_steps: Optional[int] = None
+    decoding: str = "greedy"            # the offline evaluator decodes greedily (export.eval_temperatures: vLLM only)
 
 
 FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,

@@ -528,7 +528,10 @@ def experiment(target, tmp_path_factory):
     from eagle3.target import identify
 
     root = tmp_path_factory.mktemp("exp")
-    data = write_jsonl(root / "chats.jsonl", conversations(30))
+    records = conversations(30)
+    for i, r in enumerate(records):  # categories travel from the records to export's per-domain figures
+        r["category"] = ("code", "chat")[i % 2]
+    data = write_jsonl(root / "chats.jsonl", records)
     base = [f"target.path={target.path}", f"workspace={root / 'ws'}", "experiment=e", f"data.path={data}",
             "prepare.draft_vocab_size=160", "prepare.eval_fraction=0.3", "progress=false", "logger=jsonl",
             f"export.eval_max_tokens={MAX_TOKENS}", "export.eval_prompts=6", "export.kv_cache_gb=0.25",
@@ -585,11 +588,38 @@ def _stage(experiment, *overrides):
 @pytest.mark.vllm
 def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_path, capsys):
     from eagle3.export.importers import import_draft
+    from eagle3.report import print_pipeline_summary
+    from eagle3.tracking import stage_summary
 
     out = tmp_path / "served"
-    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}")
+    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}",
+           "export.eval_temperatures=[0.0,0.8]")
     rec = experiment["manifest"].current("export")
     f = rec.facts
+    # per domain (the records' category, through prepare's dataset): a perfect draft everywhere,
+    # from vLLM's per-request acceptance (verify checked that it adds up to the engine counters)
+    print("by domain", f.by_domain, "by temperature", f.by_temperature, f.lookup_summary)
+    assert set(f.by_domain) == {"code", "chat"} and sum(d["num_prompts"] for d in f.by_domain.values()) == f.num_prompts
+    for d in f.by_domain.values():
+        assert d["acceptance_length"] == K + 1 and d["acceptance_by_k"] == {str(K): K + 1, "1": 2}
+        assert d["tokens_per_step"] > d["ngram_tokens_per_step"] and d["beats_prompt_lookup"] and d["lookup_gain"] > 0
+    assert f.lookup_summary.startswith(f"EAGLE-3 beats prompt lookup on these {f.num_prompts} prompts: ")
+    assert "per domain: chat (" in f.lookup_summary and f"{f.lookup_gain:+.1%}" in f.lookup_summary
+    # temperatures: greedy is the k table above; at 0.8 vLLM's speculative sampling (seeded) accepts less
+    # than the greedy oracle's k+1 but is measured at every k and for prompt lookup
+    assert f.eval_temperatures == [0.0, 0.8] and set(f.by_temperature) == {"0", "0.8"}
+    assert f.by_temperature["0"]["acceptance_by_k"] == f.acceptance_by_k
+    hot = f.by_temperature["0.8"]
+    assert set(hot["acceptance_by_k"]) == {"1", str(K)} and all(1 <= v <= kk + 1 for kk, v in (
+        (int(k), v) for k, v in hot["acceptance_by_k"].items())) and hot["ngram_tokens_per_step"] >= 1
+    assert f.offline["decoding"] == "greedy"
+    row = stage_summary("export", f)  # wandb's row
+    assert row["export/domain/code/acceptance_length"] == K + 1
+    assert row["export/temperature_0.8/acceptance_length_k1"] == hot["acceptance_by_k"]["1"]
+    capsys.readouterr()
+    print_pipeline_summary(experiment["manifest"])
+    shown = capsys.readouterr().out
+    assert "per domain" in shown and "chat" in shown and "0.8" in shown and "beats prompt lookup" in shown
     print(json.dumps({k: getattr(f, k) for k in ("acceptance_length", "acceptance_by_k", "acceptance_per_position",
                                          "tokens_per_step", "offline_vs_vllm")}), f.ngram)
     assert f.acceptance_length == K + 1 and f.acceptance_by_k == {str(K): K + 1, "1": 2}
@@ -604,7 +634,8 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     back = import_draft(out, target.config)
     assert back.kept_ids.tolist() == experiment["kept"]  # the mapping came from prepare, through the manifest
     capsys.readouterr()
-    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}")  # same config: nothing to do
+    _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}",
+           "export.eval_temperatures=[0.0,0.8]")  # same config: nothing to do
     assert "already complete" in capsys.readouterr().out
 
 

@@ -450,7 +450,8 @@ class Config:
 
     stage: str = "all"
     """prepare | extract | train | export | all (the four in order) | status (the manifest as a
-    table) | eval (the offline evaluator alone)."""
+    table) | eval (the offline evaluator alone) | plan (disk, time and GPU-hours of this config
+    before running it: eagle3/plan.py)."""
     workspace: str = "workspace"
     """Root of every experiment's artifacts."""
     name: str = "default"
@@ -475,7 +476,7 @@ class Config:
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
-        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval"))
+        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "plan"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")

@@ -48,7 +48,7 @@ H200 = {
     "decode_tokens_per_s": 1.33e6 / 224, "decode_params": 135e6,
 }
 STORE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
-PROBE_VERSION = 2
+PROBE_VERSION = 4
 
 
 @dataclass
@@ -224,6 +224,36 @@ def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16) 
     return {"tokens_per_s": batch * new_tokens / dt, "shape": f"{batch} rows x {new_tokens} new tokens"}
 
 
+def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_len: int = 64,
+               new_tokens: int = 32) -> dict:
+    """A vLLM engine of the target (what regeneration, vLLM extraction and verification run): its start,
+    prefill (one token per request) and batched greedy decoding, tokens per second."""
+    import torch
+
+    from .export.vllm_eval import generate_counted
+    from .vllm_engine import build_llm, shutdown_llm
+
+    g = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    llm = build_llm(str(target_path), max_model_len=prompt_len + new_tokens + 16, kv_cache_gb=0.25, dtype=dtype,
+                    disable_log_stats=False)
+    start_s = time.perf_counter() - t0
+    try:
+        ids = torch.randint(100, vocab - 100, (prompts, prompt_len), generator=g).tolist()
+        generate_counted(llm, ids[:2], 2, set(), 0)  # warm up
+        t0 = time.perf_counter()
+        generate_counted(llm, ids, 1, set(), 0)
+        prefill = prompts * prompt_len / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = generate_counted(llm, ids, new_tokens, set(), 0)
+        decode_s = time.perf_counter() - t0 - prompts * prompt_len / prefill
+        decode = out.generated_tokens / max(decode_s, 1e-6)
+    finally:
+        shutdown_llm(llm)
+    return {"start_s": start_s, "prefill_tokens_per_s": prefill, "tokens_per_s": decode,
+            "shape": f"engine start, {prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens each, {dtype}"}
+
+
 def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 3) -> dict:
     """Training steps of the draft on random states of the configured shape (max_seq_len rows of
     batch_size, TTT steps, mixed precision, the target's real head), seconds per optimizer step."""
@@ -332,17 +362,22 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     if probe:
         key = {"target": target.hash, "dtype": run_dtype}
         pre = cached_probe(cache, {**key, "probe": "prefill"}, lambda: probe_prefill(target.path, run_dtype))
-        dec_dtype = cfg.prepare.regen.dtype if cfg.prepare.regen.dtype != "auto" else run_dtype
-        dec = cached_probe(cache, {**key, "probe": "decode", "dtype": dec_dtype},
-                           lambda: probe_decode(target.path, dec_dtype))
+        uses_vllm = ((cfg.prepare.regenerate and cfg.prepare.regen.backend == "vllm") or cfg.export.verify
+                     or cfg.extract.backend.startswith("vllm"))
+        if uses_vllm:
+            dec = cached_probe(cache, {**key, "probe": "vllm"}, lambda: probe_vllm(target.path, run_dtype, target.vocab_size))
+        else:
+            dec = cached_probe(cache, {**key, "probe": "decode"}, lambda: probe_decode(target.path, run_dtype))
         tr = cached_probe(cache, {**key, "probe": "train", "train": _train_shape(cfg), "layers": list(layer_ids),
                                   "draft_vocab": cfg.prepare.draft_vocab_size},
                           lambda: probe_train(target, cfg.train, layer_ids, cfg.prepare.draft_vocab_size))
         plan["probes"] = {"prefill": pre, "decode": dec, "train": tr}
+        prefill_tps = (dec["prefill_tokens_per_s"] if cfg.extract.backend.startswith("vllm") and "start_s" in dec
+                       else pre["tokens_per_s"])
         here = stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens,
-                           prefill_tps=pre["tokens_per_s"], decode_tps=dec["tokens_per_s"],
+                           prefill_tps=prefill_tps, decode_tps=dec["tokens_per_s"], hf_prefill_tps=pre["tokens_per_s"],
                            step_s=tr["seconds_per_micro_batch"], load_s=pre["load_s"], setup_s=tr["setup_s"],
-                           engine_s=ENGINE_START_S["gpu" if _on_gpu() else "cpu"])
+                           engine_s=dec.get("start_s", ENGINE_START_S["gpu" if _on_gpu() else "cpu"]))
         plan["times"]["here"] = here
         # an H200, from the published throughputs scaled by the work per token
         from .model.draft import Eagle3DraftConfig
@@ -356,6 +391,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         h200 = stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens,
                            prefill_tps=H200["extract_tokens_per_s"] / scale_params,
                            decode_tps=H200["decode_tokens_per_s"] / scale_params,
+                           hf_prefill_tps=H200["extract_tokens_per_s"] / scale_params,
                            step_s=cfg.train.max_seq_len * cfg.train.batch_size / train_tps, load_s=GPU_LOAD_S,
                            setup_s=GPU_LOAD_S, engine_s=ENGINE_START_S["gpu"])
         plan["times"]["h200"] = h200
@@ -372,11 +408,15 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     plan["assumptions"] = [
         f"regenerated answers fill {REGEN_FILL:.2f} of prepare.regen.max_tokens (0.87 on the embedded default's run)"
         if cfg.prepare.regenerate else "answers as in the sources (no regeneration)",
-        f"a vLLM engine start: {ENGINE_START_S['cpu']:.0f} s on a CPU, {ENGINE_START_S['gpu']:.0f} s on a GPU "
-        f"(not probed); model loads: measured here, {GPU_LOAD_S:.0f} s on the H200 host",
-        "extraction timed as the transformers forward with every hidden state (extract.backend=hf); the vLLM "
-        "backend is assumed as fast",
-        "regeneration and verification timed as batched transformers greedy decoding (8 rows); vLLM batches more",
+        f"a vLLM engine start: measured here by the probe (else {ENGINE_START_S['cpu']:.0f} s); "
+        f"{ENGINE_START_S['gpu']:.0f} s on an H200 (assumed); model loads: measured here, {GPU_LOAD_S:.0f} s on the H200 host",
+        "extraction (extract.backend=vllm*) timed as vLLM's prefill of the probe engine (the capture of the "
+        "hidden states and the store writes not included); extract.backend=hf as the transformers forward with every "
+        "hidden state; the parity sample as the latter",
+        "regeneration and verification timed as the probe engine's batched greedy decoding (32 requests) in the dtype "
+        "the target runs in (prepare.regen.dtype=bfloat16 is faster on CPUs with AVX512-BF16); without vLLM in the "
+        "config, as transformers' batched greedy decoding",
+        "the machine as it is now: other jobs on it slow the probes and the estimate alike",
         "H200: extraction and regeneration scaled from SmolLM2-135M's published rates by parameter count; training "
         "from the Llama-3.1-8B-shaped draft's 30.2k tokens/s by FLOPs per token (small drafts do not fill an H200: "
         "their time is a lower bound)",
@@ -394,7 +434,7 @@ def _on_gpu() -> bool:
 
 
 def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens, *,
-                prefill_tps, decode_tps, step_s, load_s, setup_s, engine_s) -> dict:
+                prefill_tps, decode_tps, hf_prefill_tps, step_s, load_s, setup_s, engine_s) -> dict:
     """Seconds per stage from throughputs and fixed costs (both stated in the plan)."""
     vllm_regen = cfg.prepare.regen.backend == "vllm"
     prepare = data.tokenize_s + (((engine_s if vllm_regen else load_s) + regen_tokens / decode_tps)
@@ -402,7 +442,7 @@ def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_t
     mean_len = split_tokens / max(1, sum(data.samples.values()))
     e = cfg.extract
     extract = (engine_s if e.backend.startswith("vllm") else load_s) + split_tokens / prefill_tps
-    extract += (load_s + e.verify_samples * mean_len / prefill_tps) if e.verify_samples else 0.0  # the parity sample
+    extract += (load_s + e.verify_samples * mean_len / hf_prefill_tps) if e.verify_samples else 0.0  # parity sample
     evals = (steps // cfg.train.eval_every + 1) if data.samples.get("eval") else 0
     eval_tokens = data.samples.get("eval", 0) * mean_len
     train = setup_s + steps * rows_per_step * step_s + evals * eval_tokens * step_s / cfg.train.max_seq_len / 3
@@ -471,7 +511,9 @@ def print_plan(plan: dict) -> None:
         h = sum(times["h200"].values()) / 3600
         console.print(f"GPU-hours on H200s: {h:.3f} (one GPU); this machine: {sum(times['here'].values()) / 3600:.3f} h")
         for name, p in plan["probes"].items():
-            console.print(f"probe {name}: {p['tokens_per_s']:.0f} tokens/s ({p['shape']}"
+            extra = (f" decoding, {p['prefill_tokens_per_s']:.0f} tokens/s prefill, engine start {p['start_s']:.0f} s"
+                     if "start_s" in p else "")
+            console.print(f"probe {name}: {p['tokens_per_s']:.0f} tokens/s{extra} ({p['shape']}"
                           f"{', cached' if p.get('cached') else ', measured now'})")
     oo = plan["offline_online"]
     t = Table(title="offline (a store on disk) vs online (hidden states streamed to the trainer)")

@@ -26,7 +26,8 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     ws = tmp_path / "ws"
     common = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={ws}", "experiment=p", "logger=jsonl",
               "progress=false", "prepare.draft_vocab_size=128", "extract.backend=hf", "extract.layer_ids=[1,2,3]",
-              "train.max_seq_len=256", "train.epochs=1", "train.ttt_steps=2", "train.warmup_steps=1", "cpu_threads=1"]
+              "train.max_seq_len=256", "train.epochs=1", "train.ttt_steps=2", "train.warmup_steps=1", "cpu_threads=1",
+              "export.verify=false"]  # no vLLM in this config: the probes are transformers' (no engine start)
     m = Manifest(ws / "p")
     run(compose("stage=plan", *common))
     shown = capsys.readouterr().out

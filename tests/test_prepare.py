@@ -231,6 +231,11 @@ def test_categories_travel_to_the_dataset_and_the_coverage_curve_is_recorded(com
     assert coverage_curve(freq, sizes=(1, 2, 8)) == {"1": 0.5, "2": 0.8, "8": 1.0}
     stats = json.loads(rec.path("stats.json").read_text())
     assert stats["coverage_curve"] == curve and stats["categories"] == counts
+    from eagle3.report import status_rows
+
+    (row,) = [r for r in status_rows(m) if r["stage"] == "prepare"]
+    assert f"coverage by draft vocabulary size: 64* {curve['64']:.4f}" in row["facts"]
+    assert "categories (eval split): " in row["facts"]
     # without any category field: no column, no counts
     plain = write_jsonl(tmp_path / "p.jsonl", chat_records(12, seed=2))
     _, rec2 = _prepare(compose, tiny_llama_dir, tmp_path / "ws2", f"data.path={plain}")

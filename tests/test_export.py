@@ -789,12 +789,22 @@ def test_bad_prompts_file_is_named(target, tmp_path):
     one = file_prompts(bad, 1, target.path)[0]
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     assert file_prompts(bad, 1, target.path)[0] == one
+    # a category (or domain) field per prompt, for export's per-domain figures; a non-scalar one is named
+    cats: list = []
+    bad.write_text('{"prompt_token_ids": [1, 2], "category": "code"}\n{"prompt_token_ids": [3], "domain": "chat"}\n'
+                   '{"prompt_token_ids": [4]}\n')
+    assert file_prompts(bad, 5, target.path, categories=cats) == [[1, 2], [3], [4]] and cats == ["code", "chat", None]
+    bad.write_text('{"prompt_token_ids": [1], "category": ["code"]}\n')
+    with pytest.raises(ExportError, match=r"bad.jsonl:1: the 'category' field must be a string"):
+        file_prompts(bad, 5, target.path, categories=[])
 
 
 def test_unknown_format_and_bad_export_config(compose):
     for override, msg in [("export.format=onnx", "export.format='onnx' is not one of"),
                           ("export.eval_ks=[0]", "eval_ks"), ("export.verify_tolerance=2", "verify_tolerance"),
-                          ("export.from_layer_convention=hf", "from_layer_convention")]:
+                          ("export.from_layer_convention=hf", "from_layer_convention"),
+                          ("export.eval_temperatures=[0.0,-0.5]", r"eval_temperatures must be >= 0 \(0 = greedy\)"),
+                          ("export.eval_temperatures=[0.7,0.7]", "eval_temperatures has duplicates")]:
         with pytest.raises(Exception, match=msg):
             compose(override)
     assert compose("export.from=/some/dir").export.from_ == "/some/dir"

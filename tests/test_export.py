@@ -630,6 +630,7 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     model = rec.out_dir / "model"
     card = (model / "README.md").read_text()
     assert "[1, 2, 3]" in card and "| EAGLE-3 (this draft) | 3 | 4.000" in card and str(target.path) in card
+    assert "| chat | " in card and "| 0.8 | " in card and f.lookup_summary in card
     assert (out / "README.md").read_text() == card and (out / "config.json").is_file()
     back = import_draft(out, target.config)
     assert back.kept_ids.tolist() == experiment["kept"]  # the mapping came from prepare, through the manifest

@@ -71,9 +71,9 @@ class DataCount:
 # ----------------------------------------------------------------------------------------------
 def count_data(cfg, target, manifest, sample_size: int = 256) -> DataCount:
     """Exact from the prepare run this config would reuse (complete), else estimated."""
-    from stages.prepare import prepare_config
+    from .data.dataset import prepare_config
 
-    config = prepare_config(cfg, target)
+    config = prepare_config(cfg)
     job = manifest.start("prepare", config=config, target=target.identity(), inputs={})  # names it; runs nothing
     rec = manifest.record("prepare", job.config_hash)
     if rec is not None and rec.status == "complete" and rec.facts is not None:

@@ -22,6 +22,7 @@ def run(cfg, manifest):
         assign_splits,
         category_counts,
         load_conversations,
+        prepare_config,
         token_frequencies,
         tokenize_all,
         write_dataset,
@@ -36,7 +37,7 @@ def run(cfg, manifest):
         from eagle3.extract.checks import refuse_known_bad
 
         refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend")
-    config = prepare_config(cfg, target)
+    config = prepare_config(cfg)
     job = manifest.start("prepare", config=config, target=target.identity(),
                          inputs=manifest.consume_upstream("prepare", target.hash))
     if (done := job.claim()) is not None:
@@ -115,20 +116,6 @@ def run(cfg, manifest):
                  len(train_rows), len(eval_rows), n_tokens, n_trainable, mapping.coverage, dict(drops))
         print(f"prepare: draft vocabulary coverage of trainable tokens: {job.facts.coverage_line()}")
     return job.record
-
-
-def prepare_config(cfg, target) -> dict:
-    """The prepare stage's hashed config (also what ``stage=plan`` looks its run up by)."""
-    from eagle3.data.dataset import source_identity
-    from eagle3.data.sources import source_list
-    from eagle3.hashing import semantic_dict
-
-    config = {"data": semantic_dict(cfg.data), "prepare": semantic_dict(cfg.prepare),
-              "chat_template": cfg.target.chat_template,
-              "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}
-    if not cfg.prepare.regenerate:
-        config["prepare"].pop("regen")
-    return config
 
 
 def _regenerate(cfg, target, tokenizer, conversations, drops, kept=None):

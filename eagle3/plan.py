@@ -26,9 +26,10 @@ from typing import Optional
 log = logging.getLogger("eagle3.plan")
 
 # -- assumptions (printed with every plan) ------------------------------------------------------
-# Regenerated answers: share of prepare.regen.max_tokens an answer takes. The embedded default's
-# real run wrote 47,655 trainable tokens for 572 answer slots at max_tokens=96: 0.87.
-REGEN_FILL = 0.87
+# Regenerated answers: share of prepare.regen.max_tokens an answer takes (its end-of-turn token
+# included). The embedded default's real prepare wrote 47,655 trainable tokens in 577 regenerated
+# turns at max_tokens=96 (370 of them cut there): 0.86.
+REGEN_FILL = 0.86
 # Online training keeps a window of hidden states instead of the store (train.hidden_states=online,
 # built in parallel to this: its window size is not a config this module can read yet).
 ONLINE_WINDOW_BYTES = 512 * 2**20
@@ -406,7 +407,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         plan["offline_online"]["online"][f"seconds_{where}_same_device"] = t["extract"] + t["train"]
         plan["offline_online"]["online"][f"seconds_{where}_separate_devices"] = max(t["extract"], t["train"])
     plan["assumptions"] = [
-        f"regenerated answers fill {REGEN_FILL:.2f} of prepare.regen.max_tokens (0.87 on the embedded default's run)"
+        f"regenerated answers fill {REGEN_FILL:.2f} of prepare.regen.max_tokens (0.86 on the embedded default's run)"
         if cfg.prepare.regenerate else "answers as in the sources (no regeneration)",
         f"a vLLM engine start: measured here by the probe (else {ENGINE_START_S['cpu']:.0f} s); "
         f"{ENGINE_START_S['gpu']:.0f} s on an H200 (assumed); model loads: measured here, {GPU_LOAD_S:.0f} s on the H200 host",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m eagle3 stage=prepare|extract|train|export|all|status|eval|produce``.
+"""Command line: ``python -m eagle3 stage=prepare|extract|train|export|all|status|eval|produce|plan``.
 
 Only Hydra, OmegaConf and the config schemas are imported on the ``--help`` / ``--cfg`` path;
 torch, transformers and vLLM load inside the stage that needs them.

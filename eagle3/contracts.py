@@ -91,6 +91,29 @@ class PrepareFacts(Facts):
     bad_records: int = 0                # malformed source records skipped (data.on_bad_record=skip)
     regenerated: bool = False           # answers written by the target (prepare.regenerate)
     regen: Optional[dict] = None        # the regeneration settings, when regenerated
+    # str(n) -> share of trainable (train split) tokens covered by the n most frequent tokens, at
+    # eagle3.data.vocab.COVERAGE_SIZES and the chosen draft_vocab_size; None in runs before it existed
+    coverage_curve: Optional[dict] = None
+    # split -> {category: samples} when the source records carry a `category` (or `domain`) field
+    # (the dataset then has a `category` column); None without categories or in runs before them
+    categories: Optional[dict] = None
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        out.update({f"{prefix}/coverage_top_{n}": v for n, v in (self.coverage_curve or {}).items()})
+        return out
+
+    def coverage_line(self) -> str:
+        """The coverage curve in one line for a person (prepare's end, stage=status, stage=plan)."""
+        if not self.coverage_curve:
+            return f"{self.coverage:.4f} at {self.draft_vocab_size} (no curve recorded: a run before eagle3 recorded it)"
+        return ", ".join(f"{_size_label(int(n))}{'*' if int(n) == self.draft_vocab_size else ''} {v:.4f}"
+                         for n, v in sorted(self.coverage_curve.items(), key=lambda kv: int(kv[0]))) + \
+            " (* = prepare.draft_vocab_size)"
+
+
+def _size_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 @dataclass
@@ -242,6 +265,33 @@ class ExportFacts(Facts):
     beats_prompt_lookup: Optional[bool] = None
     vllm_version: Optional[str] = None
     train_expected_acceptance_length: Optional[float] = None  # the train stage's estimate at k
+    # -- reports (issue 19); None in runs recorded before them --------------------------------------
+    lookup_gain: Optional[float] = None           # tokens per target step vs prompt lookup's, at k, minus 1
+    lookup_summary: Optional[str] = None          # that comparison (overall and per domain) as a sentence
+    # category -> {num_prompts, acceptance_length, acceptance_per_position, tokens_per_step,
+    # acceptance_by_k, tokens_per_step_by_k, ngram_tokens_per_step, beats_prompt_lookup, lookup_gain}:
+    # vLLM's per-request acceptance over the held-out prompts of each category ("(none)": without one);
+    # None when the prompts carry no category
+    by_domain: Optional[dict] = None
+    # str(temperature) -> {acceptance_by_k, tokens_per_step_by_k, ngram_tokens_per_step,
+    # ngram_acceptance_length}: "0" greedy, others vLLM's speculative sampling, request i seeded
+    # sampling_seed + i (export.eval_temperatures)
+    by_temperature: Optional[dict] = None
+    eval_temperatures: Optional[list] = None
+    sampling_seed: Optional[int] = None
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        for cat, d in (self.by_domain or {}).items():
+            for name in ("acceptance_length", "tokens_per_step", "ngram_tokens_per_step", "lookup_gain"):
+                if d.get(name) is not None:
+                    out[f"{prefix}/domain/{cat}/{name}"] = d[name]
+        for t, row in (self.by_temperature or {}).items():
+            for kk, v in (row.get("acceptance_by_k") or {}).items():
+                out[f"{prefix}/temperature_{t}/acceptance_length_k{kk}"] = v
+            if row.get("ngram_tokens_per_step") is not None:
+                out[f"{prefix}/temperature_{t}/ngram_tokens_per_step"] = row["ngram_tokens_per_step"]
+        return out
 
 
 @dataclass
@@ -261,6 +311,7 @@ class EvalFacts(Facts):
     num_accepted: Optional[int] = None
     generated_tokens: Optional[int] = None
     target_steps: Optional[int] = None
+    decoding: str = "greedy"            # the offline evaluator decodes greedily (export.eval_temperatures: vLLM only)
 
 
 FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,

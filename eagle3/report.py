@@ -43,6 +43,13 @@ def _facts_line(stage: str, facts) -> str:
     parts = [f"{k}={getattr(facts, k)}" for k in shown if getattr(facts, k, None) is not None]
     if stage == "extract":
         parts.append(facts.checks_line())
+    if stage == "prepare" and getattr(facts, "coverage_curve", None):
+        parts.append(f"coverage by draft vocabulary size: {facts.coverage_line()}")
+    if stage == "prepare" and getattr(facts, "categories", None):
+        parts.append("categories (eval split): " + ", ".join(
+            f"{c} {n}" for c, n in (facts.categories.get("eval") or {}).items()))
+    if stage == "export" and getattr(facts, "lookup_summary", None):
+        parts.append(facts.lookup_summary)
     if stage == "train":
         parts.append(f"final_loss={facts.final.loss:.4f}" if facts.final is not None else "")
         if facts.hidden_states == "online" and facts.producer:
@@ -151,4 +158,34 @@ def print_pipeline_summary(manifest: Manifest) -> dict:
         if ngram:
             console.print(f"prompt lookup (ngram) baseline at k={ngram.get('k')}: "
                           f"{ngram.get('tokens_per_step', float('nan')):.3f} tokens / target step")
+        print_acceptance_reports(export, console)
     return summary
+
+
+def print_acceptance_reports(export, console) -> None:
+    """Export's per-domain and per-temperature tables and its verdict against prompt lookup."""
+    from rich.table import Table
+
+    if export.by_domain:
+        t = Table(title=f"served by vLLM, per domain of the held-out prompts (k={export.k})")
+        for col in ("domain", "prompts", "acceptance length", "tokens / target step", "prompt lookup", "vs lookup"):
+            t.add_column(col)
+        for cat, d in export.by_domain.items():
+            gain = d.get("lookup_gain")
+            t.add_row(cat, str(d["num_prompts"]), f"{d['acceptance_length']:.3f}", f"{d['tokens_per_step']:.3f}",
+                      f"{d['ngram_tokens_per_step']:.3f}", f"{gain:+.1%}" if gain is not None else "")
+        console.print(t)
+    temps = export.by_temperature or {}
+    if len(temps) > 1:
+        ks = sorted({int(k) for row in temps.values() for k in row.get("acceptance_by_k", {})})
+        t = Table(title=f"served by vLLM at each temperature (acceptance length; sampled runs seeded "
+                        f"{export.sampling_seed}+i per prompt; the offline evaluator is greedy only)")
+        for col in ("temperature", *(f"k={k}" for k in ks), "prompt lookup tokens / step"):
+            t.add_column(col)
+        for temp, row in temps.items():
+            by_k = row.get("acceptance_by_k", {})
+            t.add_row(temp, *(f"{by_k[str(k)]:.3f}" if str(k) in by_k else "" for k in ks),
+                      f"{row.get('ngram_tokens_per_step', float('nan')):.3f}")
+        console.print(t)
+    if export.lookup_summary:
+        console.print(export.lookup_summary)

@@ -60,5 +60,7 @@ def run(cfg, manifest):
         job.facts = EvalFacts(**facts)
     print(f"eval: offline acceptance length {facts['acceptance_length']:.3f} at k={k} (per position "
           f"{facts['acceptance_per_position']}), by k {facts['acceptance_by_k']}, {facts['tokens_per_step']:.3f} "
-          f"tokens per target step, {len(prompts)} prompts")
+          f"tokens per target step, {len(prompts)} prompts (greedy decoding"
+          + ("; export.eval_temperatures apply to vLLM verification only)" if any(
+              float(t) > 0 for t in ecfg.eval_temperatures) else ")"))
     return job.record

@@ -31,7 +31,7 @@ def run(cfg, manifest):
     dtype = target.run_dtype(cfg.target.dtype)
     from eagle3.export.prompts import prompts_identity
 
-    config = {"export": semantic_dict(ecfg), "dtype": dtype, "from_identity": from_id,
+    config = {"export": export_semantics(ecfg, semantic_dict), "dtype": dtype, "from_identity": from_id,
               "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("export", config=config, target=target.identity(), inputs=inputs)
     if (done := job.claim()) is not None:
@@ -67,12 +67,14 @@ def run(cfg, manifest):
             from eagle3.export.prompts import held_out_prompts, stop_token_ids
             from eagle3.export.verify import verify_export
 
-            prompts = held_out_prompts(ecfg, prep, target.path)
+            categories: list = []
+            prompts = held_out_prompts(ecfg, prep, target.path, categories=categories)
             facts.update(verify_export(
                 model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
                 reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
                 max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
-                tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress))
+                tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress,
+                categories=categories, temperatures=ecfg.eval_temperatures, seed=ecfg.eval_seed))
         store = inputs.get("extract") if ckpt.source.get("kind") == "train" else None
         _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens, store)
         meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
@@ -93,6 +95,16 @@ def run(cfg, manifest):
         job.facts = ExportFacts(**facts)
     _print_summary(job.record)
     return job.record
+
+
+def export_semantics(ecfg, semantic_dict) -> dict:
+    """The export section as hashed: the temperatures and their seed only when a temperature other
+    than greedy is asked for, so runs recorded before they existed keep their config hash."""
+    out = semantic_dict(ecfg)
+    if [float(t) for t in ecfg.eval_temperatures] == [0.0]:
+        out.pop("eval_temperatures", None)
+        out.pop("eval_seed", None)
+    return out
 
 
 def _compare_with_training(facts: dict, source: dict, k: int, store=None) -> None:
@@ -123,4 +135,13 @@ def _print_summary(rec) -> None:
         print(f"export: vLLM acceptance length {f.acceptance_length:.3f} at k={f.k} "
               f"(per position {f.acceptance_per_position}), by k {f.acceptance_by_k}; "
               f"{f.tokens_per_step:.3f} tokens per target step vs {f.ngram['tokens_per_step']:.3f} for prompt lookup; "
-              f"offline evaluator {f.offline['acceptance_length']:.3f}; lossless on {f.num_prompts} prompts")
+              f"offline evaluator (greedy) {f.offline['acceptance_length']:.3f}; lossless on {f.num_prompts} prompts")
+    if f.lookup_summary:
+        print(f"export: {f.lookup_summary}")
+    for cat, d in (f.by_domain or {}).items():
+        print(f"export: domain {cat} ({d['num_prompts']} prompts): vLLM acceptance length {d['acceptance_length']:.3f} "
+              f"at k={f.k}, by k {d['acceptance_by_k']}")
+    for t, row in (f.by_temperature or {}).items():
+        if float(t) > 0:
+            print(f"export: temperature {t} (seeded {f.sampling_seed}+i): vLLM acceptance length by k "
+                  f"{row['acceptance_by_k']}; prompt lookup {row['ngram_tokens_per_step']:.3f} tokens per target step")

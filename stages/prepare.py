@@ -20,14 +20,15 @@ def run(cfg, manifest):
     from eagle3.contracts import PrepareFacts
     from eagle3.data.dataset import (
         assign_splits,
+        category_counts,
         load_conversations,
-        source_identity,
+        prepare_config,
         token_frequencies,
         tokenize_all,
         write_dataset,
     )
-    from eagle3.data.sources import DataError, ReadReport, source_list
-    from eagle3.data.vocab import build_vocab_mapping, save_vocab
+    from eagle3.data.sources import DataError, ReadReport
+    from eagle3.data.vocab import build_vocab_mapping, coverage_curve, save_vocab
     from eagle3.hashing import semantic_dict
     from eagle3.target import load_tokenizer, resolve
 
@@ -36,11 +37,7 @@ def run(cfg, manifest):
         from eagle3.extract.checks import refuse_known_bad
 
         refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend")
-    config = {"data": semantic_dict(cfg.data), "prepare": semantic_dict(cfg.prepare),
-              "chat_template": cfg.target.chat_template,
-              "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}
-    if not cfg.prepare.regenerate:
-        config["prepare"].pop("regen")
+    config = prepare_config(cfg)
     job = manifest.start("prepare", config=config, target=target.identity(),
                          inputs=manifest.consume_upstream("prepare", target.hash))
     if (done := job.claim()) is not None:
@@ -56,18 +53,21 @@ def run(cfg, manifest):
         t0 = time.perf_counter()
         out = job.out_dir
         report, drops = ReadReport(), Counter()
-        conversations = load_conversations(cfg, report, drops)
+        categories: list = []  # parallel to conversations: each one's category (or None)
+        conversations = load_conversations(cfg, report, drops, categories=categories)
         if report.bad_records:
             log.warning("skipped %d bad records, e.g. %s", report.bad_records, "; ".join(report.bad_examples))
         regen_stats = {}
         if cfg.prepare.regenerate:
-            conversations, regen_stats = _regenerate(cfg, target, tokenizer, conversations, drops)
+            kept: list = []
+            conversations, regen_stats = _regenerate(cfg, target, tokenizer, conversations, drops, kept)
+            categories = [categories[i] for i in kept]
             with open(out / REGENERATED_FILE, "w") as f:
                 for msgs in conversations:
                     f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
             job.add_output(out / REGENERATED_FILE)
         t_tok = time.perf_counter()
-        rows, truncated = tokenize_all(conversations, tokenizer, cfg, drops, cfg.progress)
+        rows, truncated = tokenize_all(conversations, tokenizer, cfg, drops, cfg.progress, categories=categories)
         tok_seconds = time.perf_counter() - t_tok
         if not rows:
             raise DataError(f"no sample has trainable (assistant) tokens after preparation (drops: {dict(drops)}). "
@@ -75,6 +75,9 @@ def run(cfg, manifest):
         train_rows, eval_rows = assign_splits(rows, cfg.prepare.eval_fraction, cfg.prepare.eval_min)
         freq = token_frequencies(train_rows, target.vocab_size, target.path)
         mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
+        curve = coverage_curve(freq, chosen=mapping.draft_vocab_size)
+        by_category = {split: category_counts(r) for split, r in (("train", train_rows), ("eval", eval_rows))}
+        by_category = by_category if any(by_category.values()) else None
         if mapping.num_seen < min(cfg.prepare.draft_vocab_size, target.vocab_size):
             log.warning("only %d distinct tokens were seen in training targets; the draft vocabulary (%d) is "
                         "padded with unseen ids", mapping.num_seen, mapping.draft_vocab_size)
@@ -93,7 +96,8 @@ def run(cfg, manifest):
                  "dropped": dict(drops), "bad_records": report.bad_records,
                  "bad_record_examples": report.bad_examples, "regeneration": regen_stats,
                  "draft_vocab_size": mapping.draft_vocab_size, "distinct_trainable_tokens": mapping.num_seen,
-                 "coverage": mapping.coverage, "tokenize_seconds": round(tok_seconds, 3),
+                 "coverage": mapping.coverage, "coverage_curve": curve, "categories": by_category,
+                 "tokenize_seconds": round(tok_seconds, 3),
                  "tokens_per_second": round(n_tokens / tok_seconds) if tok_seconds > 0 else None,
                  "seconds": round(time.perf_counter() - t0, 3)}
         (out / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
@@ -106,13 +110,15 @@ def run(cfg, manifest):
             coverage=round(mapping.coverage, 6), num_train=len(train_rows), num_eval=len(eval_rows),
             tokens=n_tokens, trainable_tokens=n_trainable, dropped=dict(drops), bad_records=report.bad_records,
             regenerated=bool(cfg.prepare.regenerate),
-            regen=semantic_dict(cfg.prepare.regen) if cfg.prepare.regenerate else None)
+            regen=semantic_dict(cfg.prepare.regen) if cfg.prepare.regenerate else None,
+            coverage_curve=curve, categories=by_category)
         log.info("prepare: %d train / %d eval samples, %d tokens (%d trainable), coverage %.4f, drops %s",
                  len(train_rows), len(eval_rows), n_tokens, n_trainable, mapping.coverage, dict(drops))
+        print(f"prepare: draft vocabulary coverage of trainable tokens: {job.facts.coverage_line()}")
     return job.record
 
 
-def _regenerate(cfg, target, tokenizer, conversations, drops):
+def _regenerate(cfg, target, tokenizer, conversations, drops, kept=None):
     """Every assistant turn rewritten by the target (vLLM or transformers, ``prepare.regen``)."""
     from eagle3.data.regenerate import regenerate
 
@@ -120,7 +126,7 @@ def _regenerate(cfg, target, tokenizer, conversations, drops):
     if dtype == "auto":
         dtype = target.run_dtype(cfg.target.dtype)
     conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
-                                      progress=cfg.progress, dtype=dtype)
+                                      progress=cfg.progress, dtype=dtype, kept=kept)
     stats["dtype"] = dtype
     drops["regeneration_too_long"] += stats.get("dropped_too_long", 0)
     drops["empty_regeneration"] += stats.get("empty_response", 0)

@@ -102,13 +102,20 @@ def test_manifest_records_what_the_default_does(default_run):
     assert sorted(int(k) for k in f.acceptance_by_k) == sorted(set(EVAL_KS + [f.k]))
     assert all(1.0 <= v <= int(k) + 1 for k, v in f.acceptance_by_k.items())
     assert f.num_prompts >= 1 and f.max_tokens == 24
+    # the built-in prompts' categories, through regeneration and the prepared dataset, to export's per-domain figures
+    assert set(prep.facts.categories["train"]) <= {"code", "math", "explanation", "writing", "multi_turn"}
+    assert f.by_domain and set(f.by_domain) <= set(prep.facts.categories["eval"])
+    assert sum(d["num_prompts"] for d in f.by_domain.values()) == f.num_prompts
+    assert f.lookup_summary.startswith("EAGLE-3 ") and f.offline["decoding"] == "greedy"
+    assert prep.facts.coverage_curve[str(prep.facts.draft_vocab_size)] == round(prep.facts.coverage, 6)
     assert (exp.out_dir / "model" / "config.json").is_file()
 
 
 def test_summary_table_prints(default_run):
     _, out, _ = default_run
     assert "extract: target agreement train " in out and "parity with transformers on 4 samples" in out
-    for title in ("eagle3 pipeline", "draft after training", "served by vLLM on held-out prompts"):
+    for title in ("eagle3 pipeline", "draft after training", "served by vLLM on held-out prompts",
+                  "per domain of the held-out prompts", "prompt lookup on these"):
         assert title in out, f"missing table {title!r} in:\n{out[-3000:]}"
     for stage in ("prepare", "extract", "train", "export"):
         assert any(line.split("│")[1:2] and line.split("│")[1].strip() == stage for line in out.splitlines()), stage

@@ -182,3 +182,61 @@ def test_changed_config_reruns_and_same_is_noop(tiny_llama_dir, tmp_path):
     assert "already complete" in again.stdout
     changed = _cli(*args, "prepare.max_length=64")
     assert changed.returncode == 0 and "already complete" not in changed.stdout
+
+
+def test_categories_travel_to_the_dataset_and_the_coverage_curve_is_recorded(compose, tiny_llama_dir, workspace,
+                                                                              tmp_path):
+    """A `category` (JSONL messages) or `domain` (ShareGPT) field becomes the dataset's category column,
+    per sample, through weighting and max_samples; prepare's facts count them per split and record
+    the share of trainable tokens covered per draft vocabulary size (exactly the mapping's at the
+    chosen size)."""
+    from eagle3.data.vocab import coverage_curve
+
+    msgs = chat_records(30, seed=1)
+    for i, r in enumerate(msgs):
+        r["category"] = "code" if i % 3 else "maths"
+    msgs[0]["category"] = ""  # empty: no category
+    share = [{"domain": "chat", "conversations": [{"from": "human", "value": f"hi {i} sea?"},
+                                                 {"from": "gpt", "value": "blue wind " * (i + 1)}]}
+             for i in range(10)]
+    a, b = write_jsonl(tmp_path / "a.jsonl", msgs), write_jsonl(tmp_path / "b.jsonl", share)
+    m, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.sources=[{{path: {a}}}, {{path: {b}, weight: 2.0}}]",
+                      "prepare.dedup=false", "data.max_samples=45", "prepare.eval_fraction=0.2")
+    want = {}
+    for r in msgs:
+        want[r["messages"][0]["content"]] = r["category"] or None
+    for r in share:
+        want[r["conversations"][0]["value"]] = "chat"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    counts: dict = {}
+    for split in ("train", "eval"):
+        ds = _load(rec, split)
+        assert "category" in ds.column_names
+        for ids, cat in zip(ds["input_ids"], ds["category"]):
+            text = tok.decode(ids)
+            (first,) = [q for q in want if q in text]  # the sample's first user turn names it
+            assert cat == want[first], (first, cat)
+            counts.setdefault(split, {}).setdefault("(none)" if cat is None else cat, 0)
+            counts[split]["(none)" if cat is None else cat] += 1
+    facts = rec.facts
+    assert facts.categories == counts and facts.num_train + facts.num_eval == 45
+    assert set(facts.categories["train"]) >= {"code", "chat"}
+    curve = facts.coverage_curve
+    assert set(curve) == {"64", "4096", "8192", "16384", "32768", "65536"}
+    assert curve["64"] == round(facts.coverage, 6) and curve["4096"] == 1.0  # the tiny vocabulary has 384 ids
+    assert "64* " in facts.coverage_line()
+    freq = np.array([5, 0, 3, 2], dtype=np.int64)
+    assert coverage_curve(freq, sizes=(1, 2, 8)) == {"1": 0.5, "2": 0.8, "8": 1.0}
+    stats = json.loads(rec.path("stats.json").read_text())
+    assert stats["coverage_curve"] == curve and stats["categories"] == counts
+    from eagle3.report import status_rows
+
+    (row,) = [r for r in status_rows(m) if r["stage"] == "prepare"]
+    assert f"coverage by draft vocabulary size: 64* {curve['64']:.4f}" in row["facts"]
+    assert "categories (eval split): " in row["facts"]
+    # without any category field: no column, no counts
+    plain = write_jsonl(tmp_path / "p.jsonl", chat_records(12, seed=2))
+    _, rec2 = _prepare(compose, tiny_llama_dir, tmp_path / "ws2", f"data.path={plain}")
+    assert "category" not in _load(rec2).column_names and rec2.facts.categories is None

@@ -26,6 +26,9 @@ def test_prepare_run_is_logged_offline_and_readable(compose, tiny_llama_dir, tmp
     assert logged_keys["prepare/samples"] == rec.facts.num_train + rec.facts.num_eval  # statistics, by the stage
     assert logged_keys["prepare/trainable_tokens"] == rec.facts.trainable_tokens  # facts, when the job completed
     assert logged_keys["prepare/coverage"] == rec.facts.coverage
+    # the coverage curve, one key per draft vocabulary size (the chosen 64 among them)
+    assert logged_keys["prepare/coverage_top_64"] == rec.facts.coverage_curve["64"] == round(rec.facts.coverage, 6)
+    assert logged_keys["prepare/coverage_top_4096"] == 1.0
 
 
 def test_logger_jsonl_writes_no_wandb_run(compose, tiny_llama_dir, tmp_path):

@@ -30,18 +30,35 @@ def source_identity(path: str) -> str:
     return sha256_file(p) if p.exists() else "missing"
 
 
+def prepare_config(cfg) -> dict:
+    """The prepare stage's hashed config (``stages/prepare.py``; ``stage=plan`` looks its run up by it)."""
+    from ..hashing import semantic_dict
+    from .sources import source_list
+
+    config = {"data": semantic_dict(cfg.data), "prepare": semantic_dict(cfg.prepare),
+              "chat_template": cfg.target.chat_template,
+              "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}
+    if not cfg.prepare.regenerate:
+        config["prepare"].pop("regen")
+    return config
+
+
 def conversation_key(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def load_conversations(cfg, report, drops: Counter) -> list[list[dict]]:
-    """Read, normalize, de-duplicate and weight every source; deterministic for a given config."""
+def load_conversations(cfg, report, drops: Counter, categories: list | None = None) -> list[list[dict]]:
+    """Read, normalize, de-duplicate and weight every source; deterministic for a given config.
+
+    ``categories``: a list to receive, parallel to the returned conversations, each one's category
+    (the source record's ``category`` or ``domain`` field, :func:`record_category`; None without
+    one). Weighting and ``data.max_samples`` draw the same conversations with or without it."""
     from .chat_template import normalize_messages
     from .sources import DataError, apply_weight, read_source, source_list
 
     rng = random.Random(cfg.prepare.seed)
     seen: set[str] = set()
-    out: list[list[dict]] = []
+    out: list[tuple[list[dict], str | None]] = []
     for path, fmt, weight, split in source_list(cfg.data):
         convs = []
         for rec in read_source(path, fmt, split, cfg.data.on_bad_record, report):
@@ -61,13 +78,36 @@ def load_conversations(cfg, report, drops: Counter) -> list[list[dict]]:
                     drops["duplicate"] += 1
                     continue
                 seen.add(key)
-            convs.append(msgs)
+            convs.append((msgs, record_category(rec)))
+        # (the rng draws depend only on the number of items: pairs select what messages alone would)
         out.extend(apply_weight(convs, weight, rng))
     if cfg.data.max_samples and len(out) > cfg.data.max_samples:
         rng.shuffle(out)
         drops["over_max_samples"] += len(out) - cfg.data.max_samples
         out = out[: cfg.data.max_samples]
-    return out
+    if categories is not None:
+        categories.extend(c for _, c in out)
+    return [m for m, _ in out]
+
+
+CATEGORY_FIELDS = ("category", "domain")
+
+
+def record_category(rec) -> str | None:
+    """A source record's category: its top-level ``category`` (else ``domain``) field, as text; None
+    when it has neither (or an empty one). Raises DataError for a value that is not a plain scalar."""
+    from .sources import DataError
+
+    raw = rec.raw if isinstance(rec.raw, dict) else {}
+    for name in CATEGORY_FIELDS:
+        value = raw.get(name)
+        if value is None or value == "":
+            continue
+        if isinstance(value, (dict, list)):
+            raise DataError(f"{rec.origin}: the {name!r} field must be a string (a category such as 'code'), "
+                            f"got {type(value).__name__}")
+        return str(value)
+    return None
 
 
 def split_of(messages: list[dict], seed: int, eval_fraction: float) -> tuple[str, float]:
@@ -77,7 +117,10 @@ def split_of(messages: list[dict], seed: int, eval_fraction: float) -> tuple[str
     return key[:16], u
 
 
-def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, batch: int = 512):
+def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, batch: int = 512,
+                 categories: list | None = None):
+    """Rows (sample_id, u, input_ids, loss_mask; and ``category`` when ``categories``, parallel to
+    ``conversations``, is given) and the number of samples cut at ``prepare.max_length``."""
     from tqdm.auto import tqdm
 
     from .chat_template import tokenize_conversations
@@ -97,7 +140,7 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
                                     f"{chunk[k][0]['content'][:60]!r}) cannot be masked: {e}. Fix or drop it, "
                                     f"or pass data.on_bad_record=skip to count and skip such conversations.")
                 drops["template_error"] += 1
-            for msgs, enc in zip(chunk, encoded):
+            for j, (msgs, enc) in enumerate(zip(chunk, encoded)):
                 if enc is None:
                     continue
                 ids, mask = enc
@@ -108,7 +151,10 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
                     drops["no_trainable_tokens"] += 1
                     continue
                 sid, u = split_of(msgs, cfg.prepare.seed, cfg.prepare.eval_fraction)
-                rows.append({"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask})
+                row = {"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask}
+                if categories is not None:
+                    row["category"] = categories[start + j]
+                rows.append(row)
             bar.update(len(chunk))
     return rows, truncated
 
@@ -122,18 +168,29 @@ def assign_splits(rows, eval_fraction: float, eval_min: int):
 
 
 def write_dataset(train_rows, eval_rows, out: Path) -> None:
+    """The DatasetDict (train, eval): sample_id, input_ids, loss_mask, and a ``category`` column (null
+    where a sample has none) when any sample carries one."""
     import datasets
 
-    features = datasets.Features({"sample_id": datasets.Value("string"),
-                                  "input_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    columns = {"sample_id": datasets.Value("string"), "input_ids": datasets.Sequence(datasets.Value("int32")),
+               "loss_mask": datasets.Sequence(datasets.Value("int8"))}
+    if any(r.get("category") is not None for r in (*train_rows, *eval_rows)):
+        columns["category"] = datasets.Value("string")
+    features = datasets.Features(columns)
 
     def build(rows):
         rows = sorted(rows, key=lambda r: r["sample_id"])
-        return datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("sample_id", "input_ids", "loss_mask")},
-                                          features=features)
+        return datasets.Dataset.from_dict({k: [r.get(k) for r in rows] for k in columns}, features=features)
 
     datasets.DatasetDict({"train": build(train_rows), "eval": build(eval_rows)}).save_to_disk(str(out))
+
+
+def category_counts(rows) -> dict:
+    """{category: samples} over ``rows`` (None when no row carries a category)."""
+    counts = Counter(r.get("category") for r in rows)
+    if not any(c is not None for c in counts):
+        return {}
+    return {("(none)" if c is None else c): n for c, n in sorted(counts.items(), key=lambda kv: str(kv[0]))}
 
 
 def token_frequencies(train_rows, vocab_size: int, target_path):

@@ -13,8 +13,9 @@ log = logging.getLogger("eagle3.regenerate")
 
 
 def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, regen_cfg,
-               progress: bool = True, dtype: str = "float32") -> tuple[list[list[dict]], dict]:
-    """Conversations with every assistant turn written by the target (run in ``dtype``), and counts."""
+               progress: bool = True, dtype: str = "float32", kept: list | None = None) -> tuple[list[list[dict]], dict]:
+    """Conversations with every assistant turn written by the target (run in ``dtype``), and counts.
+    ``kept``: a list to receive the input index of each returned conversation (some are dropped)."""
     from tqdm.auto import tqdm
 
     from .chat_template import generation_prompt_ids
@@ -67,6 +68,8 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
     finally:
         generator.close()
     result = [h for h, ok in zip(histories, alive) if ok]
+    if kept is not None:
+        kept.extend(i for i, ok in enumerate(alive) if ok)
     log.info("regenerated %d assistant turns (%d hit max_tokens, %d conversations too long)",
              stats["regenerated_turns"], stats["truncated_turns"], stats["dropped_too_long"])
     return result, stats

@@ -46,6 +46,30 @@ def build_vocab_mapping(freq: np.ndarray, draft_vocab_size: int) -> VocabMapping
     return VocabMapping(kept - np.arange(draft_vocab_size, dtype=np.int64), t2d, coverage, seen, False)
 
 
+# Draft vocabulary sizes the coverage curve is reported at (prepare's facts, stage=plan, stage=status),
+# beside the chosen prepare.draft_vocab_size.
+COVERAGE_SIZES = (4096, 8192, 16384, 32768, 65536)
+
+
+def coverage_curve(freq: np.ndarray, sizes=COVERAGE_SIZES, chosen: int | None = None) -> dict:
+    """Share of trainable tokens covered by the ``n`` most frequent target tokens, for each size ``n``
+    (and the chosen one): ``{str(n): share}``, sizes in increasing order. A size at or above the
+    target's vocabulary covers everything (the identity mapping). Ties do not matter: the top-n sum
+    is the same whichever of the equally frequent ids are kept."""
+    freq = np.asarray(freq, dtype=np.int64)
+    total = int(freq.sum())
+    ordered = np.sort(freq)[::-1]
+    cum = np.cumsum(ordered)
+    wanted = sorted({int(n) for n in sizes} | ({int(chosen)} if chosen else set()))
+    out = {}
+    for n in wanted:
+        if n <= 0:
+            raise ValueError(f"coverage_curve: sizes must be positive, got {n}")
+        covered = int(cum[min(n, len(freq)) - 1]) if len(freq) else 0
+        out[str(n)] = round(covered / total, 6) if total else 0.0
+    return out
+
+
 def save_vocab(mapping: VocabMapping, path) -> None:
     import torch
     from safetensors.torch import save_file

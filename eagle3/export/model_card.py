@@ -72,6 +72,24 @@ def model_card(meta: dict, facts: dict) -> str:
                          f"from its held-out (teacher-forced) accuracies.")
         off = facts.get("offline")
         if off:
-            lines.append(f"Offline PyTorch evaluator (trained draft, HF target): acceptance length "
+            lines.append(f"Offline PyTorch evaluator (trained draft, HF target, greedy): acceptance length "
                          f"{_fmt(off['acceptance_length'])}; relative difference to vLLM {_fmt(facts.get('offline_vs_vllm'), 4)}.")
+        if facts.get("lookup_summary"):
+            lines += ["", facts["lookup_summary"] + "."]
+        if facts.get("by_domain"):
+            lines += ["", f"Per domain of the held-out prompts, k={facts['k']}:", "",
+                      "| domain | prompts | acceptance length | tokens per target step | prompt lookup |",
+                      "|---|---|---|---|---|"]
+            for cat, d in facts["by_domain"].items():
+                lines.append(f"| {cat} | {d['num_prompts']} | {_fmt(d['acceptance_length'])} | "
+                             f"{_fmt(d['tokens_per_step'])} | {_fmt(d['ngram_tokens_per_step'])} |")
+        temps = facts.get("by_temperature") or {}
+        if len(temps) > 1:
+            lines += ["", f"Acceptance length under sampling (vLLM's speculative sampling, request i seeded "
+                          f"{facts.get('sampling_seed', 0)} + i):", "",
+                      "| temperature | " + " | ".join(f"k={k}" for k in sorted(facts["acceptance_by_k"], key=int)) + " |",
+                      "|---|" + "---|" * len(facts["acceptance_by_k"])]
+            for t, row in temps.items():
+                lines.append(f"| {t} | " + " | ".join(_fmt(row["acceptance_by_k"].get(k))
+                                                       for k in sorted(facts["acceptance_by_k"], key=int)) + " |")
     return "\n".join(lines) + "\n"

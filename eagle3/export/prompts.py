@@ -20,7 +20,9 @@ def prompt_of(input_ids, loss_mask) -> list:
     return []
 
 
-def eval_prompts(dataset_dir, n: int, split: str = "eval") -> list:
+def eval_prompts(dataset_dir, n: int, split: str = "eval", categories: list | None = None) -> list:
+    """Up to ``n`` prompts of the split, in stored order. ``categories``: a list to receive each
+    prompt's category (the dataset's ``category`` column; None where absent)."""
     import datasets
 
     ds = datasets.load_from_disk(str(dataset_dir))
@@ -28,11 +30,14 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval") -> list:
         raise ExportError(f"the prepared dataset {dataset_dir} has no {split!r} samples to evaluate on; re-run "
                           f"prepare with prepare.eval_fraction > 0 (or prepare.eval_min >= 1)")
     rows = ds[split]
+    cats = rows["category"] if "category" in rows.column_names else [None] * len(rows)
     out = []
-    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+    for ids, mask, cat in zip(rows["input_ids"], rows["loss_mask"], cats):
         p = prompt_of(ids, mask)
         if p:
             out.append(p)
+            if categories is not None:
+                categories.append(cat)
         if len(out) >= n:
             break
     if not out:
@@ -40,14 +45,16 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval") -> list:
     return out
 
 
-def held_out_prompts(ecfg, prep, target_path) -> list:
+def held_out_prompts(ecfg, prep, target_path, categories: list | None = None) -> list:
     """The prompts verification and stage=eval run: ``export.prompts`` if set, else the prepare
-    stage's eval split."""
+    stage's eval split. ``categories``: a list to receive each prompt's category (None without one):
+    the dataset's ``category`` column (from the source records' ``category``/``domain`` field), or the
+    prompts file's field."""
     if ecfg.prompts:
-        return file_prompts(ecfg.prompts, ecfg.eval_prompts, target_path)
+        return file_prompts(ecfg.prompts, ecfg.eval_prompts, target_path, categories=categories)
     from ..artifacts import DATASET_DIR
 
-    return eval_prompts(prep.path(DATASET_DIR), ecfg.eval_prompts)
+    return eval_prompts(prep.path(DATASET_DIR), ecfg.eval_prompts, categories=categories)
 
 
 def prompts_identity(ecfg):
@@ -61,9 +68,10 @@ def prompts_identity(ecfg):
     return sha256_file(Path(ecfg.prompts).expanduser())
 
 
-def file_prompts(path, n: int, target_path) -> list:
+def file_prompts(path, n: int, target_path, categories: list | None = None) -> list:
     """Up to ``n`` prompts (token ids) from ``export.prompts``: JSONL lines of {"messages": [...]}
-    (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]}."""
+    (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]},
+    optionally with a ``category`` (or ``domain``) field, appended to ``categories`` when given."""
     from ..data.chat_template import generation_prompt_ids
 
     path = Path(path).expanduser()
@@ -97,6 +105,14 @@ def file_prompts(path, n: int, target_path) -> list:
                 raise ExportError(f"{path}:{lineno}: expected {{'messages': [...]}} or {{'prompt_token_ids': [...]}}, "
                                   f"got {line.strip()[:80]!r}")
             out.append(ids)
+            if categories is not None:
+                from ..data.dataset import record_category
+                from ..data.sources import DataError, Record
+
+                try:
+                    categories.append(record_category(Record(rec, f"{path}:{lineno}")))
+                except DataError as e:
+                    raise ExportError(str(e)) from None
             if len(out) >= n:
                 break
     if not out:

@@ -12,6 +12,12 @@
 5. Each other k in ``eval_ks``: acceptance length (and the lossless check again).
 6. Prompt lookup (ngram, k, n-gram 2..4) on the same prompts: the no-training baseline; compared by
    generated tokens per target step (its acceptance length counts only steps with a match).
+7. Per domain, when the prompts carry a category: the figures of 4-6 over each category's prompts,
+   from vLLM's per-request acceptance (``per_request_spec_decode_metrics``) in the same engines.
+8. Each temperature > 0 of ``temperatures``: the same engines (every k, and prompt lookup) sample
+   with request i seeded ``seed + i``; acceptance length per k and temperature. Sampled outputs
+   differ from plain decoding's by design (speculative sampling keeps the distribution, not the
+   tokens), so losslessness is checked greedily only. The offline evaluator is greedy only.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..model.draft import NORM_OPTIONS
-from .acceptance import AcceptanceStats
+from .acceptance import AcceptanceStats, lookup_verdict
 from .checkpoint import DraftCheckpoint
 from .errors import VerificationError
 from .importers import import_draft
@@ -75,17 +81,22 @@ def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str) -> 
 def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: str, reference: DraftCheckpoint,
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
                   tolerance: float = 0.05, device: str = "auto", progress: bool = False,
-                  static_check: bool = True) -> dict:
-    """Run steps 1-6; returns the facts to record; raises VerificationError on any failure."""
+                  static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
+                  seed: int = 0) -> dict:
+    """Run steps 1-8; returns the facts to record; raises VerificationError on any failure.
+    ``categories``: each prompt's category (None without one), parallel to ``prompts``."""
     import vllm
 
     from .offline_eval import offline_acceptance
-    from .vllm_eval import run_vllm
+    from .vllm_eval import per_request_metrics_supported, run_vllm, run_vllm_temperatures
 
     model_dir = Path(model_dir)
     if static_check:
         check_files(model_dir, reference, target_config, target_dtype)
     ks = [k] + sorted({int(x) for x in eval_ks} - {k})
+    temps = [0.0] + sorted({float(t) for t in temperatures} - {0.0})
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
     run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb)
 
@@ -95,10 +106,13 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
              offline.acceptance_length)
     plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
     by_k: dict[int, AcceptanceStats] = {}
+    sampled: dict[float, dict[int, AcceptanceStats]] = {t: {} for t in temps[1:]}
     for kk in ks:
         spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
         try:
-            stats = run_vllm(target_path, prompts, max_tokens, stop_ids, speculative_config=spec_cfg, **run)
+            runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
+                                         speculative_config=spec_cfg, seed=seed, **run)
+            stats = runs[0.0]
         except Exception as e:  # vLLM's own error, whatever its type, is the message the user needs
             msg = str(e).strip().splitlines()
             raise VerificationError(f"vLLM refused to load the exported draft {model_dir} with "
@@ -106,6 +120,10 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                                     f"{' | '.join(msg[-6:]) if msg else repr(e)}") from e
         check_lossless(stats, plain, f"EAGLE-3 with k={kk} in vLLM")
         by_k[kk] = stats
+        for t in temps[1:]:
+            sampled[t][kk] = runs[t]
+            log.info("verify: vLLM k=%d at temperature %g (seeded): acceptance length %.3f", kk, t,
+                     runs[t].acceptance_length)
         log.info("verify: vLLM k=%d: acceptance length %.3f, per position %s, %.3f tokens per target step", kk,
                  stats.acceptance_length, [round(p, 3) for p in stats.per_position], stats.tokens_per_step)
     main = by_k[k]
@@ -116,8 +134,9 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
             f"evaluator's {offline.acceptance_length:.3f} for the trained draft on the same {len(prompts)} prompts "
             f"(tolerance {tolerance:.0%}): the exported draft does not compute what was trained. Check the "
             f"vocabulary mapping (d2t), the aux layer ids and norm_before_residual in {model_dir}/config.json.")
-    ngram = run_vllm(target_path, prompts, max_tokens, stop_ids, speculative_config={
+    ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed, speculative_config={
         "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **run)
+    ngram = ngram_runs[0.0]
     check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM")
     same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
     facts = {
@@ -131,8 +150,67 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         "offline_vs_vllm": round(rel, 5), "lossless": True, "num_prompts": len(prompts), "max_tokens": max_tokens,
         "hf_greedy_equals_vllm_greedy": f"{same_hf}/{len(prompts)}",
         "beats_prompt_lookup": main.tokens_per_step > ngram.tokens_per_step, "vllm_version": vllm.__version__,
+        "lookup_gain": round(main.tokens_per_step / ngram.tokens_per_step - 1, 4) if ngram.tokens_per_step else None,
+        "eval_temperatures": temps, "sampling_seed": seed,
     }
+    facts["offline"]["decoding"] = "greedy"  # the offline evaluator decodes greedily, whatever the temperatures
+    facts["by_temperature"] = {
+        f"{t:g}": _temperature_row(by_k if t == 0 else sampled[t], ngram_runs[t]) for t in temps}
+    if categories is not None and any(c is not None for c in categories):
+        if not per_request_metrics_supported():
+            raise VerificationError(
+                f"the held-out prompts carry categories, but vLLM {vllm.__version__} does not report acceptance "
+                f"per request (per_request_spec_decode_metrics, vLLM >= 0.32): upgrade vLLM, or verify on prompts "
+                f"without a category (export.prompts=FILE without category fields)")
+        for kk, stats in [*by_k.items(), (0, ngram)]:
+            _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
+        facts["by_domain"] = by_domain(categories, by_k, k, ngram)
+    facts["lookup_summary"] = lookup_verdict(k, len(prompts), main.tokens_per_step, ngram.tokens_per_step,
+                                             facts.get("by_domain"))
     if not facts["beats_prompt_lookup"]:
         log.warning("verify: the draft makes %.3f tokens per target step, prompt lookup %.3f: no better than the "
                     "no-training baseline on these prompts", main.tokens_per_step, ngram.tokens_per_step)
     return facts
+
+
+def _temperature_row(by_k: dict, ngram: AcceptanceStats) -> dict:
+    """Acceptance length and tokens per target step per k at one temperature, and prompt lookup's."""
+    return {"acceptance_by_k": {str(kk): round(s.acceptance_length, 4) for kk, s in by_k.items()},
+            "tokens_per_step_by_k": {str(kk): round(s.tokens_per_step, 4) for kk, s in by_k.items()},
+            "ngram_tokens_per_step": round(ngram.tokens_per_step, 4),
+            "ngram_acceptance_length": round(ngram.acceptance_length, 4)}
+
+
+def _check_per_request_totals(stats: AcceptanceStats, what: str) -> None:
+    """vLLM's per-request acceptance must add up to its engine counters, else per-domain figures lie."""
+    reqs = stats.per_request
+    if not reqs or any("drafts" not in r for r in reqs):
+        raise VerificationError(f"{what}: vLLM returned no per-request acceptance for some prompts "
+                                f"(per_request_spec_decode_metrics); per-domain figures cannot be computed")
+    drafts, accepted = sum(r["drafts"] for r in reqs), sum(r["accepted"] for r in reqs)
+    if (drafts, accepted) != (stats.num_drafts, stats.num_accepted):
+        raise VerificationError(f"{what}: vLLM's per-request acceptance ({accepted} accepted of {drafts} drafts) "
+                                f"does not add up to its counters ({stats.num_accepted} of {stats.num_drafts})")
+
+
+def by_domain(categories: list, by_k: dict, k: int, ngram: AcceptanceStats) -> dict:
+    """Per category (``(none)`` for prompts without one): prompts, vLLM's acceptance length and tokens
+    per target step per k, prompt lookup's at k, and whether the draft beats it there."""
+    groups: dict = {}
+    for i, c in enumerate(categories):
+        groups.setdefault("(none)" if c is None else str(c), []).append(i)
+    out = {}
+    for cat in sorted(groups):
+        idx = groups[cat]
+        subs = {kk: s.subset(idx) for kk, s in by_k.items()}
+        ng = ngram.subset(idx)
+        main = subs[k]
+        out[cat] = {"num_prompts": len(idx), "acceptance_length": round(main.acceptance_length, 4),
+                    "acceptance_per_position": [round(p, 4) for p in main.per_position],
+                    "tokens_per_step": round(main.tokens_per_step, 4),
+                    "acceptance_by_k": {str(kk): round(s.acceptance_length, 4) for kk, s in subs.items()},
+                    "tokens_per_step_by_k": {str(kk): round(s.tokens_per_step, 4) for kk, s in subs.items()},
+                    "ngram_tokens_per_step": round(ng.tokens_per_step, 4),
+                    "beats_prompt_lookup": main.tokens_per_step > ng.tokens_per_step,
+                    "lookup_gain": round(main.tokens_per_step / ng.tokens_per_step - 1, 4) if ng.tokens_per_step else None}
+    return out

@@ -1,4 +1,5 @@
-"""Greedy generation in the real vLLM, with or without a speculative method, counting acceptance.
+"""Generation in the real vLLM (greedy, or seeded sampling at a temperature), with or without a
+speculative method, counting acceptance (overall and per request).
 
 The engine is driven request by request through ``LLMEngine.add_request`` / ``step()`` (what
 ``LLM.generate`` does inside) so that target steps per request can be counted exactly: every
@@ -43,17 +44,42 @@ def greedy_params(max_tokens: int, stop_ids):
                           stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False)
 
 
-def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int) -> AcceptanceStats:
-    """Generate greedily for every prompt in one engine; outputs and acceptance stats."""
-    params = greedy_params(max_tokens, stop_ids)
+def sampling_params(max_tokens: int, stop_ids, temperature: float, seed: int):
+    """Greedy at temperature 0, else seeded sampling (vLLM's speculative sampling keeps the target's
+    distribution; the tokens differ from plain decoding's, so no token-for-token lossless check)."""
+    from vllm import SamplingParams
+
+    if temperature == 0:
+        return greedy_params(max_tokens, stop_ids)
+    return SamplingParams(temperature=float(temperature), seed=int(seed), max_tokens=max_tokens, ignore_eos=True,
+                          stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False)
+
+
+def _request_spec(out, k: int):
+    """Per-request acceptance from vLLM's RequestSpecDecodeMetrics (per_request_spec_decode_metrics)."""
+    m = getattr(out.outputs[0], "spec_decode_metrics", None)
+    if m is None:
+        return None
+    hist = list(m.histogram)
+    return {"drafts": int(sum(hist)), "accepted": int(sum(j * c for j, c in enumerate(hist))),
+            "draft_tokens": int(m.num_draft_tokens),
+            "accepted_per_pos": [int(sum(hist[p + 1:])) for p in range(k)]}
+
+
+def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temperature: float = 0.0,
+                     seed: int = 0) -> AcceptanceStats:
+    """Generate for every prompt in one engine (greedily, or sampled at ``temperature`` with request i
+    seeded ``seed + i``); outputs and acceptance stats, overall and per request."""
     engine = llm.llm_engine
     # acceptance counters need disable_log_stats=False; without speculation there is nothing to count
     before = spec_counters(llm) if k else None
     index = {}
     for i, p in enumerate(prompts):
-        rid = f"eagle3-eval-{i}"
+        rid = f"eagle3-eval-t{temperature:g}-{i}"
         index[rid] = i
-        engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]}, params)
+        engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]},
+                           sampling_params(max_tokens, stop_ids, temperature, seed + i))
+    per_request: list = [None] * len(prompts)
     lengths = [0] * len(prompts)
     steps = [0] * len(prompts)
     outputs: list[Optional[list]] = [None] * len(prompts)
@@ -68,12 +94,14 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int) -> A
                 lengths[i] = len(ids)
             if out.finished:
                 outputs[i] = ids
+                per_request[i] = _request_spec(out, k) if k else None
     missing = [i for i, o in enumerate(outputs) if o is None]
     if missing:
         raise RuntimeError(f"vLLM finished without output for prompts {missing[:5]}")
-    stats = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=outputs)
+    stats = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=outputs, temperature=float(temperature))
     stats.generated_tokens = sum(len(o) for o in outputs)
     stats.target_steps = sum(steps)
+    stats.per_request = [{"tokens": len(o), "steps": s, **(r or {})} for o, s, r in zip(outputs, steps, per_request)]
     if not k:
         return stats
     after = spec_counters(llm)
@@ -88,15 +116,38 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int) -> A
 
 def run_vllm(target_path, prompts: list, max_tokens: int, stop_ids, *, dtype: str, max_model_len: int,
              kv_cache_gb: float = 1.0, speculative_config: Optional[dict] = None) -> AcceptanceStats:
-    """Build an engine (optionally speculative), generate, shut it down."""
+    """Build an engine (optionally speculative), generate greedily, shut it down."""
+    return run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, [0.0], dtype=dtype,
+                                 max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                                 speculative_config=speculative_config)[0.0]
+
+
+def per_request_metrics_supported() -> bool:
+    """Whether this vLLM reports acceptance per request (``per_request_spec_decode_metrics``, vLLM >= 0.32)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == "per_request_spec_decode_metrics" for f in dataclasses.fields(EngineArgs))
+
+
+def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids, temperatures, *, dtype: str,
+                          max_model_len: int, kv_cache_gb: float = 1.0, speculative_config: Optional[dict] = None,
+                          seed: int = 0) -> dict:
+    """One engine (optionally speculative): the prompts at each temperature in turn (0 = greedy, else
+    sampled with request i seeded ``seed + i``); {temperature: AcceptanceStats}. A speculative engine
+    also reports acceptance per request where this vLLM can (``per_request_metrics_supported``)."""
     from ..vllm_engine import build_llm, shutdown_llm
 
     extra = {"disable_log_stats": False}
     if speculative_config is not None:
         extra["speculative_config"] = dict(speculative_config)
+        if per_request_metrics_supported():
+            extra["per_request_spec_decode_metrics"] = "summary"
     llm = build_llm(str(target_path), max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, dtype=dtype, **extra)
     try:
         k = int((speculative_config or {}).get("num_speculative_tokens", 0))
-        return generate_counted(llm, prompts, max_tokens, stop_ids, k)
+        return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed)
+                for t in temperatures}
     finally:
         shutdown_llm(llm)

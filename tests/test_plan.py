@@ -1,0 +1,63 @@
+"""stage=plan on a tiny real target: its counts and store sizes against the runs that follow, and its
+time estimates within a stated factor of the real stage times of the same config."""
+from __future__ import annotations
+
+import datetime as dt
+
+from conftest import chat_records, write_jsonl
+
+from eagle3.manifest import Manifest
+from eagle3.runner import run
+
+# The plan's time estimate for extract + train (hf backend, no vLLM engine) must be within this
+# factor of the real stages' wall time on a tiny target. Loose on purpose: on a shared 2-core
+# machine another job can halve either side (seen here under a load of ~4: 0.67x-1.5x per stage,
+# 0.76x-0.79x for the sum).
+TIME_FACTOR = 4.0
+
+
+def _seconds(rec) -> float:
+    return (dt.datetime.fromisoformat(rec.data["ended"]) - dt.datetime.fromisoformat(rec.data["started"])).total_seconds()
+
+
+def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_dir, tmp_path, capsys):
+    from eagle3.plan import make_plan
+
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(400))  # more than the 256 the plan samples
+    ws = tmp_path / "ws"
+    common = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={ws}", "experiment=p", "logger=jsonl",
+              "progress=false", "prepare.draft_vocab_size=128", "extract.backend=hf", "extract.layer_ids=[1,2,3]",
+              "train.max_seq_len=256", "train.epochs=1", "train.ttt_steps=2", "train.warmup_steps=1", "cpu_threads=1",
+              "export.verify=false"]  # no vLLM in this config: the probes are transformers' (no engine start)
+    m = Manifest(ws / "p")
+    run(compose("stage=plan", *common))
+    shown = capsys.readouterr().out
+    assert "estimated: 256 of 400 conversations tokenized" in shown and "measured now" in shown
+    assert "fp8" in shown and "online, a device each" in shown and "assumptions:" in shown
+    assert not m.path.exists()  # no side effects beyond the probe cache
+    assert (ws / "plan_cache.json").is_file()
+    before = make_plan(compose("stage=plan", *common), m)
+    assert all(p["cached"] for p in before["probes"].values())  # the probes ran once
+    for stage in ("prepare", "extract", "train"):
+        run(compose(f"stage={stage}", *common))
+    prep, ext, tr = m.current("prepare"), m.current("extract"), m.current("train")
+    after = make_plan(compose("stage=plan", *common), m)
+    d = after["data"]
+    assert d["exact"] and d["samples"] == {"train": prep.facts.num_train, "eval": prep.facts.num_eval}
+    assert d["tokens"] == prep.facts.tokens and d["trainable_tokens"] == prep.facts.trainable_tokens
+    assert d["coverage_curve"] == prep.facts.coverage_curve
+    # estimated from a sample of 256 of 400: within 15% of the counts
+    est = before["data"]
+    assert not est["exact"] and abs(est["tokens"] / d["tokens"] - 1) < 0.15
+    assert abs(est["trainable_tokens"] / d["trainable_tokens"] - 1) < 0.15
+    # the store: bytes per token and size as extraction wrote them
+    assert after["store"]["float32"]["bytes_per_token"] == ext.facts.bytes_per_token
+    assert after["store"]["float32"]["bytes"] == ext.facts.bytes_per_token * sum(ext.facts.num_tokens.values())
+    assert after["store"]["fp8"]["bytes_per_token"] == 4 * (64 + 4) + 5
+    assert after["train_steps"] == tr.facts.steps
+    # time: extract + train within TIME_FACTOR of the real run
+    est_s = after["times"]["here"]["extract"] + after["times"]["here"]["train"]
+    real_s = _seconds(ext) + _seconds(tr)
+    print(f"plan: extract + train estimated {est_s:.1f} s, real {real_s:.1f} s (ratio {est_s / real_s:.2f})")
+    assert 1 / TIME_FACTOR < est_s / real_s < TIME_FACTOR
+    assert after["times"]["h200"]["train"] > 0 and after["offline_online"]["online"]["disk"] == 512 * 2**20

@@ -98,8 +98,9 @@ class HFExtractor:
         return aux, last
 
     def states(self, input_ids) -> tuple:
-        """One sample alone, no padding: (aux [T, n_aux, H], last [T, H]) on the CPU in the store
-        dtype. The parity check's reference (eagle3.extract.checks)."""
+        """One sample alone, no padding: (aux [T, n_aux, H], last [T, H]) on the CPU in the dtype the
+        target runs in (not converted to the store dtype). The parity check's reference
+        (eagle3.extract.checks)."""
         import numpy as np
 
         aux, last = self._forward([(0, np.asarray(input_ids, dtype=np.int64))])

@@ -60,4 +60,10 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     real_s = _seconds(ext) + _seconds(tr)
     print(f"plan: extract + train estimated {est_s:.1f} s, real {real_s:.1f} s (ratio {est_s / real_s:.2f})")
     assert 1 / TIME_FACTOR < est_s / real_s < TIME_FACTOR
-    assert after["times"]["h200"]["train"] > 0 and after["offline_online"]["online"]["disk"] == 512 * 2**20
+    assert after["times"]["h200"]["train"] > 0
+    # online disk: the window plus the cache (train.online.*), never more than the store itself
+    store_bytes = after["store"]["float32"]["bytes"]
+    assert after["offline_online"]["online"]["disk"] == min(4 << 30, store_bytes) == store_bytes
+    small = make_plan(compose("stage=plan", *common, "train.online.window_bytes=1000000",
+                              "train.online.cache_bytes=500000"), m)
+    assert small["offline_online"]["online"]["disk"] == 1_500_000 < store_bytes

@@ -247,9 +247,10 @@ def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor],
     qg = q.view(1, B, Hkv, g, T, D).float()
     s = (qg * torch.stack(kd).unsqueeze(3).float()).sum(-1) * scale  # diagonal scores [j, B, Hkv, g, T]
     w = torch.softmax(torch.cat([lse.float().view(1, B, Hkv, g, T), s]), dim=0)
-    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, D) \
+    Dv = out.shape[-1]  # the value width (an MLA draft's v_head_dim differs from q/k's)
+    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, Dv) \
         + (w[1:, ..., None] * torch.stack(vd).unsqueeze(3).float()).sum(0)
-    return merged.view(B, Hq, T, D).to(q.dtype)
+    return merged.view(B, Hq, T, Dv).to(q.dtype)
 
 
 def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> torch.Tensor:
@@ -258,7 +259,7 @@ def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> to
     j = len(ks) - 1
     rep = Hq // ks[0].shape[1]
     scale = scale if scale is not None else D ** -0.5
-    out = torch.zeros(B, T, Hq, D, dtype=torch.float64, device=q.device)
+    out = torch.zeros(B, T, Hq, vs[0].shape[-1], dtype=torch.float64, device=q.device)
     for b in range(B):
         for t in range(T):
             keys, vals = [], []

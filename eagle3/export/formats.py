@@ -14,6 +14,9 @@
   ``eagle_config`` in SGLang's convention (SGLang captures the *output* of layer i for id i, i.e. our
   id i+1, so ids are written minus one).
 
+An MLA draft (architecture deepseek): ``vllm`` only (``Eagle3DeepseekV2ForCausalLM``, model_type
+deepseek_v2); ``speculators`` and ``sglang`` refuse it with the reason (config.architecture_export_refusal).
+
 EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; tensors ``input_norm.weight``,
 ``fc_norm.<i>.weight``): ``vllm`` writes the set ones top-level (vLLM's llama_eagle3.py reads them
 there); ``speculators`` writes all three top-level (vLLM's speculators adapter, algos.py

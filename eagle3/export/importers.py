@@ -204,8 +204,8 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
     archs = " ".join(config.get("architectures") or []) + " " + " ".join(layer.get("architectures") or [])
     if "deepseek" in model_type or "Deepseek" in archs or "kv_lora_rank" in layer:
         raise ImportDraftError(f"{path}: an MLA draft (vLLM's deepseek_eagle3.py, {archs.strip() or model_type}): "
-                               f"eagle3's draft model is the Llama-style or Qwen3 one only; export it with the "
-                               f"framework that trained it")
+                               f"export.from does not read MLA drafts (eagle3 trains one itself: "
+                               f"train.model.architecture=deepseek); export it with the framework that trained it")
     arch = "qwen3" if model_type == "qwen3" or "Qwen3" in archs else "llama"
     theta, scaling = rope_parameters(layer)
     norm_before_residual = config.get("norm_before_residual", layer.get("norm_before_residual"))

@@ -19,6 +19,11 @@ The three EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; a
 and then absent from every written file) are read by vLLM 0.32's llama_eagle3.py and qwen3_eagle3.py
 from the draft's config.json (``norm_before_fc`` also from ``eagle_config``); every combination loads.
 
+architecture=deepseek is vLLM's deepseek_eagle3.py (``Eagle3DeepseekV2ForCausalLM``): the same
+layer with DeepSeek's MLA attention (``Eagle3MLAAttention``; q_a_proj/q_proj and kv_a_proj_with_mqa read
+concat(e, x)) sized from the target's MLA config; it reads fc_norm, norm_output and norm_before_residual,
+not norm_before_fc.
+
 The attention is split into ``pre_attention`` / ``post_attention`` so the training-time test can
 run its own attention over the keys of all steps in between (eagle3/train/ttt.py).
 """

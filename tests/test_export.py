@@ -374,10 +374,16 @@ def test_import_eagle31_specforge_keys_and_missing_norm_weights(target, kept, tm
     (src / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ImportDraftError, match="hold fc_norm.* tensors but its config does not set fc_norm"):
         import_draft(src, target.config)
-    # an MLA draft (deepseek_eagle3.py) is named as such, not read as a Llama draft with odd tensors
+    # an MLA draft (deepseek_eagle3.py) is read as one, not as a Llama draft with odd tensors: without its
+    # MLA sizes, or for a target without MLA, refused with the reason
     (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
                                                  "model_type": "deepseek_v2", "kv_lora_rank": 512}))
-    with pytest.raises(ImportDraftError, match="an MLA draft"):
+    with pytest.raises(ImportDraftError, match="an MLA draft.*without"):
+        import_draft(src, target.config)
+    (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                                 "model_type": "deepseek_v2", "kv_lora_rank": 512, "q_lora_rank": None,
+                                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}))
+    with pytest.raises(ImportDraftError, match="the target has no MLA"):
         import_draft(src, target.config)
     # vLLM's meaning where the config is vLLM-style (top-level ids): norm_output=true is kept
     (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": True,
@@ -1013,6 +1019,10 @@ def test_mla_draft_refusals_at_config_and_export_time(compose, target, kept, tmp
     mla_target = dataclasses.replace(target, config={**target.config, "kv_lora_rank": 32})
     assert write_format(ckpt, "vllm", tmp_path / "b", spec(mla_target))["architectures"] == [
         "Eagle3DeepseekV2ForCausalLM"]
+    from eagle3.export.importers import import_draft
+
+    back = import_draft(tmp_path / "b", mla_target.config)  # what the export stage's round trip reads
+    assert back.config == ckpt.config and all(torch.equal(back.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
     with caplog.at_level("WARNING", logger="eagle3.export"):
         write_format(checkpoint(perfect_draft(target, kept)), "vllm", tmp_path / "c", spec(mla_target))
     assert "No common block size" in caplog.text

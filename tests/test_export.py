@@ -830,8 +830,10 @@ def test_mla_draft_trained_exported_and_served_beside_the_deepseek_target(tmp_pa
                                                                     "offline_vs_vllm", "tokens_per_step")},
           "ngram", f.ngram["tokens_per_step"], "train expected", f.source["train_expected_acceptance_length"])
     assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["model_type"] == "deepseek_v2"
+    # measured (2026-11-30, 2-core CPU, ~50 s): AL 3.571 at k=3, offline 3.571, 3.0 tokens per target
+    # step vs 1.333 for prompt lookup, lossless on 8 prompts
     assert f.lossless and f.offline_vs_vllm <= 0.05 and f.source["kind"] == "train"
-    assert f.acceptance_length > 1.5
+    assert f.acceptance_length > 2.5 and f.beats_prompt_lookup
 
 
 def test_export_to_a_directory_holding_another_model(experiment, tmp_path):

@@ -521,3 +521,20 @@ def test_mla_draft_in_the_ttt_step():
     loss, stats = m(aux, emb, probs, torch.ones(B, T, dtype=torch.bool), torch.ones(B, T), pos, doc)
     loss.backward()
     assert torch.isfinite(loss) and draft.midlayer.self_attn.kv_b_proj.weight.grad.abs().sum() > 0
+
+
+def test_mla_draft_ttt_loss_equal_under_every_attention_backend():
+    """flex and flex_stacked (forward only on CPU: torch's flex has no CPU backward) give sdpa's TTT
+    loss for the MLA draft, whose values are narrower than its queries and keys."""
+    from eagle3.train.ttt import TTTModel
+
+    torch.manual_seed(0)
+    d = Eagle3Draft(_mla_cfg())
+    B, T = 1, 128
+    args = (torch.randn(B, T, 192), torch.randn(B, T, 64), torch.softmax(torch.randn(B, T, 100), -1),
+            torch.ones(B, T, dtype=torch.bool), torch.ones(B, T), torch.arange(T)[None],
+            torch.tensor([[0] * 50 + [1] * 78]))
+    with torch.no_grad():
+        loss = {b: TTTModel(d, num_steps=3, attention=b)(*args)[0] for b in ("sdpa", "flex", "flex_stacked")}
+    assert torch.allclose(loss["flex"], loss["sdpa"], rtol=1e-5) and torch.allclose(loss["flex_stacked"], loss["sdpa"],
+                                                                                     rtol=1e-5)

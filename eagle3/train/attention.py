@@ -215,9 +215,8 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
         pad = mask.shape[-1] // ks[0].shape[2] - len(ks)
-        zeros = [torch.zeros_like(ks[0])] * pad
-        k = torch.cat(list(ks) + zeros, dim=2)
-        v = torch.cat(list(vs) + zeros, dim=2)
+        k = torch.cat(list(ks) + [torch.zeros_like(ks[0])] * pad, dim=2)
+        v = torch.cat(list(vs) + [torch.zeros_like(vs[0])] * pad, dim=2)  # an MLA draft's v is narrower
         out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 

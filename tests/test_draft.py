@@ -473,6 +473,11 @@ def test_mla_draft_config_names_and_refusals():
     assert hf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and hf["model_type"] == "deepseek_v2"
     assert hf["rope_parameters"]["rope_type"] == "yarn" and hf["first_k_dense_replace"] == 1
     assert Eagle3DraftConfig.from_dict(cfg.to_dict()) == cfg
+    from eagle3.model.draft import count_matmul_params
+
+    for c in (cfg, _mla_cfg(q_lora_rank=None)):  # FLOP estimates count every matrix of the layer once
+        layer = Eagle3Draft(c).midlayer
+        assert count_matmul_params(c)["layer"] == sum(p.numel() for n, p in layer.named_parameters() if "norm" not in n)
     # auto: deepseek for an MLA target, llama (today's default) otherwise; a llama draft's dict has no MLA keys
     assert resolve_architecture("auto", _mla_target()) == "deepseek"
     assert resolve_architecture("auto", {"text_config": _mla_target()}) == "deepseek"

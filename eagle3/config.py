@@ -28,6 +28,19 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
+def architecture_export_refusal(fmt: str, architecture: str) -> str | None:
+    """Why export format ``fmt`` cannot carry a draft of ``architecture``, or None (composed config
+    and the writers). ``auto`` may become deepseek, so it is refused with those formats as well."""
+    if architecture in ("deepseek", "auto") and fmt == "speculators":
+        return ("format=speculators cannot carry an MLA (deepseek) draft: vLLM 0.32's speculators adapter "
+                "(transformers_utils/configs/speculators/algos.py) maps only llama and qwen3 layer configs to EAGLE-3 "
+                "classes and raises on any other model_type. Use export.format=vllm.")
+    if architecture in ("deepseek", "auto") and fmt == "sglang":
+        return ("format=sglang writes SpecForge's LlamaForCausalLMEagle3 layout; an MLA (deepseek) draft has no "
+                "SGLang layout here. Use export.format=vllm.")
+    return None
+
+
 def eagle31_export_refusal(fmt: str, norm_before_fc: bool, fc_norm: bool, norm_output: bool) -> str | None:
     """Why export format ``fmt`` cannot carry these EAGLE-3.1 draft options, or None. Used when the
     config is composed (before training) and by the writers (eagle3/export/formats.py)."""
@@ -291,7 +304,9 @@ class DraftModelConfig:
     lm_head_init: str = "target"
     """target: initialise lm_head from the target's rows of the kept tokens | random: normal init."""
     architecture: str = "llama"
-    """The served draft class: llama (LlamaForCausalLMEagle3) | qwen3 (q/k norms)."""
+    """The served draft class: llama (LlamaForCausalLMEagle3) | qwen3 (q/k norms) | deepseek (MLA
+    attention sized by the target's MLA, vLLM's Eagle3DeepseekV2ForCausalLM; MLA targets only) |
+    auto (deepseek for a target whose config has kv_lora_rank, else llama)."""
     norm_before_fc: bool = False
     """EAGLE-3.1: one RMSNorm (``input_norm``) over the concatenated aux states before fc (vLLM's
     ``norm_before_fc``)."""
@@ -306,7 +321,11 @@ class DraftModelConfig:
 
     def __post_init__(self):
         _check_choice("train.model.lm_head_init", self.lm_head_init, ("target", "random"))
-        _check_choice("train.model.architecture", self.architecture, ("llama", "qwen3"))
+        _check_choice("train.model.architecture", self.architecture, ("llama", "qwen3", "deepseek", "auto"))
+        if self.architecture == "deepseek" and self.norm_before_fc:
+            raise ValueError("train.model.norm_before_fc cannot go with architecture=deepseek: vLLM 0.32's "
+                             "deepseek_eagle3.py has no input_norm (it reads fc_norm, norm_output and "
+                             "norm_before_residual only)")
 
 
 @dataclass
@@ -593,8 +612,9 @@ class Config:
         if not self.name or "/" in self.name:
             raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
         m = self.train.model
-        refusal = None if self.export.from_ else eagle31_export_refusal(
-            self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)
+        refusal = None if self.export.from_ else (
+            eagle31_export_refusal(self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)
+            or architecture_export_refusal(self.export.format, m.architecture))
         if refusal:  # before training a draft that export would refuse
             raise ValueError(f"train.model.* and export.format={self.export.format} do not go together: {refusal}")
 

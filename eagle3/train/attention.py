@@ -215,9 +215,8 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     else:
         pad = mask.shape[-1] // ks[0].shape[2] - len(ks)
-        zeros = [torch.zeros_like(ks[0])] * pad
-        k = torch.cat(list(ks) + zeros, dim=2)
-        v = torch.cat(list(vs) + zeros, dim=2)
+        k = torch.cat(list(ks) + [torch.zeros_like(ks[0])] * pad, dim=2)
+        v = torch.cat(list(vs) + [torch.zeros_like(vs[0])] * pad, dim=2)  # an MLA draft's v is narrower
         out = _flex_attention(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
@@ -247,9 +246,10 @@ def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor],
     qg = q.view(1, B, Hkv, g, T, D).float()
     s = (qg * torch.stack(kd).unsqueeze(3).float()).sum(-1) * scale  # diagonal scores [j, B, Hkv, g, T]
     w = torch.softmax(torch.cat([lse.float().view(1, B, Hkv, g, T), s]), dim=0)
-    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, D) \
+    Dv = out.shape[-1]  # the value width (an MLA draft's v_head_dim differs from q/k's)
+    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, Dv) \
         + (w[1:, ..., None] * torch.stack(vd).unsqueeze(3).float()).sum(0)
-    return merged.view(B, Hq, T, D).to(q.dtype)
+    return merged.view(B, Hq, T, Dv).to(q.dtype)
 
 
 def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> torch.Tensor:
@@ -258,7 +258,7 @@ def naive_ttt_attention(q, ks, vs, doc_ids, scale: Optional[float] = None) -> to
     j = len(ks) - 1
     rep = Hq // ks[0].shape[1]
     scale = scale if scale is not None else D ** -0.5
-    out = torch.zeros(B, T, Hq, D, dtype=torch.float64, device=q.device)
+    out = torch.zeros(B, T, Hq, vs[0].shape[-1], dtype=torch.float64, device=q.device)
     for b in range(B):
         for t in range(T):
             keys, vals = [], []

@@ -145,7 +145,7 @@ class TTTModel(nn.Module):
             q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
             ks.append(k)
             vs.append(v)
-            out = layer.post_attention(ttt_attention(q, ks, vs, masks[j]), residual, wl)
+            out = layer.post_attention(ttt_attention(q, ks, vs, masks[j], scale=draft.attn_scale), residual, wl)
             outs.append(out)
             h = draft.feedback(out, norm_w)  # norm_output: the next step gets norm(out), as in vLLM
         # The draft head of all steps at once: no step needs another's logits (step j+1 is fed the

@@ -223,6 +223,13 @@ def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> 
         "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
         "attention_bias": False,
         "mlp_bias": False,
+    }
+    return _with_eagle3_keys(d, cfg, torch_dtype)
+
+
+def _with_eagle3_keys(d: dict, cfg: Eagle3DraftConfig, torch_dtype: str) -> dict:
+    """The keys every EAGLE-3 draft config ends with (vocabularies, aux layers, dtype, 3.1 norms)."""
+    d.update({
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -232,7 +239,7 @@ def draft_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str = "bfloat16") -> 
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
                          "use_aux_hidden_state": True},
         "torch_dtype": torch_dtype,
-    }
+    })
     d.update(cfg.norm_options)
     return d
 
@@ -265,18 +272,8 @@ def _mla_config_dict(cfg: Eagle3DraftConfig, torch_dtype: str) -> dict:
         "rope_parameters": rope,
         "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
         "attention_bias": False,
-        "tie_word_embeddings": False,
-        "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "norm_before_residual": cfg.norm_before_residual,
-        "num_aux_hidden_states": cfg.num_aux_hidden_states,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-                         "use_aux_hidden_state": True},
-        "torch_dtype": torch_dtype,
     }
-    d.update(cfg.norm_options)
-    return d
+    return _with_eagle3_keys(d, cfg, torch_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:

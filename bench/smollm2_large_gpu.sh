@@ -24,16 +24,7 @@ deadline=$(( $(date +%s) + BUDGET ))
 common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
         logger=jsonl progress=false)
 
-step() {  # step NAME OVERRIDES...: one stage within the remaining time
-    local left=$(( deadline - $(date +%s) ))
-    if (( left < 20 )); then echo "smollm2_large: out of time before $1"; exit 124; fi
-    local t0=$(date +%s)
-    echo "== $1 ($(date -u +%H:%M:%S), ${left} s left)"
-    timeout --signal=TERM --kill-after=15 "$left" python3 -m eagle3 "${@:2}" "${common[@]}"
-    local rc=$?
-    echo "== $1: rc=$rc in $(( $(date +%s) - t0 )) s"
-    if (( rc != 0 )); then exit "$rc"; fi
-}
+source "$(dirname "$0")/stage_step.sh"
 
 step prepare stage=prepare
 step extract stage=extract

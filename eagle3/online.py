@@ -119,25 +119,19 @@ def read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def read_shard_item(path: Path, fp8: str = "raw") -> dict:
-    """A one-sample shard file -> a store item (as HiddenStates gives it), fully in memory (the file
-    may be deleted right after)."""
-    import torch
+def read_shard_item(path: Path, layout: StoreLayout, fp8: str = "raw") -> dict:
+    """A one-sample shard file of ``layout`` -> a store item (eagle3.store.shard_item, as HiddenStates
+    gives it, scales checked), fully in memory (the file may be deleted right after)."""
     from safetensors.torch import load
 
-    t = load(path.read_bytes())
-    item = {"input_ids": t["input_ids"].to(torch.int64), "loss_mask": t["loss_mask"].to(torch.bool),
-            "aux_hidden_states": t["aux_hidden_states"], "last_hidden_state": t["last_hidden_state"],
-            "sample_index": int(t["sample_index"][0])}
-    if "aux_scales" in t:
-        if fp8 == "raw":
-            item.update(aux_scales=t["aux_scales"], last_scales=t["last_scales"])
-        else:
-            from .fp8 import dequantize
+    from .store import StoreError, shard_item
 
-            item["aux_hidden_states"] = dequantize(item["aux_hidden_states"], t["aux_scales"])
-            item["last_hidden_state"] = dequantize(item["last_hidden_state"], t["last_scales"])
-    return item
+    t = load(path.read_bytes())
+    missing = [n for n in ("aux_scales", "last_scales") if layout.is_fp8 and n not in t]
+    if missing:
+        raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised")
+    return shard_item(t.__getitem__, 0, int(t["input_ids"].shape[0]), int(t["sample_index"][0]), layout.is_fp8,
+                      fp8, path)
 
 
 def _one_sample_plan(split: str, i: int, num: int, ids, mask) -> ShardPlan:
@@ -226,7 +220,7 @@ class ColocatedSource:
                 plan = _one_sample_plan(store.split, i, len(store), ids, mask)
                 self.ext.run([plan], self.cache_dir, Progress(len(ids), "", False))
                 self.computed += 1
-            return read_shard_item(path)
+            return read_shard_item(path, self.layout)
         self.computed += 1
         return self._compute(i, ids, mask)
 
@@ -354,7 +348,7 @@ class ExternalSource:
         path = self.dir / store.split / shard_name(i, N)
         if store.split != "train":
             self._wait(path, i, f"held-out sample {i}")
-            return read_shard_item(path)
+            return read_shard_item(path, self.layout)
         if self.pos >= len(self.order) or self.order[self.pos] != i:
             raise RuntimeError(f"online: the loop read sample {i} at position {self.pos}, its plan says "
                                f"{self.order[self.pos] if self.pos < len(self.order) else 'nothing more'}")
@@ -386,7 +380,7 @@ class ExternalSource:
         self._wait(path, i, f"training sample {i} (position {p} of plan {self.plan_id[:8]})")
         plan = _one_sample_plan("train", i, N, *store.tokens(i))
         completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
-        item = read_shard_item(path)
+        item = read_shard_item(path, self.layout)
         if item["input_ids"].tolist() != list(plan.input_ids[0]):
             raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
                               f"reads another prepare run; start it with the trainer's overrides")

@@ -289,6 +289,41 @@ def finalize_store(store_dir: Path, layout: StoreLayout, split_lengths: dict, sa
 
 # -- reading ----------------------------------------------------------------------------------------
 
+def checked_scales(scales, name: str, shard: Path, i: int):
+    """fp8 scales of sample ``i`` read from ``shard``; a StoreError naming the shard if any is not finite
+    and positive."""
+    from .fp8 import bad_scales
+
+    n = bad_scales(scales)
+    if n:
+        raise StoreError(f"fp8 shard {shard}: {n} of the {name} of sample {i} are not finite and positive; the "
+                         f"shard is corrupt, re-run extract")
+    return scales
+
+
+def shard_item(tensor, a: int, b: int, i: int, is_fp8: bool, fp8: str, shard: Path) -> dict:
+    """Sample ``i`` (rows ``a:b`` of a shard) as a store item. ``tensor(name)`` gives the shard's tensor
+    (or a safetensors slice) of that name; ``fp8``: ``dequantize`` or ``raw`` (values + scales)."""
+    import torch
+
+    item = {"input_ids": tensor("input_ids")[a:b].to(torch.int64),
+            "loss_mask": tensor("loss_mask")[a:b].to(torch.bool),
+            "aux_hidden_states": tensor("aux_hidden_states")[a:b],
+            "last_hidden_state": tensor("last_hidden_state")[a:b],
+            "sample_index": i}
+    if is_fp8:
+        aux_s = checked_scales(tensor("aux_scales")[a:b], "aux_scales", shard, i)
+        last_s = checked_scales(tensor("last_scales")[a:b], "last_scales", shard, i)
+        if fp8 == "raw":
+            item.update(aux_scales=aux_s, last_scales=last_s)
+        else:
+            from .fp8 import dequantize
+
+            item["aux_hidden_states"] = dequantize(item["aux_hidden_states"], aux_s)
+            item["last_hidden_state"] = dequantize(item["last_hidden_state"], last_s)
+    return item
+
+
 class HiddenStates(Sequence):
     """One split of a store as a sequence of samples; item i is a dict of CPU tensors:
 
@@ -400,16 +435,11 @@ class HiddenStates(Sequence):
                 raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised; "
                                  f"re-run extract")
 
-    def _scales(self, h, name: str, a: int, b: int, k: int, i: int):
-        from .fp8 import bad_scales
+    def _shard_path(self, k: int) -> Path:
+        return self.store_dir / self.split / self.index["shards"][k]["file"]
 
-        s = h.get_slice(name)[a:b]
-        n = bad_scales(s)
-        if n:
-            raise StoreError(f"fp8 shard {self.store_dir / self.split / self.index['shards'][k]['file']}: {n} of "
-                             f"the {name} of sample {i} are not finite and positive; the shard is corrupt, re-run "
-                             f"extract")
-        return s
+    def _scales(self, h, name: str, a: int, b: int, k: int, i: int):
+        return checked_scales(h.get_slice(name)[a:b], name, self._shard_path(k), i)
 
     def _locate(self, i) -> tuple:
         """(open shard, its index k, first row, end row) of sample ``i``."""
@@ -454,28 +484,11 @@ class HiddenStates(Sequence):
         return torch.cat(out) if out else sl[a:a]
 
     def __getitem__(self, i):
-        import torch
-
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         h, k, a, b = self._locate(i)
         i = int(i) + (len(self) if int(i) < 0 else 0)
-        item = {"input_ids": h.get_slice("input_ids")[a:b].to(torch.int64),
-                "loss_mask": h.get_slice("loss_mask")[a:b].to(torch.bool),
-                "aux_hidden_states": h.get_slice("aux_hidden_states")[a:b],
-                "last_hidden_state": h.get_slice("last_hidden_state")[a:b],
-                "sample_index": i}
-        if self.is_fp8:
-            aux_s = self._scales(h, "aux_scales", a, b, k, i)
-            last_s = self._scales(h, "last_scales", a, b, k, i)
-            if self.fp8 == "raw":
-                item.update(aux_scales=aux_s, last_scales=last_s)
-            else:
-                from .fp8 import dequantize
-
-                item["aux_hidden_states"] = dequantize(item["aux_hidden_states"], aux_s)
-                item["last_hidden_state"] = dequantize(item["last_hidden_state"], last_s)
-        return item
+        return shard_item(h.get_slice, a, b, i, self.is_fp8, self.fp8, self._shard_path(k))
 
     def __repr__(self) -> str:
         return (f"HiddenStates({self.store_dir}, split={self.split!r}, samples={len(self)}, tokens={self.num_tokens}, "

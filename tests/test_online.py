@@ -647,3 +647,36 @@ def test_external_producer_serves_a_trainer_of_two_processes(offline, target_dir
     assert_same_training(offline, run, rtol=1e-5)
     assert sorted(p.name for p in d.glob("rank-*")) == ["rank-0", "rank-1"]
     assert json.loads(out.split("producer stats ")[1])["plans"] == 2
+
+
+@pytest.mark.parametrize("bad", ["nan", "missing"])
+def test_an_fp8_shard_with_bad_or_missing_scales_is_refused_naming_it(tmp_path, bad):
+    """The online reader holds a shard to the store's rule: fp8 scales must be there, finite and
+    positive, else an error naming the shard (never values read without their scales)."""
+    from safetensors.torch import save_file
+
+    from eagle3.fp8 import quantize
+    from eagle3.online import read_shard_item
+    from eagle3.store import StoreError, StoreLayout
+
+    layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=8, dtype="fp8")
+    T = 5
+    av, a_s = quantize(torch.randn(T, 2, 8))
+    lv, l_s = quantize(torch.randn(T, 8))
+    t = {"sample_index": torch.tensor([3]), "input_ids": torch.arange(T, dtype=torch.int32),
+         "loss_mask": torch.ones(T, dtype=torch.uint8), "aux_hidden_states": av, "last_hidden_state": lv,
+         "aux_scales": a_s, "last_scales": l_s}
+    good = tmp_path / "good.safetensors"
+    save_file(t, str(good))
+    item = read_shard_item(good, layout)
+    assert item["sample_index"] == 3 and torch.equal(item["aux_scales"], a_s)
+    assert item["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    if bad == "nan":
+        t["last_scales"] = l_s.clone()
+        t["last_scales"][2] = float("nan")
+    else:
+        del t["aux_scales"]
+    path = tmp_path / "bad.safetensors"
+    save_file(t, str(path))
+    with pytest.raises(StoreError, match=str(path)):
+        read_shard_item(path, layout)

@@ -1,0 +1,13 @@
+# Sourced by the GPU scripts (bench/smollm2_large_gpu.sh, bench/fp8_quality_gpu.sh): `step NAME OVERRIDES...`
+# runs one stage, `python -m eagle3 OVERRIDES... ${common[@]}`, within the time left before $deadline
+# (epoch seconds); exits with the stage's code if it fails, 124 when no time is left.
+step() {
+    local left=$(( deadline - $(date +%s) ))
+    if (( left < 20 )); then echo "out of time before $1"; exit 124; fi
+    local t0=$(date +%s)
+    echo "== $1 ($(date -u +%H:%M:%S), ${left} s left)"
+    timeout --signal=TERM --kill-after=15 "$left" python3 -m eagle3 "${@:2}" "${common[@]}"
+    local rc=$?
+    echo "== $1: rc=$rc in $(( $(date +%s) - t0 )) s"
+    if (( rc != 0 )); then exit "$rc"; fi
+}

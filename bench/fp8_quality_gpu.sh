@@ -55,3 +55,23 @@ with open(out / "results.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
 EOF
 done
+
+# the table of every arm run so far in this workspace (results.jsonl), fp8 against the first bf16 arm
+python3 - "$OUT/results.jsonl" <<'EOF2'
+import json, sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+base = next((r for r in rows if r["store_dtype"] == "bfloat16"), None)
+ks = ["1", "2", "3", "4", "5"]
+print("\n| arm | store | bytes/token | " + " | ".join(f"k={k}" for k in ks) + " | held-out acc per TTT step |")
+print("| --- | --- | --- | " + " | ".join("---" for _ in ks) + " | --- |")
+for r in rows:
+    acc = " ".join(f"{a:.3f}" for a in (r["train_eval"] or {}).get("acc_per_step", []))
+    print(f"| {r['arm']} | {r['store_dtype']} | {r['bytes_per_token']} | "
+          + " | ".join(f"{r['acceptance_by_k'][k]:.4f}" for k in ks) + f" | {acc} |")
+if base:
+    for r in rows:
+        if r is not base:
+            print(f"{r['arm']} vs {base['arm']}: " + ", ".join(
+                f"k={k} {100 * (r['acceptance_by_k'][k] / base['acceptance_by_k'][k] - 1):+.2f}%" for k in ks))
+EOF2

@@ -171,7 +171,8 @@ def memory_items(ext, smp, layout, k: int = 4) -> list:
 
     src = ColocatedSource(ext, layout, None, 0)
     store = OnlineHiddenStates("train", smp, layout, src)
-    return [store[i] for i in range(min(k, len(smp)))]
+    # in host memory, as a store's items are (the colocated source leaves them on the GPU)
+    return [{n: v.cpu() if torch.is_tensor(v) else v for n, v in store[i].items()} for i in range(min(k, len(smp)))]
 
 
 def colocated(a) -> dict:

@@ -122,11 +122,12 @@ def read_json(path: Path) -> Optional[dict]:
 def read_shard_item(path: Path, layout: StoreLayout, fp8: str = "raw") -> dict:
     """A one-sample shard file of ``layout`` -> a store item (eagle3.store.shard_item, as HiddenStates
     gives it, scales checked), fully in memory (the file may be deleted right after)."""
-    from safetensors.torch import load
+    from safetensors import safe_open
 
     from .store import StoreError, shard_item
 
-    t = load(path.read_bytes())
+    with safe_open(str(path), framework="pt") as f:  # one copy out of the page cache per tensor
+        t = {k: f.get_tensor(k) for k in f.keys()}
     missing = [n for n in ("aux_scales", "last_scales") if layout.is_fp8 and n not in t]
     if missing:
         raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised")
@@ -181,6 +182,11 @@ class OnlineHiddenStates(Sequence):
         """The loop's reading order from here on: micro-batches of rows of sample ids."""
         self.source.expect(self, micro_batches)
 
+    @property
+    def on_device(self) -> bool:
+        """Items are tensors on the accelerator already (the loop must not pin them)."""
+        return bool(getattr(self.source, "on_device", False))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -192,13 +198,21 @@ class OnlineHiddenStates(Sequence):
 
 class ColocatedSource:
     """The hf backend in this process computes each sample when it is read; cached samples (the
-    leading ones within ``cache_bytes``) are written once to ``cache_dir/train`` and read back."""
+    leading ones within ``cache_bytes``) are written once to ``cache_dir/train`` and read back.
+
+    On a GPU the items stay on the target's device (``on_device``): the states never go through host
+    memory and reading one makes the host wait for nothing, so the loop can queue the next forward
+    and training step while the device works. Reads are serialised (the loop's prefetch thread reads
+    training items while its main thread may read held-out ones for an eval)."""
 
     def __init__(self, extractor, layout: StoreLayout, cache_dir: Optional[Path], cache_bytes: int):
         self.ext, self.layout = extractor, layout
         self.cache_dir, self.cache_bytes = cache_dir, cache_bytes
         self.cached: dict[str, int] = {}
         self.computed = 0  # samples computed (the tests count them)
+        self.device = getattr(extractor, "device", None)
+        self.on_device = getattr(self.device, "type", "cpu") == "cuda"
+        self._lock = threading.Lock()
 
     def attach(self, store: OnlineHiddenStates) -> None:
         n = 0
@@ -211,6 +225,10 @@ class ColocatedSource:
         pass  # computed on demand
 
     def item(self, store: OnlineHiddenStates, i: int) -> dict:
+        with self._lock:
+            return self._item(store, i)
+
+    def _item(self, store: OnlineHiddenStates, i: int) -> dict:
         ids, mask = store.tokens(i)
         if i < self.cached.get(store.split, 0):
             path = self.cache_dir / store.split / shard_name(i, len(store))
@@ -220,9 +238,16 @@ class ColocatedSource:
                 plan = _one_sample_plan(store.split, i, len(store), ids, mask)
                 self.ext.run([plan], self.cache_dir, Progress(len(ids), "", False))
                 self.computed += 1
-            return read_shard_item(path, self.layout)
+            return self._placed(read_shard_item(path, self.layout))
         self.computed += 1
         return self._compute(i, ids, mask)
+
+    def _placed(self, item: dict) -> dict:
+        """A host item on the device its computed items are on (pinned, then copied without a wait)."""
+        if not self.on_device:
+            return item
+        return {k: v.pin_memory().to(self.device, non_blocking=True) if hasattr(v, "pin_memory") else v
+                for k, v in item.items()}
 
     def _compute(self, i: int, ids, mask) -> dict:
         import torch
@@ -232,11 +257,13 @@ class ColocatedSource:
         aux, last = self.ext._forward([(0, np.asarray(ids, dtype=np.int64))])
         with torch.inference_mode():
             av, lv, as_, ls = store_rows(aux, last, self.layout)
-        item = {"input_ids": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
-                "loss_mask": torch.as_tensor(np.asarray(mask, dtype=bool)),
-                "aux_hidden_states": av.cpu().clone(), "last_hidden_state": lv.cpu().clone(), "sample_index": i}
+        item = self._placed({"input_ids": torch.as_tensor(np.asarray(ids, dtype=np.int64)),
+                             "loss_mask": torch.as_tensor(np.asarray(mask, dtype=bool)), "sample_index": i})
+        # clone(): the loop owns the item (a plain tensor outside inference mode); on a CPU it is the
+        # only copy, on a GPU it stays there (no host round trip)
+        item.update(aux_hidden_states=av.clone(), last_hidden_state=lv.clone())
         if as_ is not None:
-            item.update(aux_scales=as_.float().cpu().clone(), last_scales=ls.float().cpu().clone())
+            item.update(aux_scales=as_.float().clone(), last_scales=ls.float().clone())
         return item
 
     def close(self, store, finished: bool) -> None:

@@ -359,6 +359,50 @@ def test_tiny_draft_overfits_tiny_store(store_dir, target_dir, tmp_path):
     assert (tmp_path / "draft.safetensors").exists() and (tmp_path / "draft_vllm_config.json").exists()
 
 
+def test_prefetch_thread_trains_the_same_model(store_dir, target_dir, tmp_path):
+    """The loop's batches read and collated in a background thread (what a GPU run does with
+    train.num_workers=0) give the same losses, evals and weights as reading them on the loop's thread."""
+    from safetensors.torch import load_file
+
+    from eagle3.train.loop import train
+
+    tcfg = TrainConfig(ttt_steps=2, max_steps=12, lr=1e-3, warmup_steps=2, batch_size=2, max_seq_len=128,
+                       log_every=1, eval_every=6, save_every=100)
+    for name, prefetch in (("inline", False), ("thread", True)):
+        train(tcfg, make_inputs(store_dir, target_dir, eval_split="eval"), tmp_path / name, progress=False,
+              prefetch=prefetch)
+    assert _losses(tmp_path / "thread") == _losses(tmp_path / "inline")
+    a, b = load_file(tmp_path / "inline" / "draft.safetensors"), load_file(tmp_path / "thread" / "draft.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prefetcher_keeps_order_raises_errors_and_stops():
+    import itertools
+    import threading
+
+    from eagle3.train.data import Prefetcher
+
+    assert list(Prefetcher(iter(range(50)), depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise OSError("disk gone")
+
+    p = Prefetcher(failing())
+    assert next(p) == 1
+    with pytest.raises(OSError, match="disk gone"):
+        next(p)
+    with pytest.raises(StopIteration):  # after an error it is finished
+        next(p)
+    p.close()
+
+    # close() while the thread waits for room in a full queue, over an endless source
+    p = Prefetcher(itertools.count(), depth=1)
+    assert [next(p) for _ in range(3)] == [0, 1, 2]
+    p.close()
+    assert not any(t.name == "eagle3-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
 RUNNER = """
 import json, sys
 sys.path.insert(0, {tests!r})

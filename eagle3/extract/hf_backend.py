@@ -17,6 +17,14 @@ from .writer import HostStager, ShardWriter, write_shards
 log = logging.getLogger("eagle3.extract")
 
 
+def _to_device(t, device):
+    """A host tensor on ``device`` without making the host wait for the device's queued work (a
+    plain ``.to(cuda)`` of pageable memory synchronises the stream): pinned, then copied async."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class HFExtractor:
     name = "hf"
 
@@ -77,17 +85,21 @@ class HFExtractor:
         ids = torch.zeros(len(samples), width, dtype=torch.long)
         for b, (_, x) in enumerate(samples):
             ids[b, : len(x)] = torch.from_numpy(np.asarray(x, dtype=np.int64))
-        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        # Right padding: causal attention keeps real tokens independent of the padding. Without
+        # padding no mask at all: transformers then takes SDPA's causal path directly, the one it
+        # picks for an all-ones mask only after reading the mask back (a host wait per forward).
+        mask = None
+        if min(lengths) < width:
+            mask = _to_device((torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(), self.device)
         self._captured.clear()
         with torch.inference_mode():
-            # Right padding: causal attention keeps real tokens independent of the padding.
-            self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+            self.model(input_ids=_to_device(ids, self.device), attention_mask=mask, use_cache=False)
             if min(lengths) == width:
                 def rows(x):
                     return x.reshape(-1, x.shape[-1])
             else:
-                keep = torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
-                keep = keep.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else keep
+                keep = _to_device(torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)]),
+                                  self.device)
 
                 def rows(x):
                     return x.reshape(-1, x.shape[-1]).index_select(0, keep)

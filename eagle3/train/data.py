@@ -108,30 +108,38 @@ class Epochs:
         return rows
 
 
-def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> dict:
+def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin: bool = False) -> dict:
     """Rows of store items -> batch tensors [B, T]: a packed row holds several documents with
     their own positions (from 0) and document ids; padding has doc id -1 and no loss.
 
     Items of an fp8 store read raw (``HiddenStates(fp8="raw")``) stay float8 here, with their
     scales: ``aux_scales`` float32 [B, T, n_aux], ``last_scales`` [B, T] (1 on padding);
-    ``model_inputs`` dequantises them on the device, so host memory never holds a wider copy."""
+    ``model_inputs`` dequantises them on the device, so host memory never holds a wider copy.
+
+    The batch is built where the items are (host memory, or the GPU for an online colocated
+    producer's items); ``pin``: host batches in pinned memory, ready for an async copy to the GPU
+    (instead of the DataLoader copying them into pinned memory afterwards)."""
     row_lens = [sum(min(len(it["input_ids"]), max_len) for it in row) for row in rows]
     T = max(row_lens)
     T = -(-T // pad_to_multiple) * pad_to_multiple
     first = rows[0][0]
     n_aux, H = first["aux_hidden_states"].shape[1:]
     dtype = first["aux_hidden_states"].dtype
+    # where the items are: host memory (a store), or the accelerator (an online colocated producer,
+    # whose states never go through the host)
+    dev = first["aux_hidden_states"].device
+    at = dict(device=dev, pin_memory=pin and dev.type == "cpu")
     B = len(rows)
-    out = {"input_ids": torch.zeros(B, T, dtype=torch.long),
-           "loss_mask": torch.zeros(B, T, dtype=torch.long),
-           "position_ids": torch.zeros(B, T, dtype=torch.long),
-           "doc_ids": torch.full((B, T), -1, dtype=torch.long),
-           "aux_hidden_states": torch.zeros(B, T, n_aux * H, dtype=dtype),
-           "last_hidden_state": torch.zeros(B, T, H, dtype=dtype)}
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long, **at),
+           "loss_mask": torch.zeros(B, T, dtype=torch.long, **at),
+           "position_ids": torch.zeros(B, T, dtype=torch.long, **at),
+           "doc_ids": torch.full((B, T), -1, dtype=torch.long, **at),
+           "aux_hidden_states": torch.zeros(B, T, n_aux * H, dtype=dtype, **at),
+           "last_hidden_state": torch.zeros(B, T, H, dtype=dtype, **at)}
     fp8 = "aux_scales" in first
     if fp8:
-        out["aux_scales"] = torch.ones(B, T, n_aux, dtype=torch.float32)
-        out["last_scales"] = torch.ones(B, T, dtype=torch.float32)
+        out["aux_scales"] = torch.ones(B, T, n_aux, dtype=torch.float32, **at)
+        out["last_scales"] = torch.ones(B, T, dtype=torch.float32, **at)
     for b, row in enumerate(rows):
         pos = 0
         for d, it in enumerate(row):
@@ -141,7 +149,7 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> d
             sl = slice(pos, pos + n)
             out["input_ids"][b, sl] = it["input_ids"][:n]
             out["loss_mask"][b, sl] = it["loss_mask"][:n].long()
-            out["position_ids"][b, sl] = torch.arange(n)
+            out["position_ids"][b, sl] = torch.arange(n, device=dev)
             out["doc_ids"][b, sl] = d
             out["aux_hidden_states"][b, sl] = it["aux_hidden_states"][:n].reshape(n, n_aux * H)
             out["last_hidden_state"][b, sl] = it["last_hidden_state"][:n]
@@ -149,26 +157,102 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1) -> d
                 out["aux_scales"][b, sl] = it["aux_scales"][:n]
                 out["last_scales"][b, sl] = it["last_scales"][:n]
             pos += n
-    out["num_tokens"] = torch.tensor(sum(row_lens))
+    out["num_tokens"] = torch.tensor(sum(row_lens), pin_memory=at["pin_memory"])  # on the host: no device wait
     return out
 
 
 class MicroBatches(torch.utils.data.Dataset):
     """Item k = the collated k-th micro-batch of a list of micro-batches (rows of sample ids)."""
 
-    def __init__(self, store, micro_batches: List[List[List[int]]], max_len: int, pad_to_multiple: int = 1):
+    def __init__(self, store, micro_batches: List[List[List[int]]], max_len: int, pad_to_multiple: int = 1,
+                 pin: bool = False):
         self.store = store
         self.micro_batches = micro_batches
         self.max_len = max_len
         self.pad_to_multiple = pad_to_multiple
+        self.pin = pin  # collate into pinned host memory (see collate)
 
     def __len__(self):
         return len(self.micro_batches)
 
     def __getitem__(self, k):
         rows = [[self.store[i] for i in row] for row in self.micro_batches[k]]
-        return collate(rows, self.max_len, self.pad_to_multiple)
+        return collate(rows, self.max_len, self.pad_to_multiple, self.pin)
 
 
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Prefetcher:
+    """Iterates ``batches`` (the loop's DataLoader) in a background thread, up to ``depth`` batches
+    ahead, in the same order. With ``train.num_workers=0`` (the default, and what an online store
+    needs) reading items, collating and pinning otherwise run on the thread that issues the GPU
+    work: while they run the device idles. Here they overlap the device's work instead (file reads,
+    copies and kernels release the GIL). An exception in the thread is raised by ``next``; ``close``
+    stops the thread (also while it waits for room in the queue)."""
+
+    _END = object()
+
+    def __init__(self, batches, depth: int = 2, device=None):
+        import queue
+        import threading
+
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        cuda = None  # the loop's CUDA device as an index: a new thread starts on device 0
+        if device is not None and torch.device(device).type == "cuda":
+            cuda = torch.device(device).index
+            cuda = torch.cuda.current_device() if cuda is None else cuda
+        self._thread = threading.Thread(target=self._run, args=(batches, cuda), daemon=True,
+                                        name="eagle3-prefetch")
+        self._thread.start()
+
+    def _put(self, x) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, batches, cuda) -> None:
+        try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            for b in batches:
+                if not self._put((None, b)):
+                    return
+            self._put((None, self._END))
+        except BaseException as e:  # raised again by __next__, on the loop's thread
+            self._put((e, None))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        err, b = self._queue.get()
+        if err is not None:
+            self._finished = True
+            raise err
+        if b is self._END:
+            self._finished = True
+            raise StopIteration
+        return b
+
+    def close(self) -> None:
+        import queue
+
+        self._stop.set()
+        while True:  # let a thread blocked on a full queue see the stop
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()

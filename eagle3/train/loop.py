@@ -29,7 +29,7 @@ from ..atomic import atomic_write_bytes, atomic_write_text
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
-from .data import Epochs, MicroBatches, plan_epoch, to_device
+from .data import Epochs, MicroBatches, Prefetcher, plan_epoch, to_device
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
 from .target_head import TargetHead, model_inputs
@@ -57,11 +57,13 @@ class TrainResult:
 
 
 def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[dict, int], None]] = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, prefetch: Optional[bool] = None) -> TrainResult:
     """Train the draft; returns the last metrics, which the stage records as facts.
 
     ``log_fn(numbers, step)``: where the main process sends every logged window and eval besides
-    metrics.jsonl (the stage job's wandb run: ``StageJob.log``), or None."""
+    metrics.jsonl (the stage job's wandb run: ``StageJob.log``), or None. ``prefetch``: read and
+    collate the batches in a background thread (:class:`~eagle3.train.data.Prefetcher`); None =
+    on a GPU with ``train.num_workers=0`` (on a CPU the thread would take cores from the step)."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -101,31 +103,42 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     order = epochs.micro_batches(state.step, total, accelerator.process_index)
     if hasattr(inputs.train_store, "expect"):  # an online store (eagle3.online): what it will be asked for
         inputs.train_store.expect(order)
+    # host batches go to the GPU from pinned memory (async copies): collated straight into it in
+    # this process, or pinned by the DataLoader after its worker processes; an online colocated
+    # store's items are on the GPU already
+    pin = device.type == "cuda" and not getattr(inputs.train_store, "on_device", False)
     loader = torch.utils.data.DataLoader(
-        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad),
-        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=device.type == "cuda")
-    batches = iter(loader)
+        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0),
+        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0)
+    if prefetch is None:
+        prefetch = device.type == "cuda" and tcfg.num_workers == 0
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
     window = Window(state, device)
     last_train = last_eval = None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
-    while state.step < total:
-        micro = [next(batches) for _ in range(tcfg.grad_accum)]
-        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
-        scheduler.step()
-        state.step += 1
-        bar.update(1)
-        step = state.step
-        if step % tcfg.log_every == 0 or step == total:
-            last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token, step=step,
-                                     epoch=epochs.locate(step - 1)[0], lr=lr, grad_norm=float(grad_norm))
-            bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
-        if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
-            last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-            _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
-        if step % tcfg.save_every == 0 or step == total:
-            _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+    batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
+    try:
+        while state.step < total:
+            micro = [next(batches) for _ in range(tcfg.grad_accum)]
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+            grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
+            scheduler.step()
+            state.step += 1
+            bar.update(1)
+            step = state.step
+            if step % tcfg.log_every == 0 or step == total:
+                last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token,
+                                         step=step, epoch=epochs.locate(step - 1)[0], lr=lr,
+                                         grad_norm=float(grad_norm))
+                bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
+            if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
+                last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
+                _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
+            if step % tcfg.save_every == 0 or step == total:
+                _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+    finally:
+        if prefetch:
+            batches.close()
     bar.close()
 
     accelerator.wait_for_everyone()

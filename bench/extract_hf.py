@@ -3,13 +3,13 @@ writer (pinned host buffers, copies that do not wait, CUDA events, disk writes i
 which the vLLM worker uses on GPU too.
 
 - ``--check``: a tiny float32 random Llama extracted on the GPU and on the CPU; every stored layer
-  must match within 1e-4 relative (max |gpu - cpu| / max |cpu|), and every shard's sidecar sha256
-  must be the sha256 of its file.
+  must match within 1e-4 relative (max |gpu - cpu| / max |cpu|), and every shard's sidecar digest
+  (its sha256 tree) must be its file's.
 - Throughput: a random Llama of the given shape (default Llama-3.1-8B's, bf16); plain forward of
   the base model over the same batches (no hooks, nothing copied) vs extraction into a store on
-  local disk (hooks, stack + cast on the GPU, D2H into pinned buffers, pwrite, fsync, sha256).
+  local disk (hooks, stack + cast on the GPU, D2H into pinned buffers, pwrite, fsync, sha256 tree).
   Deleting the store is not timed. After the timed runs, the last store's shards are hashed again
-  and compared with their sidecars, and a digest of the store (over the sidecars' sha256) is
+  and compared with their sidecars, and a digest of the store (over the sidecars' digests) is
   printed per run: equal digests = byte-identical stores.
 - ``--profile``: where the time goes, measured the same way for any version of the writer (the
   writer module's ``os`` and ``hashlib`` and the producer-side calls are wrapped with timers):
@@ -85,24 +85,37 @@ def ecfg(device, batch, sps=256):
     return SimpleNamespace(device=device, batch_size=batch, samples_per_shard=sps)
 
 
+def _digest(rec: dict) -> str:
+    """A sidecar's digest: the sha256 tree (eagle3.hashing.sha256_tree_file), or the plain sha256 of
+    a writer from before the tree (``--code`` of an older version)."""
+    return rec.get("sha256_tree") or rec["sha256"]
+
+
 def verify_store(store: Path) -> tuple[str, int]:
-    """(digest over the sidecars' sha256, number of shards); raises if a file's sha256 differs from its sidecar."""
+    """(digest over the sidecars' digests, number of shards); raises if a file's digest, computed
+    again from the file, differs from its sidecar."""
+    from eagle3.hashing import sha256_tree_file
+
     recs = []
     for side in sorted(store.glob("*/shard-*.json")):
         rec = json.loads(side.read_text())
-        h = hashlib.sha256()
-        with open(side.parent / rec["file"], "rb") as f:
-            while chunk := f.read(16 << 20):
-                h.update(chunk)
-        if h.hexdigest() != rec["sha256"]:
-            raise SystemExit(f"FAIL: {side.parent / rec['file']} has sha256 {h.hexdigest()}, its sidecar says "
-                             f"{rec['sha256']}")
-        recs.append(f"{side.parent.name}/{rec['file']}:{rec['sha256']}")
+        path = side.parent / rec["file"]
+        if "sha256_tree" in rec:
+            got = sha256_tree_file(path, rec["tree_chunk"])
+        else:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(16 << 20):
+                    h.update(chunk)
+            got = h.hexdigest()
+        if got != _digest(rec):
+            raise SystemExit(f"FAIL: {path} has digest {got}, its sidecar says {_digest(rec)}")
+        recs.append(f"{side.parent.name}/{rec['file']}:{_digest(rec)}")
     return hashlib.sha256("\n".join(recs).encode()).hexdigest(), len(recs)
 
 
 def store_digest(store: Path) -> str:
-    recs = [f"{s.parent.name}/{json.loads(s.read_text())['file']}:{json.loads(s.read_text())['sha256']}"
+    recs = [f"{s.parent.name}/{json.loads(s.read_text())['file']}:{_digest(json.loads(s.read_text()))}"
             for s in sorted(store.glob("*/shard-*.json"))]
     return hashlib.sha256("\n".join(recs).encode()).hexdigest()
 
@@ -185,6 +198,9 @@ def install_profile(timers: Timers) -> None:
 
         def hexdigest(self):
             return self._h.hexdigest()
+
+        def digest(self):
+            return self._h.digest()
 
     class HashlibProxy:
         sha256 = Sha256
@@ -318,7 +334,7 @@ def main() -> None:
         rel = check(root)
         result["check_max_rel_diff"] = rel
         print(f"check: GPU vs CPU extraction, float32, max relative diff {rel:.2e} "
-              f"({'OK' if rel <= 1e-4 else 'FAIL'}); sidecar sha256 = file sha256 for both stores", flush=True)
+              f"({'OK' if rel <= 1e-4 else 'FAIL'}); sidecar digest = file digest for both stores", flush=True)
         if rel > 1e-4:
             sys.exit(1)
         if a.only_check:
@@ -342,14 +358,15 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    plain_batches = [torch.tensor(ids[s:s + a.batch], device=device) for s in range(0, a.samples, a.batch)]
+
     def plain():
         for h in ex._hooks:
             h.remove()
         ex._hooks = []
         with torch.inference_mode():
-            for s in range(0, a.samples, a.batch):
-                x = torch.tensor(ids[s:s + a.batch], device=device)
-                model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+            for x in plain_batches:  # on the device already, no mask: nothing waits for the device
+                model(input_ids=x, use_cache=False)
         sync()
 
     def variant(spec: str) -> dict:
@@ -430,7 +447,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     for k, ds in digests.items():
         same = len(set(ds)) == 1
-        print(f"\nstore {k}: {n_shards} shards, sidecar sha256 = file sha256 (re-hashed); digest {ds[-1][:16]} "
+        print(f"\nstore {k}: {n_shards} shards, sidecar digest = file digest (re-hashed); digest {ds[-1][:16]} "
               f"({'identical in every run' if same else 'DIFFERS between runs: ' + ' '.join(d[:16] for d in ds)})")
     print(f"HF backend on {result['device']}: random Llama H={a.hidden} L={a.layers} bf16, {a.samples} x {a.length} "
           f"tokens, batch {a.batch}, layers {list(layout.layer_ids)}+[{a.layers}], store {a.store_dtype}, best of {a.reps}; "

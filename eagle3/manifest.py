@@ -230,7 +230,7 @@ class StageJob:
         self.out_dir = manifest.exp_dir / rel_out
         # set by the stage before `with job:` ends (eagle3.contracts: the stage's Facts class)
         self.facts: Optional[Facts] = None
-        self._outputs: dict[str, Optional[str]] = {}
+        self._outputs: dict[str, Optional[dict]] = {}  # rel path -> its known digest, or None (hashed at the end)
         self._run_lock: Optional[FileLock] = None
         self.record: Optional[StageRecord] = None
         self._run = None  # the wandb run while the job runs (eagle3.tracking)
@@ -280,13 +280,17 @@ class StageJob:
         if getattr(self, "_run_lock", None) is not None:
             self._run_lock.release()
 
-    def add_output(self, path: str | Path, sha256: Optional[str] = None) -> None:
-        """Record a file (or every file under a directory) as an output of this run."""
+    def add_output(self, path: str | Path, sha256: Optional[str] = None, sha256_tree: Optional[str] = None) -> None:
+        """Record a file (or every file under a directory) as an output of this run, with its sha256
+        (computed when the job completes unless given), or for a store shard the sha256 tree its
+        writer computed (eagle3.hashing.sha256_tree_file, 16 MiB leaves)."""
         path = Path(path)
         files = [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
+        known = None if path.is_dir() else \
+            {"sha256_tree": sha256_tree} if sha256_tree else {"sha256": sha256} if sha256 else None
         for p in files:
             rel = str(p.resolve().relative_to(self.manifest.exp_dir))
-            self._outputs[rel] = sha256 if not path.is_dir() else None
+            self._outputs[rel] = known
 
     def __enter__(self) -> "StageJob":
         self._acquire_run_lock()
@@ -332,9 +336,9 @@ class StageJob:
         try:
             if exc_type is None:
                 outputs = {}
-                for rel, sha in self._outputs.items():
+                for rel, known in self._outputs.items():
                     p = self.manifest.exp_dir / rel
-                    outputs[rel] = {"size": p.stat().st_size, "sha256": sha or sha256_file(p)}
+                    outputs[rel] = {"size": p.stat().st_size, **(known or {"sha256": sha256_file(p)})}
 
                 def finish(data):
                     entry = data["stages"][self.stage]

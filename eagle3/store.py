@@ -2,9 +2,10 @@
 
 Layout of a store directory (the extract run's out_dir)::
 
-    store.json                       written last: layer ids, dtype, per-split shard list (+ sha256)
+    store.json                       written last: layer ids, dtype, per-split shard list (+ sha256 tree)
     <split>/shard-00000-of-00012.safetensors
-    <split>/shard-00000-of-00012.json   sidecar: the shard's size and sha256, written before the shard
+    <split>/shard-00000-of-00012.json   sidecar: the shard's size and sha256 tree (eagle3.hashing.sha256_tree_file,
+                                        leaves of tree_chunk bytes), written before the shard
     <split>/index.json               per-split: shards and every sample's length (for batching)
 
 Each shard holds a contiguous range of samples [first, first + n) of one split, concatenated along

@@ -36,7 +36,9 @@ def _record_outputs(job, splits) -> None:
     for split in splits:
         index = json.loads((out / split / INDEX_JSON).read_text())
         for shard in index["shards"]:
-            job.add_output(out / split / shard["file"], sha256=shard["sha256"])
+            # the writer's digest: a sha256 tree (a store written before it became one: plain sha256)
+            job.add_output(out / split / shard["file"], sha256=shard.get("sha256"),
+                           sha256_tree=shard.get("sha256_tree"))
             job.add_output(out / split / (shard["file"][: -len(".safetensors")] + ".json"))
         job.add_output(out / split / INDEX_JSON)
     job.add_output(out / STORE_JSON)

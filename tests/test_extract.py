@@ -22,6 +22,7 @@ from conftest import build_tiny_llama, chat_records, write_jsonl
 
 from eagle3.config import ExtractConfig
 from eagle3.extract import Samples, extract_store
+from eagle3.hashing import sha256_tree_file
 from eagle3.store import StoreLayout, open_hidden_states
 
 REPO = Path(__file__).resolve().parent.parent
@@ -363,7 +364,7 @@ def test_stage_through_cli(tmp_path, tiny_llama_dir, chats):
             assert item["loss_mask"].int().tolist() == ds[split][i]["loss_mask"]
             assert item["aux_hidden_states"].shape == (len(item["input_ids"]), 3, 64)
     shards = {k: v for k, v in rec.data["outputs"].items() if k.endswith(".safetensors")}
-    assert shards and all(hashlib.sha256((exp / k).read_bytes()).hexdigest() == v["sha256"] for k, v in shards.items())
+    assert shards and all(sha256_tree_file(exp / k) == v["sha256_tree"] for k, v in shards.items())
 
     out = _cli("stage=extract", *common, "extract.samples_per_shard=6")
     assert out.returncode == 0 and "already complete" in out.stdout

@@ -13,6 +13,7 @@ import torch
 from conftest import build_tiny_llama, chat_records, write_jsonl
 
 from eagle3.extract.writer import CapturedBatch, ShardWriter
+from eagle3.hashing import sha256_tree_file
 from eagle3.fp8 import FP8_MAX, bad_scales, dequantize, quantize
 from eagle3.store import (
     FORMAT,
@@ -204,11 +205,9 @@ def test_fp8_writer_bytes_on_resume_and_whatever_the_order(tmp_path):
     _write(tmp_path / "c", layout, ids, mask, states, chunk_seed=3)
     a, b, c = _files(tmp_path / "a"), _files(tmp_path / "b"), _files(tmp_path / "c")
     assert a == b == c
-    import hashlib
-
     for side in (tmp_path / "c" / "train").glob("shard-*.json"):
         rec = json.loads(side.read_text())
-        assert hashlib.sha256((side.parent / rec["file"]).read_bytes()).hexdigest() == rec["sha256"]
+        assert sha256_tree_file(side.parent / rec["file"], rec["tree_chunk"]) == rec["sha256_tree"]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 
 from eagle3.extract.layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 from eagle3.extract.writer import CapturedBatch, ShardWriter
+from eagle3.hashing import sha256_tree_file
 from eagle3.store import (
     ShardPlan,
     StoreError,
@@ -108,20 +109,32 @@ def test_bytes_do_not_depend_on_chunking_or_order(tmp_path):
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     side = json.loads((tmp_path / "a" / "train" / "shard-00001-of-00003.json").read_text())
-    import hashlib
-
-    assert side["sha256"] == hashlib.sha256(a[side_path := next(k for k in a if k.name == side["file"])]).hexdigest()
+    side_path = next(k for k in a if k.name == side["file"])
+    assert side["sha256_tree"] == sha256_tree_file(tmp_path / "a" / "train" / side["file"], side["tree_chunk"])
     assert side_path.name == "shard-00001-of-00003.safetensors"
 
 
-def _sidecars_match_files(d):
+def test_sha256_tree_is_sha256_over_the_leaves_sha256(tmp_path):
+    """The shard digest's definition: leaves of ``chunk`` bytes (the last shorter), each sha256'd,
+    the root the sha256 of their concatenated digests; any changed byte changes it."""
     import hashlib
 
+    data = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    leaves = b"".join(hashlib.sha256(data[i:i + 4096]).digest() for i in range(0, len(data), 4096))
+    assert sha256_tree_file(f, 4096) == hashlib.sha256(leaves).hexdigest()
+    assert sha256_tree_file(f) == hashlib.sha256(hashlib.sha256(data).digest()).hexdigest()  # one 16 MiB leaf
+    f.write_bytes(data[:5000] + bytes([data[5000] ^ 1]) + data[5001:])
+    assert sha256_tree_file(f, 4096) != hashlib.sha256(leaves).hexdigest()
+
+
+def _sidecars_match_files(d):
     sides = sorted(d.rglob("shard-*.json"))
     assert sides
     for side in sides:
         rec = json.loads(side.read_text())
-        assert hashlib.sha256((side.parent / rec["file"]).read_bytes()).hexdigest() == rec["sha256"], side
+        assert rec["sha256_tree"] == sha256_tree_file(side.parent / rec["file"], rec["tree_chunk"]), side
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -137,7 +150,7 @@ def test_pipelined_writer_writes_the_bytes_of_the_plain_writer(tmp_path, monkeyp
     ids, mask, states = _samples(n=13, max_len=60)
     reads = []
     real = writer_mod._hash_file
-    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size: reads.append(size) or real(fd, size))
+    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size, *rest: reads.append(size) or real(fd, size, *rest))
     _write_store(tmp_path / "plain", ids, mask, states, layout=layout, chunk_seed=3, stream_hash=False,
                  early_writeback=False, row_threads=1)
     assert len(reads) == 4  # every shard read back after its fsync
@@ -150,12 +163,12 @@ def test_pipelined_writer_writes_the_bytes_of_the_plain_writer(tmp_path, monkeyp
 
 def test_rows_written_twice_hash_the_final_file(tmp_path, monkeypatch):
     """Rows sent again with other values (a recomputed chunk): the file holds the last values and
-    the sidecar's sha256 is that file's, though the streamed hash may have read the first ones."""
+    the sidecar's digest is that file's, though leaves may have been hashed with the first ones."""
     import eagle3.extract.writer as writer_mod
 
     reads = []
     real = writer_mod._hash_file
-    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size: reads.append(size) or real(fd, size))
+    monkeypatch.setattr(writer_mod, "_hash_file", lambda fd, size, *rest: reads.append(size) or real(fd, size, *rest))
     ids, mask = [[1] * 6, [2] * 3], [[1] * 6, [0] * 3]
     x, y, z = torch.randn(6, 4, H), torch.randn(6, 4, H), torch.randn(3, 4, H)
     w = ShardWriter(tmp_path, LAYOUT)
@@ -233,16 +246,14 @@ def test_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
     for p in left:
         if p.name.endswith(".safetensors"):
             side = json.loads(p.with_suffix(".json").read_text())
-            import hashlib
-
-            assert hashlib.sha256(p.read_bytes()).hexdigest() == side["sha256"]
+            assert sha256_tree_file(p, side["tree_chunk"]) == side["sha256_tree"]
 
 
 def test_resume_check_refuses_foreign_shards(tmp_path):
     ids, mask, states = _samples()
     _write_store(tmp_path / "s", ids, mask, states)
     plan = ShardPlan("train", 0, 3, 0, ids[:4], mask[:4])
-    assert completed_shard(tmp_path / "s" / "train", plan, LAYOUT)["sha256"]
+    assert completed_shard(tmp_path / "s" / "train", plan, LAYOUT)["sha256_tree"]
     other = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype="float32", target_hash="u" * 64)
     with pytest.raises(StoreError, match="another extraction"):
         completed_shard(tmp_path / "s" / "train", plan, other)

@@ -10,13 +10,16 @@ Nothing of the store's work waits in the forward loop (GPU): :class:`HostStager`
 states on the compute stream and copies them to a ring of pinned host buffers on its own CUDA
 stream; the writer thread waits for that copy and hands 16 MiB pieces to row threads (``pwrite``
 releases the GIL), which also start the pieces' writeback to disk at once (``sync_file_range``),
-so the disk works while the GPU computes instead of in one fsync per shard. Each open shard has a
-hash thread that follows the contiguously written prefix of the file and hashes it from the page
-cache (rows arrive out of order; sha256 needs file order), so at the end of a shard only the bytes
-written last remain to hash and flush. Finishing (fsync, the rest of the hash, sidecar, rename)
-runs on a finisher thread while the next shard is written. The guarantees are those of a writer
-that hashes the finished file: fsync before rename, the sidecar's sha256 is the file's (a range
-written twice makes the shard hash its whole file again), the same bytes whatever the order.
+so the disk works while the GPU computes instead of in one fsync per shard. A shard's digest is
+its sha256 tree (eagle3.hashing.sha256_tree_file: sha256 over the sha256 of each 16 MiB leaf of
+the file): each leaf is hashed from the page cache by a pool of hash threads as soon as all its
+bytes are written, in any order and on several cores, so at the end of a shard only its last
+leaves remain to hash and flush (a plain sha256 runs in file order on one core: the shard's
+last-state rows, which follow all its aux rows, could only be hashed after the last forward).
+Finishing (fsync, the last leaves, sidecar, rename) runs on a finisher thread while the next shard
+is written. The guarantees are those of a writer that hashes the finished file: fsync before
+rename, the sidecar's digest is the file's (a range written twice makes the shard hash its whole
+file again), the same bytes whatever the order.
 
 It runs wherever the states are: in the driver process (hf, vllm_connector backends) or inside
 vLLM's rank-0 worker (vllm backend), so hidden states never travel through vLLM's RPC.
@@ -46,9 +49,23 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 import numpy as np
 
 from ..atomic import atomic_write_json, fsync_dir
+from ..hashing import TREE_CHUNK, sha256_tree_root
 from ..store import ROW_TENSORS, ShardPlan, StoreLayout, StoreWriteError, shard_header, sidecar_path
 
-_HASH_CHUNK = 16 << 20
+_HASH_CHUNK = TREE_CHUNK  # the tree's leaf size (recorded in each sidecar as tree_chunk)
+_HASH_POOL: Optional[tuple] = None  # (pid, executor)
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process's hash threads (shared by every open shard; hashlib releases the GIL). A forked
+    child (vLLM's workers) gets its own: the parent's threads do not exist there."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None or _HASH_POOL[0] != os.getpid():
+            _HASH_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                                          thread_name_prefix="eagle3-shard-hash"))
+        return _HASH_POOL[1]
 
 
 @dataclass
@@ -100,7 +117,8 @@ class _OpenShard:
         self.fp8 = layout.is_fp8
         self.aux_scale_row, self.last_scale_row = 4 * layout.n_aux, 4
         self.written = np.zeros(plan.num_samples, dtype=np.int64)
-        self.hash: Optional[_StreamHash] = None
+        self.hash: Optional[_TreeHash] = None
+        self.on_cpu = on_cpu
         _remove_stale_temps(split_dir, plan.name)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -110,7 +128,7 @@ class _OpenShard:
             raise
         if stream_hash:
             # Everything but the per-token rows is written: hashing can start.
-            self.hash = _StreamHash(self.fd, self.size, _fixed_ranges(self.off), on_cpu)
+            self.hash = _TreeHash(self.fd, self.size, _fixed_ranges(self.off), on_cpu)
 
     def _start(self, header: bytes) -> None:
         plan = self.plan
@@ -159,14 +177,13 @@ class _OpenShard:
             raise StoreWriteError(f"capture error: shard {self.plan.name} ended with sample {self.plan.first + j} "
                                   f"incomplete ({int(self.written[j])}/{int(self.plan.lengths[j])} tokens captured; "
                                   f"{short.size} samples incomplete)")
-        if self.hash is not None:
-            self.hash.input_done()  # the hash thread reads the rest while fsync flushes
-        os.fsync(self.fd)
-        digest = self.hash.result() if self.hash is not None else _hash_file(self.fd, self.size)
+        os.fsync(self.fd)  # while the hash threads read the last leaves
+        digest = self.hash.result() if self.hash is not None else _hash_file(self.fd, self.size, self.on_cpu)
         os.close(self.fd)
         self.fd = -1
         rec = {"file": self.plan.name, "first_sample": self.plan.first, "num_samples": self.plan.num_samples,
-               "num_tokens": self.plan.num_tokens, "size": self.size, "sha256": digest}
+               "num_tokens": self.plan.num_tokens, "size": self.size, "sha256_tree": digest,
+               "tree_chunk": _HASH_CHUNK}
         # The sidecar goes first: a shard file that exists always has its record.
         atomic_write_json(sidecar_path(self.final.parent, self.plan.name), rec, indent=None)
         os.replace(self.tmp, self.final)
@@ -208,7 +225,7 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
 
 class _FileBytes:
     """Ranges of a file handed to sha256 without a copy: a read-only map of the file (the page
-    cache itself, coherent with pwrite), or reads into one reused buffer where mapping fails."""
+    cache itself, coherent with pwrite), or reads into a buffer where mapping fails."""
 
     def __init__(self, fd: int, size: int):
         self.fd = fd
@@ -216,17 +233,18 @@ class _FileBytes:
         try:
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError, AttributeError):
-            self._buf = memoryview(bytearray(min(_HASH_CHUNK, max(size, 1))))
+            pass
 
     def update(self, h, a: int, b: int) -> None:
-        """h.update(file[a:b]) in chunks (hashlib releases the GIL for each)."""
+        """h.update(file[a:b]) in chunks (hashlib releases the GIL for each); several threads may
+        read at once."""
         while a < b:
             n = min(_HASH_CHUNK, b - a)
             if self._map is not None:
                 with memoryview(self._map) as whole, whole[a:a + n] as chunk:
                     h.update(chunk)
             else:
-                chunk = self._buf[:n]
+                chunk = memoryview(bytearray(n))
                 _read_into(self.fd, chunk, a)
                 h.update(chunk)
             a += n
@@ -237,101 +255,83 @@ class _FileBytes:
             self._map = None
 
 
-def _hash_file(fd: int, size: int) -> str:
+def _leaf(src: _FileBytes, size: int, c: int, on_cpu: Callable[[float], None]) -> bytes:
+    t0 = time.thread_time()
     h = hashlib.sha256()
+    a = c * _HASH_CHUNK
+    src.update(h, a, min(size, a + _HASH_CHUNK))
+    on_cpu(time.thread_time() - t0)
+    return h.digest()
+
+
+def _hash_file(fd: int, size: int, on_cpu: Callable[[float], None] = lambda s: None) -> str:
+    """The sha256 tree of a written file (its leaves on the hash threads)."""
     src = _FileBytes(fd, size)
     try:
-        src.update(h, 0, size)
+        leaves = [_hash_pool().submit(_leaf, src, size, c, on_cpu) for c in range(-(-size // _HASH_CHUNK))]
+        return sha256_tree_root([f.result() for f in leaves])
     finally:
         src.close()
-    return h.hexdigest()
 
 
-class _StreamHash:
-    """sha256 of a shard file in file order while its ranges are written in any order.
+class _TreeHash:
+    """The sha256 tree of a shard file while its ranges are written in any order.
 
-    ``add(a, b)`` reports bytes [a, b) written; a thread hashes the contiguously written prefix of
-    the file from the page cache as it grows. ``result()`` (after every byte is written) returns
-    the digest once the thread has read the rest. If a range is written twice (``rewritten()``),
-    the streamed hash may have seen old bytes: the whole file is hashed again at the end."""
+    ``add(a, b)`` reports bytes [a, b) written; a leaf (``_HASH_CHUNK`` bytes of the file) goes to the
+    hash threads once all its bytes are there. ``result()`` (after every byte is written) waits for
+    the last leaves and returns the root. If a range is written twice (``rewritten()``), a leaf may
+    have been hashed before its final bytes: the whole file is hashed again at the end."""
 
     def __init__(self, fd: int, size: int, written: list, on_cpu: Callable[[float], None]):
         self.fd, self.size = fd, size
-        self._h = hashlib.sha256()
-        self._pos = 0            # bytes hashed
-        self._frontier = 0       # [0, frontier) is written
-        self._ahead: list = []   # written ranges past the frontier (heap)
-        self._cond = threading.Condition()
-        self._done = self._cancel = self._restart = False
-        self._error: Optional[BaseException] = None
+        n = -(-size // _HASH_CHUNK)
+        self._need = np.full(n, _HASH_CHUNK, dtype=np.int64)
+        if n:
+            self._need[-1] = size - (n - 1) * _HASH_CHUNK
+        self._got = np.zeros(n, dtype=np.int64)
+        self._leaves: dict = {}
+        self._lock = threading.Lock()
+        self._restart = False
         self._on_cpu = on_cpu
+        self._src = _FileBytes(fd, size)
         for a, b in written:
-            self._add(a, b)
-        self._thread = threading.Thread(target=self._run, name="eagle3-shard-hash", daemon=True)
-        self._thread.start()
-
-    def _add(self, a: int, b: int) -> None:
-        if b <= a:
-            return
-        if a > self._frontier:
-            heapq.heappush(self._ahead, (a, b))
-            return
-        self._frontier = max(self._frontier, b)
-        while self._ahead and self._ahead[0][0] <= self._frontier:
-            self._frontier = max(self._frontier, heapq.heappop(self._ahead)[1])
+            self.add(a, b)
 
     def add(self, a: int, b: int) -> None:
-        with self._cond:
-            self._add(a, b)
-            self._cond.notify()
+        with self._lock:
+            c = a // _HASH_CHUNK
+            while a < b:
+                e = min(b, (c + 1) * _HASH_CHUNK)
+                self._got[c] += e - a
+                if self._got[c] == self._need[c] and not self._restart:
+                    self._leaves[c] = _hash_pool().submit(_leaf, self._src, self.size, c, self._on_cpu)
+                elif self._got[c] > self._need[c]:
+                    self._restart = True
+                a, c = e, c + 1
 
     def rewritten(self) -> None:
-        with self._cond:
+        with self._lock:
             self._restart = True
-            self._cond.notify()
-
-    def input_done(self) -> None:
-        with self._cond:
-            self._done = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        t0 = time.thread_time()
-        src = None
-        try:
-            src = _FileBytes(self.fd, self.size)
-            while True:
-                with self._cond:
-                    while not (self._cancel or self._restart or self._done or self._frontier > self._pos):
-                        self._cond.wait()
-                    if self._cancel or self._restart or self._frontier <= self._pos:
-                        return
-                    end = self._frontier
-                while self._pos < end and not self._cancel:
-                    n = min(_HASH_CHUNK, end - self._pos)
-                    src.update(self._h, self._pos, self._pos + n)
-                    self._pos += n
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            self._error = e
-        finally:
-            if src is not None:
-                src.close()
-            self._on_cpu(time.thread_time() - t0)
 
     def result(self) -> str:
-        self.input_done()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        if self._restart or self._pos != self.size:
-            return _hash_file(self.fd, self.size)
-        return self._h.hexdigest()
+        try:
+            with self._lock:
+                leaves, restart = dict(self._leaves), self._restart
+            digests = [leaves[c].result() if c in leaves else None for c in range(len(self._need))]
+            if restart or any(d is None for d in digests):
+                return _hash_file(self.fd, self.size, self._on_cpu)
+            return sha256_tree_root(digests)
+        finally:
+            self.cancel()
 
     def cancel(self) -> None:
-        with self._cond:
-            self._cancel = True
-            self._cond.notify()
-        self._thread.join()
+        """Drop the leaves not started and wait for the running ones (they read through the file)."""
+        with self._lock:
+            leaves = list(self._leaves.values())
+        for f in leaves:
+            f.cancel()
+        wait(leaves)
+        self._src.close()
 
 
 def _writeback_starter() -> Optional[Callable[[int, int, int], Any]]:
@@ -387,7 +387,7 @@ class ShardWriter:
     """Writes shards from captured batches in a background thread.
 
     ``begin(plan)`` opens a shard, ``write(key, batch)`` queues rows, ``end(key)`` finalizes it
-    (coverage check, fsync, sha256, sidecar, rename) in a finisher thread, so that flushing and
+    (coverage check, fsync, sha256 tree, sidecar, rename) in a finisher thread, so that flushing and
     hashing one shard overlap writing the rows of the next. ``poll()`` returns finished shard records and
     raises :class:`StoreWriteError` if the thread failed; ``close()`` waits for everything.
 

@@ -15,6 +15,8 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
         # what folding the clip into AdamW and compiling the target head gain
     python bench/train.py --variants flex_compiled,flex_compiled+fp8 --loop auto,auto+fp8
         # the step fed from an fp8 store's values + scales (dequantised in the step) vs bf16
+    python bench/train.py --variants flex_compiled --loop auto,auto+muon
+        # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW
 
 Measurements and what made the difference: bench/train.md.
 
@@ -271,7 +273,9 @@ def loop_config(a, compile_mode: str, **overrides):
                   min_lr_ratio=0.0, warmup_steps=2, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=0.5,
                   batch_size=a.batch, grad_accum=1, epochs=1, max_steps=a.loop_steps, max_seq_len=a.seq,
                   mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
-                  keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode)
+                  keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
+                  optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
+                  muon_adjust_lr_fn="match_rms_adamw")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -293,8 +297,10 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     from eagle3.train.loop import train
 
-    mode, *opts = compile_mode.split("+")  # "auto+fp8": the store's items as fp8 values + scales
-    inputs, tcfg = loop_inputs(a, fp8="fp8" in opts), loop_config(a, mode)
+    # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon
+    mode, *opts = compile_mode.split("+")
+    inputs = loop_inputs(a, fp8="fp8" in opts)
+    tcfg = loop_config(a, mode, optimizer="muon" if "muon" in opts else "adamw")
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)

@@ -140,6 +140,9 @@ class ExtractFacts(Facts):
     # the parity sample against transformers: {"samples", "worst" (layer -> relative error),
     # "worst_sample", "max", "tolerance", "dtype", "reference"}, or {"skipped": why}
     parity: Optional[dict] = None
+    # training samples this process took from kept online caches instead of running the target:
+    # {"samples": n, "caches": [directories]} (eagle3.online.fill_from_caches); None when none
+    reused: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)
@@ -217,6 +220,9 @@ class TrainFacts(Facts):
     # target_dtype, backend, placement (colocated | external), extract (the backend's semantic config)}
     hidden_states: str = "store"
     producer: Optional[dict] = None
+    # an online run with a cache (train.online.cache_bytes > 0): the directory that keeps it, which a
+    # later extract run of the same states reads instead of running the target
+    cache_dir: Optional[str] = None
 
     @property
     def final(self) -> Optional[StepMetrics]:

@@ -36,7 +36,10 @@ Producers (``train.online.producer``):
 The cache (``train.online.cache_bytes``): the first samples of the training split (by index) whose
 shards fit the budget are kept in ``<dir>/train`` and read again in later epochs. Once every
 training sample is cached the directory is finalized as a store (index.json, store.json) that
-``open_hidden_states`` reads.
+``open_hidden_states`` reads. A later ``stage=extract`` of the same states (target, layer ids,
+dtypes, backend and its settings, prepare run) takes every shard whose samples a kept cache holds
+from it instead of running the target (:func:`fill_from_caches`); a second online run with the
+same directory reads it again.
 """
 from __future__ import annotations
 
@@ -148,6 +151,95 @@ def finalize_cache(cache_dir: Path, layout: StoreLayout, lengths) -> bool:
         return False
     finalize_store(cache_dir, layout, {"train": lengths}, 1)
     return True
+
+
+def extract_identity(layout: StoreLayout, target_dtype: str, ecfg) -> tuple:
+    """(identity, extract settings) of the states a producer or an extract run with these settings
+    computes: what an online run records as its producer and a cache must match to be reused."""
+    from .hashing import semantic_dict
+
+    identity = {**layout_identity(layout), "target_dtype": target_dtype, "backend": ecfg.backend}
+    extract = {k: v for k, v in semantic_dict(ecfg).items() if k not in ("samples_per_shard", "splits")}
+    return identity, extract
+
+
+def reusable_caches(manifest, prepare_hash: str, identity: dict, extract: dict) -> list:
+    """Split directories (``.../train``) of the caches kept by this experiment's online train runs
+    whose states are the ones an extract run of ``identity`` / ``extract`` computes from the prepare
+    run ``prepare_hash`` (same target, layer ids, dtypes, backend and backend settings)."""
+    out = []
+    runs = manifest.read()["stages"].get("train", {}).get("runs", {})
+    for _, run in sorted(runs.items()):
+        f, up = run.get("facts") or {}, run.get("upstream") or {}
+        p = f.get("producer") or {}
+        if f.get("hidden_states") != "online" or not f.get("cache_dir") or up.get("prepare") != prepare_hash:
+            continue
+        if {k: p.get(k) for k in identity} != identity or p.get("extract") != extract:
+            continue
+        d = Path(f["cache_dir"])
+        out += [x for x in [d / "train", *sorted(d.glob("rank-*/train"))] if x.is_dir() and x not in out]
+    return out
+
+
+def fill_from_caches(store_dir: Path, samples, layout: StoreLayout, samples_per_shard: int, caches: list, *,
+                     num_processes: int = 1, process_index: int = 0, progress: bool = True) -> int:
+    """Write the training split's shards (this process's, ``samples_per_shard`` samples each) whose
+    every sample one of ``caches`` holds, from the cached states instead of running the target: the
+    same bits (a cached sample was computed alone, as extraction with ``extract.batch_size=1``
+    computes it), in the store's format through its writer (atomic, digests). Shards already
+    complete are left alone. Returns the number of samples taken from the caches."""
+    from .extract.backend import Progress
+    from .extract.writer import CapturedBatch, ShardWriter
+    from .store import completed_shard, is_assigned, shard_ranges
+
+    store_dir = Path(store_dir)
+    N = len(samples)
+
+    def cached(i: int) -> Optional[Path]:
+        return next((c / shard_name(i, N) for c in caches if (c / shard_name(i, N)).exists()), None)
+
+    todo = []
+    ranges = shard_ranges(N, samples_per_shard)
+    for k, (first, count) in enumerate(ranges):
+        if not caches or not is_assigned(k, num_processes, process_index):
+            continue
+        paths = [cached(i) for i in range(first, first + count)]
+        if any(p is None for p in paths):
+            continue
+        ids, mask = samples.get(first, first + count)
+        plan = ShardPlan("train", k, len(ranges), first, list(ids), list(mask))
+        if completed_shard(store_dir / "train", plan, layout) is None:
+            todo.append((plan, paths))
+    if not todo:
+        return 0
+    (store_dir / "train").mkdir(parents=True, exist_ok=True)
+    bar = Progress(sum(plan.num_tokens for plan, _ in todo), "extract (from the online cache)", progress)
+    w = ShardWriter(store_dir, layout)
+    try:
+        for plan, paths in todo:
+            w.begin(plan)
+            for j, path in enumerate(paths):
+                i = plan.first + j
+                completed_shard(path.parent, _one_sample_plan("train", i, N, plan.input_ids[j], plan.loss_mask[j]),
+                                layout)  # refuses a shard written for another layout
+                item = read_shard_item(path, layout)
+                if item["input_ids"].tolist() != list(plan.input_ids[j]):
+                    raise OnlineError(f"{path} holds other tokens than training sample {i} of the prepared dataset; "
+                                      f"remove that cache directory ({path.parent.parent}) or re-run the online run")
+                n = len(plan.input_ids[j])
+                w.write(CapturedBatch([(("train", plan.k), j, 0, 0, n)], item["aux_hidden_states"],
+                                      item["last_hidden_state"], aux_scales=item.get("aux_scales"),
+                                      last_scales=item.get("last_scales")))
+                bar.update(n)
+            w.end(("train", plan.k))
+            w.poll()
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        bar.close()
+    return sum(plan.num_samples for plan, _ in todo)
 
 
 # -- the trainer's side ---------------------------------------------------------------------------
@@ -639,9 +731,8 @@ class OnlineRun:
         store_dtype = resolve_store_dtype(ecfg.store_dtype, self.target_dtype, H)
         self.layout = StoreLayout(layer_ids=tuple(layer_ids), last_layer_id=L, hidden_size=H, dtype=store_dtype,
                                   target_hash=target.hash)
-        extract = {k: v for k, v in semantic_dict(ecfg).items() if k not in ("samples_per_shard", "splits")}
         # what the producer's numbers depend on: in the config hash, checked between the processes
-        self.identity = {**layout_identity(self.layout), "target_dtype": self.target_dtype, "backend": ecfg.backend}
+        self.identity, extract = extract_identity(self.layout, self.target_dtype, ecfg)
         self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
         config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids, "hidden_states": "online",
                   "producer": {**self.identity, "extract": extract}}

@@ -65,6 +65,7 @@ def run(cfg, manifest):
     from eagle3.extract.checks import check_store, refuse_known_bad
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
+    from eagle3.online import extract_identity, fill_from_caches, reusable_caches
     from eagle3.store import StoreLayout
     from eagle3.target import resolve
 
@@ -107,7 +108,18 @@ def run(cfg, manifest):
     layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
                          target_hash=target.hash)
 
+    reused = {}
+
     def extract(num_processes=1, process_index=0):
+        # training samples kept by an online run's cache with these very states: taken, not recomputed
+        caches = reusable_caches(manifest, prep.config_hash, *extract_identity(layout, target_dtype, ecfg))
+        if caches and "train" in splits:
+            n = fill_from_caches(job.out_dir, splits["train"], layout, ecfg.samples_per_shard, caches,
+                                 num_processes=num_processes, process_index=process_index, progress=cfg.progress)
+            if n:
+                reused.update(samples=n, caches=[str(c) for c in caches])
+                print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
+                      f"({', '.join(map(str, caches))}), the target not run for them")
         return extract_store(job.out_dir, splits, layout, backend=ecfg.backend, target_path=target.path,
                              target_dtype=target_dtype, ecfg=ecfg, num_processes=num_processes,
                              process_index=process_index, progress=cfg.progress)
@@ -124,7 +136,8 @@ def run(cfg, manifest):
                                  bytes_per_token=layout.bytes_per_token,
                                  num_samples={s: len(v) for s, v in splits.items()},
                                  num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()},
-                                 agreement=agreement, agreement_threshold=threshold, parity=parity)
+                                 agreement=agreement, agreement_threshold=threshold, parity=parity,
+                                 reused=dict(reused) or None)
 
     if ecfg.num_shards == 1:
         with job:

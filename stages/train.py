@@ -94,7 +94,8 @@ def run(cfg, manifest):
         job.facts = TrainFacts(steps=result.steps, ttt_steps=tcfg.ttt_steps, layer_ids=layer_ids,
                                draft_vocab_size=draft_cfg.draft_vocab_size, train=result.train, eval=result.eval,
                                hidden_states=tcfg.hidden_states,
-                               producer=online.producer if online is not None else None)
+                               producer=online.producer if online is not None else None,
+                               cache_dir=str(online.dir) if online is not None and online.ocfg.cache_bytes else None)
 
     def finished():  # an online store: the producer may stop, the cache becomes a store if complete
         if online is not None:

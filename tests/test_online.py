@@ -433,19 +433,22 @@ def _stage_config(tmp_path, target_dir, **train):
                   export=ExportConfig(verify=False), logger=LoggerConfig(mode="disabled"), progress=False)
 
 
-def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_dir, tmp_path):
+def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_dir, tmp_path, monkeypatch):
     """`stage=all train.hidden_states=online`: no extract run; the train run records the producer
     (target, layer ids, dtypes, backend and its config), stage=status shows it, export checks the
-    draft against it; and the draft is the one offline training on a store of the same samples gives."""
+    draft against it; and the draft is the one offline training on a store of the same samples gives.
+    That store's extract run takes the shards the online run's cache holds from it (a later offline
+    run reuses the kept cache)."""
     import dataclasses
 
     from safetensors.torch import load_file
 
+    from eagle3.extract.hf_backend import HFExtractor
     from eagle3.manifest import Manifest
     from eagle3.runner import run
 
     cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
-                        online=OnlineConfig(cache_bytes=100_000))
+                        online=OnlineConfig(cache_bytes=1_000_000))  # about half of the training samples
     run(cfg)
     manifest = Manifest(tmp_path / "ws" / "t")
     assert manifest.current("extract") is None
@@ -468,13 +471,36 @@ def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_
     run(dataclasses.replace(cfg, stage="status"))
     online_draft = load_file(str(rec.path("draft.safetensors")))
 
-    # offline: extract (one sample per forward) and train on the store
+    # offline: extract (one sample per forward) and train on the store; extract takes the shards whose
+    # samples the online run's cache kept from it (the target is not run for them)
+    cache = Path(f.cache_dir) / "train"
+    kept = {int(p.name.split("-")[1]) for p in cache.glob("shard-*.safetensors")}
+    assert len(kept) >= 2, f"the online run kept {sorted(kept)}"
+    gone = max(kept)  # a partly kept cache: that sample is computed again
+    next(cache.glob(f"shard-{gone:05d}-*.safetensors")).unlink()
+    kept.discard(gone)
+    forwards = []
+    real = HFExtractor._forward
+    monkeypatch.setattr(HFExtractor, "_forward", lambda self, samples: forwards.append(len(samples)) or
+                        real(self, samples))
     for stage in ("extract", "train"):
-        run(dataclasses.replace(cfg, stage=stage, train=dataclasses.replace(cfg.train, hidden_states="store")))
+        run(dataclasses.replace(cfg, stage=stage, extract=dataclasses.replace(cfg.extract, samples_per_shard=1),
+                                train=dataclasses.replace(cfg.train, hidden_states="store")))
+    ext = manifest.current("extract")
+    n_train, reused = ext.facts.num_samples["train"], len(kept)
+    assert ext.facts.reused == {"samples": reused, "caches": [str(cache)]}, (ext.facts.reused, sorted(kept))
+    # every other sample computed once (one per forward), plus the parity check's forwards
+    n_eval = ext.facts.num_samples["eval"]
+    assert n_train + n_eval - reused <= len(forwards) <= n_train + n_eval - reused + len(ext.facts.parity["samples"])
     off = manifest.current("train")
     assert off.config_hash != rec.config_hash and off.facts.hidden_states == "store" and off.facts.producer is None
     offline_draft = load_file(str(off.path("draft.safetensors")))
     assert all(torch.equal(online_draft[k], offline_draft[k]) for k in offline_draft)
+    # a cache of other states (here another store dtype) is not taken
+    run(dataclasses.replace(cfg, stage="extract",
+                            extract=dataclasses.replace(cfg.extract, samples_per_shard=1, store_dtype="bfloat16")))
+    assert manifest.current("extract").facts.store_dtype == "bfloat16"
+    assert manifest.current("extract").facts.reused is None
 
 
 def test_cli_producer_and_trainer_processes(target_dir, tmp_path):

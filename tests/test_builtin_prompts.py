@@ -11,8 +11,9 @@ import pytest
 
 from eagle3.data.chat_template import normalize_messages, tokenize_conversation
 
+REPO = Path(__file__).resolve().parents[1]
 BUILTIN = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "builtin"
-CATEGORIES = {"code", "math", "writing", "explanation", "multi_turn"}
+CATEGORIES = {"code", "code_completion", "math", "writing", "explanation", "multi_turn"}
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,28 @@ def test_file_is_reproducible_from_the_generator(records):
 
 
 def test_size_categories_and_uniqueness(records):
-    assert 400 <= len(records) <= 600
+    assert 400 <= len(records) <= 700
     counts = collections.Counter(r["category"] for r in records)
     assert set(counts) == CATEGORIES and min(counts.values()) >= 50, counts
     assert len({r["id"] for r in records}) == len(records)
     assert len({json.dumps(r["messages"]) for r in records}) == len(records)
-    assert {r["category"] for r in records[:40]} == CATEGORIES  # any prefix mixes categories
+    # any prefix mixes the conversation categories; the code-completion prompts come last (the
+    # records before them are those of the set before they were added)
+    first = [r["category"] for r in records].index("code_completion")
+    assert {r["category"] for r in records[first:]} == {"code_completion"}
+    assert {r["category"] for r in records[:40]} == CATEGORIES - {"code_completion"}
+
+
+def test_code_completion_prompts_keep_the_held_out_functions_out(records):
+    """bench/prompts/code_completion.jsonl measures the default draft on functions it never saw in
+    completion style: none of them (nor the built-in functions closest to them) is a training stub."""
+    held_out = {json.loads(line)["messages"][0]["content"].split("def ")[1].split("(")[0]
+                for line in (REPO / "bench" / "prompts" / "code_completion.jsonl").read_text().splitlines()}
+    assert len(held_out) == 16
+    stubs = [r["messages"][0]["content"] for r in records if r["category"] == "code_completion"]
+    names = collections.Counter(s.split("def ")[1].split("(")[0] for s in stubs)
+    assert len(names) >= 60 and set(names.values()) == {2}  # each function twice, in two wordings
+    assert not set(names) & held_out
 
 
 def test_every_record_is_a_valid_conversation_ending_on_a_user_turn(records):

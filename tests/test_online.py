@@ -424,10 +424,14 @@ def test_external_vllm_producer_equals_offline_on_its_store(target_dir, splits, 
 # -- through the stages and the manifest ----------------------------------------------------------
 
 def _stage_config(tmp_path, target_dir, **train):
+    """The stages' config over 40 small conversations with answers (no regeneration needed)."""
+    from conftest import chat_records, write_jsonl
+
     from eagle3.config import Config, DataConfig, ExportConfig, LoggerConfig, PrepareConfig, TargetConfig
 
     return Config(stage="all", workspace=str(tmp_path / "ws"), name="t", target=TargetConfig(path=str(target_dir)),
-                  data=DataConfig(max_samples=24), prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
+                  data=DataConfig(path=str(write_jsonl(tmp_path / "chats.jsonl", chat_records(40)))),
+                  prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
                   extract=ExtractConfig(backend="hf", device="cpu", layer_ids=[1, 2, 3], batch_size=1),
                   train=TrainConfig(**{**TCFG, "epochs": 1, "max_steps": 6, **train}),
                   export=ExportConfig(verify=False), logger=LoggerConfig(mode="disabled"), progress=False)

@@ -13,10 +13,12 @@ from eagle3.runner import run
 
 
 def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, capsys):
+    from conftest import chat_records, write_jsonl
     from safetensors.torch import load_file
 
     cfg = Config(stage="prepare", workspace=str(tmp_path / "ws"), name="t", target=TargetConfig(path=str(tiny_llama_dir)),
-                 data=DataConfig(max_samples=24), prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
+                 data=DataConfig(path=str(write_jsonl(tmp_path / "chats.jsonl", chat_records(40)))),
+                 prepare=PrepareConfig(max_length=128, draft_vocab_size=200),
                  extract=ExtractConfig(backend="hf", device="cpu", layer_ids=[1, 2, 3]),
                  train=TrainConfig(max_steps=12, ttt_steps=3, log_every=4, eval_every=6, save_every=6, warmup_steps=2,
                                    lr=3e-3, max_seq_len=256),

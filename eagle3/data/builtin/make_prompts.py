@@ -7,7 +7,10 @@ Prompts come from hand-written templates and word lists, expanded with a seeded 
 short and concrete: the default target (SmolLM2-135M-Instruct) is tiny and most coherent on code
 and simple questions. Every conversation ends on a user turn; multi-turn items carry earlier
 assistant turns written here (short, plausible), which the default pipeline regenerates anyway.
-The file is shuffled so that any prefix (CI uses the first few dozen) mixes all categories.
+The file is shuffled so that any prefix (CI uses the first few dozen) mixes all categories; the
+code-completion prompts (a signature and a docstring to complete, as in common code benchmarks)
+follow at the end, with functions kept apart from the held-out ones of
+bench/prompts/code_completion.jsonl.
 
 Large mode (``--large N``, or ``build_large(N)``; the prepare stage reads it as
 ``data.path=builtin:large``, see ``experiment=smollm2_large``) expands the same templates over
@@ -139,6 +142,77 @@ FUNCTION_ASKS = [
     "I need a Python function called {name} that {what}. Keep it simple.",
     "Show me how to write a function in Python that {what}.",
 ]
+
+# Code completion, in the style of common code benchmarks: a signature and a docstring to complete.
+# Functions of FUNCTIONS (their docstring from what they do) and the ones below. Kept out: the 16
+# functions of the held-out completion prompts (bench/prompts/code_completion.jsonl) and the
+# FUNCTIONS too close to one of them (clamp, word_counts ~ count_words, digits ~ digits_sum,
+# running_total ~ running_mean), so the measurement on those prompts stays held out.
+HELD_OUT_COMPLETIONS = {"running_mean", "pairwise_diffs", "count_words", "clamp", "rotate_left", "hamming_distance",
+                        "nth_triangular", "digits_sum", "merge_dicts", "find_index", "initials", "group_by_length",
+                        "safe_divide", "percent", "interleave", "longest_run"}
+COMPLETION_EXCLUDED = HELD_OUT_COMPLETIONS | {"word_counts", "digits", "running_total"}
+COMPLETION_FUNCTIONS = [  # (signature, docstring)
+    ("def mean_abs(values):", "Return the mean of the absolute values in values."),
+    ("def count_positive(numbers):", "Return how many numbers in the list are greater than zero."),
+    ("def last_word(sentence):", "Return the last word of sentence, or an empty string if there is none."),
+    ("def repeat_string(s, n):", "Return s repeated n times, separated by spaces."),
+    ("def product(numbers):", "Return the product of all numbers in the list (1 for an empty list)."),
+    ("def only_strings(items):", "Return the items of the list that are strings."),
+    ("def index_of_max(values):", "Return the index of the largest value in a non-empty list."),
+    ("def kebab_case(text):", "Return text in lowercase with spaces replaced by hyphens."),
+    ("def sum_of_squares(n):", "Return 1*1 + 2*2 + ... + n*n."),
+    ("def is_even(n):", "Return True if n is even, else False."),
+    ("def unique_count(items):", "Return the number of distinct items in the list."),
+    ("def swap_pairs(items):", "Return a copy of the list with each pair of neighbouring items swapped."),
+    ("def first_duplicate(items):", "Return the first item that appears twice in the list, or None."),
+    ("def capitalize_first(s):", "Return s with its first character in uppercase."),
+    ("def count_upper(s):", "Return the number of uppercase letters in s."),
+    ("def filter_short(words, n):", "Return the words that have at most n characters."),
+    ("def total_length(strings):", "Return the total number of characters in a list of strings."),
+    ("def to_binary(n):", "Return the binary representation of a non-negative integer as a string."),
+    ("def every_other(items):", "Return every second item of the list, starting with the first."),
+    ("def key_with_max_value(d):", "Return the key of the dictionary whose value is largest."),
+    ("def strip_punctuation(text):", "Return text without the characters . , ! and ?."),
+    ("def distance(p, q):", "Return the Euclidean distance between two points given as (x, y) tuples."),
+    ("def is_subset(a, b):", "Return True if every item of list a is also in list b."),
+    ("def zip_to_dict(keys, values):", "Return a dictionary that maps each key to the value at the same position."),
+    ("def count_even(numbers):", "Return how many numbers in the list are even."),
+    ("def reverse_words(sentence):", "Return the sentence with the order of its words reversed."),
+    ("def average_length(words):", "Return the average number of characters per word, or 0 for an empty list."),
+    ("def minutes_to_hours(minutes):", "Return a string like '2h 05m' for a number of minutes."),
+    ("def nonzero(values):", "Return the values of the list that are not zero."),
+    ("def contains_digit(s):", "Return True if s contains at least one digit."),
+    ("def letter_positions(word):", "Return a dict mapping each letter of word to the positions where it appears."),
+    ("def shift_right(items):", "Return the list with its last item moved to the front."),
+    ("def isqrt_floor(n):", "Return the largest integer whose square is at most n."),
+    ("def count_prefix(words, prefix):", "Return how many words start with prefix."),
+    ("def mirror(s):", "Return s followed by s reversed."),
+    ("def pad_left(s, width):", "Return s padded on the left with spaces to the given width."),
+    ("def is_vowel(ch):", "Return True if ch is a vowel (a, e, i, o, u, in either case)."),
+    ("def common_items(a, b):", "Return the items that appear in both lists, in the order of a."),
+    ("def double_values(d):", "Return a new dictionary with every value of d multiplied by two."),
+]
+COMPLETION_ASKS = [
+    "Complete the body of this Python function. Reply with the whole function in a code block.\n\n```python\n{stub}\n```",
+    "Complete this Python function:\n\n```python\n{stub}\n```",
+    "Finish the implementation:\n\n```python\n{stub}\n```",
+    "Fill in the body of this function so that it does what its docstring says.\n\n```python\n{stub}\n```",
+]
+
+
+def completion_stubs() -> list:
+    """(name, stub): a signature and its docstring, for every completion function of the set."""
+    out = []
+    for name, what, code in FUNCTIONS:
+        if name not in COMPLETION_EXCLUDED:
+            verb, rest = what.split(" ", 1)
+            doc = f"{verb[:-1].capitalize()} {rest}."  # "returns the sum ..." -> "Return the sum ..."
+            out.append((name, f'{code.splitlines()[0]}\n    """{doc}"""'))
+    for sig, doc in COMPLETION_FUNCTIONS:
+        out.append((sig[4:sig.index("(")], f'{sig}\n    """{doc}"""'))
+    return out
+
 
 # (buggy code, what it should do)
 BUGS = [
@@ -532,7 +606,15 @@ def build(seed: int = SEED) -> list[dict]:
                                              "into simple English for a child.", "Can you explain why you "
                                              "chose those words?"]))])
 
-    return _shuffled_records(items, rng, "", 3)
+    records = _shuffled_records(items, rng, "", 3)
+    # The completion prompts come last, with their own random stream: the records before them (and
+    # so every prefix the tests take, data.max_samples=N) are those of the set before they existed.
+    crng = random.Random(seed + 7)
+    done = {json.dumps(r["messages"]) for r in records}
+    completions = [("code_completion", [_user(ask.format(stub=stub))])  # each stub twice, in two wordings
+                   for _, stub in completion_stubs() for ask in crng.sample(COMPLETION_ASKS, 2)]
+    completions = [c for c in completions if json.dumps(c[1]) not in done]
+    return records + _shuffled_records(completions, crng, "", 3)
 
 
 def _shuffled_records(items: list, rng: random.Random, prefix: str, width: int) -> list[dict]:

@@ -103,7 +103,7 @@ def test_manifest_records_what_the_default_does(default_run):
     assert all(1.0 <= v <= int(k) + 1 for k, v in f.acceptance_by_k.items())
     assert f.num_prompts >= 1 and f.max_tokens == 24
     # the built-in prompts' categories, through regeneration and the prepared dataset, to export's per-domain figures
-    assert set(prep.facts.categories["train"]) <= {"code", "math", "explanation", "writing", "multi_turn"}
+    assert set(prep.facts.categories["train"]) <= {"code", "code_completion", "math", "explanation", "writing", "multi_turn"}
     assert f.by_domain and set(f.by_domain) <= set(prep.facts.categories["eval"])
     assert sum(d["num_prompts"] for d in f.by_domain.values()) == f.num_prompts
     assert f.lookup_summary.startswith("EAGLE-3 ") and f.offline["decoding"] == "greedy"

@@ -255,4 +255,11 @@ class Prefetcher:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join()
+        # A thread inside a read (an online store waiting for a producer's shard) sees the stop only
+        # after it: on an error path do not wait that long; the thread is a daemon.
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            import logging
+
+            logging.getLogger("eagle3.train").warning("the batch prefetch thread is still inside a read; "
+                                                      "leaving it (a daemon thread) behind")

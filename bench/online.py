@@ -9,6 +9,9 @@ eagle3.online's.
     python bench/online.py                       # one GPU, colocated (the default layout)
     python bench/online.py --layout split        # two GPUs: target on cuda:0 (a producer process),
                                                  # trainer on cuda:1, shards through --dir
+    python bench/online.py --layout split --producers 2 --trainers 6   # one 8-GPU host: two producers
+                                                 # (GPUs 0-1), a torchrun trainer of six processes (2-7)
+    bash bench/online_sweep.sh 8                 # every split of 8 GPUs, one table row each
     python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs
 
 colocated, in one run on one device: f = the target's forward rate alone (tokens/s, one sample
@@ -138,15 +141,21 @@ def tcfg(a):
                           mixed_precision="no" if a.device == "cpu" else "auto")
 
 
-def run_train(a, store, name: str) -> dict:
+def run_train(a, store, name: str, out_dir: Path | None = None) -> dict | None:
+    """The train loop's rate on ``store`` (global tokens/s: all training processes). ``out_dir``: a
+    directory the training processes share (a trainer of several processes); else a temporary one.
+    Only the main process returns the summary (the others None)."""
     from eagle3.train.loop import train
 
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(out_dir or tmp)
         t0 = time.time()
-        train(tcfg(a), draft_inputs(a, store), Path(out), progress=False)
+        train(tcfg(a), draft_inputs(a, store), out, progress=False)
         wall = time.time() - t0
-        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return BT.loop_summary(name, recs, a.batch * a.seq, wall)
+        if int(os.environ.get("RANK", "0")):
+            return None
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return BT.loop_summary(name, recs, a.batch * a.seq * int(os.environ.get("WORLD_SIZE", "1")), wall)
 
 
 def forward_rate(ext, smp, reps: int) -> float:
@@ -199,7 +208,8 @@ def role_producer(a) -> None:
 
     ext = extractor(a, torch.device(a.device))
     layout = layout_of(a)
-    produce(a.dir, {"train": samples(a)}, layout, ext, identity(layout), poll_s=0.005, progress=False)
+    produce(a.dir, {"train": samples(a)}, layout, ext, identity(layout), poll_s=0.005, progress=False,
+            part=a.part, parts=a.producers)
 
 
 def role_trainer(a) -> None:
@@ -212,29 +222,42 @@ def role_trainer(a) -> None:
     items = [{"input_ids": torch.as_tensor(smp.input_ids[i]), "loss_mask": torch.as_tensor(smp.loss_mask[i]).bool(),
               "aux_hidden_states": torch.randn(a.seq, layout.n_aux, a.hidden, generator=gen).to(dt),
               "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).to(dt)} for i in range(4)]
-    t = run_train(a, MemoryStore(items, a.samples, layout), "train only")
+    # a trainer of several processes (torchrun): each rank its own rank-<r>/ in the directory
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    shared = (lambda kind: Path(a.dir).parent / f"{Path(a.dir).name}.{kind}") if world > 1 else (lambda kind: None)
+    t = run_train(a, MemoryStore(items, a.samples, layout), "train only", shared("train-only"))
     ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)
-    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout))
+    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout), rank=rank, world_size=world)
     store = OnlineHiddenStates("train", smp, layout, src)
-    online = run_train(a, store, "online (producer process)")
+    online = run_train(a, store, "online (producer processes)", shared("online"))
     store.close(finished=True)
-    Path(a.result).write_text(json.dumps({"train_only": t, "online": online}))
+    if rank == 0:
+        Path(a.result).write_text(json.dumps({"train_only": t, "online": online}))
 
 
 def split(a) -> dict:
-    """Producer on device 0, trainer on device 1 (CUDA_VISIBLE_DEVICES), shards through a.dir."""
+    """``a.producers`` producer processes on GPUs 0..P-1 (part p of P each), the trainer on the next
+    ``a.trainers`` GPUs (one process, or a torchrun job of T processes), shards through a.dir."""
     from eagle3.online import disk_bytes
 
     d = Path(a.dir)
-    shutil.rmtree(d, ignore_errors=True)
+    P, T = a.producers, a.trainers
+    for old in (d, d.parent / f"{d.name}.train-only", d.parent / f"{d.name}.online"):
+        shutil.rmtree(old, ignore_errors=True)
     d.mkdir(parents=True)
     result = d.parent / f"{d.name}.result.json"
-    base = [sys.executable, __file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)]
+    script = [__file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)]
     gpu = a.device != "cpu"
     procs = []
-    for role, dev in (("producer", "0"), ("trainer", "1")):
-        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": dev} if gpu else {}))
-        procs.append(subprocess.Popen(base + ["--role", role, "--device", "cuda:0" if gpu else "cpu"], env=env))
+    for part in range(P):
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(part)} if gpu else {}))
+        procs.append(subprocess.Popen([sys.executable, *script, "--role", "producer", "--part", str(part),
+                                       "--device", "cuda:0" if gpu else "cpu"], env=env))
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(str(P + t) for t in range(T))} if gpu else {}))
+    launch = [sys.executable] if T == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                               f"--nproc_per_node={T}"]
+    procs.append(subprocess.Popen([*launch, *script, "--role", "trainer",
+                                   "--device", ("cuda:0" if T == 1 else "cuda") if gpu else "cpu"], env=env))
     peak, stop = [0], threading.Event()
 
     def watch():
@@ -251,10 +274,11 @@ def split(a) -> dict:
     stop.set()
     w.join()
     if any(rcs):
-        sys.exit(f"bench/online.py --layout split: a role failed (trainer, producer exit codes {rcs})")
+        sys.exit(f"bench/online.py --layout split: a role failed (exit codes: trainer, then producers {P - 1}..0: "
+                 f"{rcs})")
     r = json.loads(result.read_text())
     return {"layout": "split", **r, "ratio": r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"],
-            "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes}
+            "producers": P, "trainers": T, "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes * T}
 
 
 def table(r: dict, a) -> str:
@@ -269,8 +293,11 @@ def table(r: dict, a) -> str:
                   f"| online, colocated | {r['online']['tokens_per_s']:.0f} |",
                   f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |"]
     else:
-        lines += [f"| train loop alone, trainer GPU (t) | {r['train_only']['tokens_per_s']:.0f} |",
-                  f"| online, producer process on the other GPU | {r['online']['tokens_per_s']:.0f} |",
+        P, T = r.get("producers", 1), r.get("trainers", 1)
+        lines += [f"| train loop alone, {T} trainer GPU{'s' if T > 1 else ''} (t) | "
+                  f"{r['train_only']['tokens_per_s']:.0f} |",
+                  f"| online, {P} producer process{'es' if P > 1 else ''} on other GPUs | "
+                  f"{r['online']['tokens_per_s']:.0f} |",
                   f"| **online / t** (goal >= 0.9) | **{r['ratio']:.3f}** |",
                   f"| peak shard bytes on disk / window | {r['peak_disk_bytes'] / mib:.1f} / "
                   f"{r['window_bytes'] / mib:.1f} MiB |"]
@@ -290,6 +317,10 @@ def main(argv=None):
     p.add_argument("--dir", default="/dev/shm/eagle3-online-bench", help="split: the exchange directory")
     for k in SHAPE_8B:
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
+    p.add_argument("--producers", type=int, default=1, help="split: producer processes, one GPU each (GPUs 0..P-1)")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="split: training processes, one GPU each (the next T GPUs; a torchrun job when T > 1)")
+    p.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--role", default="", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -302,8 +333,10 @@ def main(argv=None):
         return role_trainer(a)
     if not a.tiny and a.device == "cpu":
         sys.exit("bench/online.py times 8B-shaped work on a GPU; on a CPU run it with --tiny")
-    if a.layout == "split" and a.device != "cpu" and torch.cuda.device_count() < 2:
-        sys.exit("--layout split needs two GPUs (target on cuda:0, trainer on cuda:1)")
+    need = a.producers + a.trainers
+    if a.layout == "split" and a.device != "cpu" and torch.cuda.device_count() < need:
+        sys.exit(f"--layout split with {a.producers} producer(s) and {a.trainers} trainer(s) needs {need} GPUs "
+                 f"(this machine shows {torch.cuda.device_count()})")
     r = colocated(a) if a.layout == "colocated" else split(a)
     r["args"] = vars(a)
     if os.environ.get("OUT"):

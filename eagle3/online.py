@@ -336,10 +336,13 @@ class ColocatedSource:
 
     def _placed(self, item: dict) -> dict:
         """A host item on the device its computed items are on (pinned, then copied without a wait)."""
+        import torch
+
+        from .extract.hf_backend import host_to_device
+
         if not self.on_device:
             return item
-        return {k: v.pin_memory().to(self.device, non_blocking=True) if hasattr(v, "pin_memory") else v
-                for k, v in item.items()}
+        return {k: host_to_device(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in item.items()}
 
     def _compute(self, i: int, ids, mask) -> dict:
         import torch

@@ -17,7 +17,7 @@ from .writer import HostStager, ShardWriter, write_shards
 log = logging.getLogger("eagle3.extract")
 
 
-def _to_device(t, device):
+def host_to_device(t, device):
     """A host tensor on ``device`` without making the host wait for the device's queued work (a
     plain ``.to(cuda)`` of pageable memory synchronises the stream): pinned, then copied async."""
     if device.type != "cuda":
@@ -90,16 +90,16 @@ class HFExtractor:
         # picks for an all-ones mask only after reading the mask back (a host wait per forward).
         mask = None
         if min(lengths) < width:
-            mask = _to_device((torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(), self.device)
+            mask = host_to_device((torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long(), self.device)
         self._captured.clear()
         with torch.inference_mode():
-            self.model(input_ids=_to_device(ids, self.device), attention_mask=mask, use_cache=False)
+            self.model(input_ids=host_to_device(ids, self.device), attention_mask=mask, use_cache=False)
             if min(lengths) == width:
                 def rows(x):
                     return x.reshape(-1, x.shape[-1])
             else:
-                keep = _to_device(torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)]),
-                                  self.device)
+                keep = torch.cat([torch.arange(b * width, b * width + n) for b, n in enumerate(lengths)])
+                keep = host_to_device(keep, self.device)
 
                 def rows(x):
                     return x.reshape(-1, x.shape[-1]).index_select(0, keep)

@@ -250,6 +250,45 @@ class GpuTimeline:
                 "last_end": ends[-1], "after_last": wall - ends[-1], "forwards": len(starts)}
 
 
+class NullSink:
+    """A sink for ``sink=null``: waits for each batch's device-to-host copy and returns its buffer,
+    writes nothing. Extraction with it = forward + hooks + pack + D2H, without the store."""
+
+    def __init__(self):
+        import queue
+
+        self.q = queue.Queue()
+        self.t = threading.Thread(target=self._loop, daemon=True)
+        self.t.start()
+
+    def _loop(self):
+        while (b := self.q.get()) is not None:
+            if b.ready is not None:
+                b.ready.synchronize()
+            if b.release is not None:
+                b.release()
+
+    def begin(self, plan):
+        pass
+
+    def write(self, batch):
+        self.q.put(batch)
+
+    def end(self, key):
+        pass
+
+    def poll(self):
+        return []
+
+    def close(self):
+        self.q.put(None)
+        self.t.join()
+        return []
+
+    def abort(self):
+        self.close()
+
+
 def ceilings(root: Path, device: str) -> dict:
     """This machine's rates for the pieces of the writer path."""
     import numpy as np
@@ -374,7 +413,7 @@ def main() -> None:
         for item in filter(None, spec.split(",")):
             if item != "default":
                 k, v = item.split("=")
-                kw[k.strip()] = v.strip() if k.strip() == "store" else int(v)
+                kw[k.strip()] = v.strip() if k.strip() in ("store", "sink", "dir") else int(v)
         return kw
 
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
@@ -387,6 +426,8 @@ def main() -> None:
 
         kw = variant(spec)
         depth = kw.pop("depth", None)
+        sink = kw.pop("sink", None)
+        where = Path(kw.pop("dir")) if "dir" in kw else root
         lay = dataclasses.replace(layout, dtype=kw.pop("store")) if "store" in kw else layout
         real = hb.ShardWriter
         if kw:
@@ -395,7 +436,12 @@ def main() -> None:
             ex2 = HFExtractor(None, lay, "bfloat16", cfg, model=model)  # hooks installed afresh
             if depth:
                 ex2.stager = writer_mod.HostStager(depth)
-            store = root / f"store-{rep}-{variants.index(spec)}"
+            if sink == "null":  # the same producer loop and D2H copies, nothing written
+                ex2.run = lambda plans, store_dir, progress: writer_mod.write_shards(
+                    NullSink(), plans, lambda plan: ex2._produce(plan, progress))
+            elif sink:
+                raise SystemExit(f"unknown sink={sink} (only sink=null)")
+            store = where / f"store-{rep}-{variants.index(spec)}"
             shutil.rmtree(store, ignore_errors=True)
             res = extract_store(store, {"train": Samples(ids)}, lay, backend="hf", target_path=None,
                                 target_dtype="bfloat16", ecfg=cfg, progress=False, extractor=ex2)
@@ -430,6 +476,10 @@ def main() -> None:
                 p["writer_cpu"] = (res.stats or {}).get("writer_cpu_s", float("nan"))
                 prof[what].append(p)
                 size[what] = sum(f.stat().st_size for f in store.rglob("*.safetensors"))
+                if "sink=null" in what:
+                    size[what] = n_tokens * layout.bytes_per_token  # what it would have written
+                    shutil.rmtree(store, ignore_errors=True)
+                    continue
                 digests[what].append(store_digest(store))
                 if rep == a.reps - 1 and what == variants[0]:
                     verified, n_shards = verify_store(store)  # untimed: every file against its sidecar
@@ -446,6 +496,8 @@ def main() -> None:
     if not a.store_dir:
         shutil.rmtree(root, ignore_errors=True)
     for k, ds in digests.items():
+        if not ds:  # sink=null: no store
+            continue
         same = len(set(ds)) == 1
         print(f"\nstore {k}: {n_shards} shards, sidecar digest = file digest (re-hashed); digest {ds[-1][:16]} "
               f"({'identical in every run' if same else 'DIFFERS between runs: ' + ' '.join(d[:16] for d in ds)})")

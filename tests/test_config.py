@@ -42,6 +42,18 @@ def test_experiment_preset_sets_name(compose):
     assert compose("experiment=smollm2_large").name == "smollm2_large"
 
 
+def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(compose):
+    """The preset took EAGLE-3.1 (bench/draft31.md); the schema's default draft stays EAGLE-3."""
+    m = compose("experiment=smollm2_large").train.model
+    assert (m.norm_before_fc, m.fc_norm, m.norm_output) == (True, True, True)
+    d = compose().train.model
+    assert (d.norm_before_fc, d.fc_norm, d.norm_output) == (False, False, False)
+    with pytest.raises((ConfigCompositionException, ValueError), match="sglang cannot carry norm_before_fc"):
+        compose("experiment=smollm2_large", "export.format=sglang")
+    m = compose("experiment=smollm2_large", "export.format=speculators", "train.model.fc_norm=false").train.model
+    assert (m.norm_before_fc, m.fc_norm, m.norm_output) == (True, False, True)
+
+
 def test_unknown_key_fails_at_compose(compose):
     with pytest.raises(ConfigCompositionException, match="bogus"):
         compose("train.bogus=1")

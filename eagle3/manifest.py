@@ -36,6 +36,11 @@ from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
 
 SCHEMA_VERSION = 2
+# Upstream stages a consumer picks by its own composed config (``consume_upstream(..., cfg=)``): their
+# runs record ``semantic_dict`` of the config section of the same name, so "the run of this config"
+# is well defined (``stage=export train.seed=0`` exports seed 0's draft even when seed 1's was trained
+# last). Other stages' runs record derived values and are read as the current run.
+SELECTED_BY_CONFIG = ("extract", "train")
 READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 log = logging.getLogger("eagle3.manifest")
@@ -103,6 +108,7 @@ class Manifest:
         # Runs chosen by this process (stage=all pins each run it completes, so a concurrent
         # sweep job that moves "current" cannot swap a downstream stage's input under it).
         self.pins: dict[str, str] = {}
+        self._told: set = set()  # runs of the config already announced (a stage may consume twice)
 
     # -- raw access -------------------------------------------------------------------------
     def read(self) -> dict:
@@ -163,9 +169,43 @@ class Manifest:
                 return f"'{up}' is stale: {reason}"
         return None
 
-    def consume(self, stage: str, by: str, target_hash: Optional[str] = None) -> StageRecord:
-        """The current run of ``stage`` for use as input by stage ``by``, or a clear error."""
+    def _run_of_config(self, stage: str, by: str, rec: Optional[StageRecord], wanted: dict) -> Optional[StageRecord]:
+        """The run of ``stage`` whose recorded config section is ``wanted``: the current one if it
+        matches, else the latest complete, not stale run that does; where none does, the current run
+        with a warning that names the differences (what a stage read before runs were picked by config)."""
+        def matches(r: StageRecord) -> bool:
+            return (r.data.get("config") or {}).get(stage) == wanted
+
+        if rec is None or matches(rec):
+            return rec
+        runs = [StageRecord(stage, d, self.exp_dir) for d in self.read()["stages"][stage].get("runs", {}).values()]
+        found = [r for r in runs if r.status == "complete" and matches(r) and self.stale_reason(r) is None]
+        if found:
+            pick = max(found, key=lambda r: r.data.get("ended") or "")
+            if (stage, pick.config_hash) in self._told:
+                return pick
+            self._told.add((stage, pick.config_hash))
+            log.info("%s reads the %s run of this config, %s (the current one, %s, was made with %s)", by, stage,
+                     pick.config_hash[:12], rec.config_hash[:12], _config_diff(stage, (rec.data.get("config") or {}).get(stage), wanted))
+            return pick
+        if (stage, rec.config_hash) not in self._told:
+            self._told.add((stage, rec.config_hash))
+            log.warning("%s reads the current %s run %s, made with %s: %s has no complete run of this config's "
+                        "%s section. Give the overrides of the run you mean, or run `python -m eagle3 stage=%s` "
+                        "with this config first.", by, stage, rec.config_hash[:12],
+                        _config_diff(stage, (rec.data.get("config") or {}).get(stage), wanted), self.exp_dir,
+                        stage, stage)
+        return rec
+
+    def consume(self, stage: str, by: str, target_hash: Optional[str] = None,
+                wanted: Optional[dict] = None) -> StageRecord:
+        """The current run of ``stage`` for use as input by stage ``by``, or a clear error. ``wanted``:
+        the config section that names the run (``SELECTED_BY_CONFIG``); the run of that config is
+        taken instead of the current one where they differ (the current one, with a warning, where the
+        manifest has none). A run pinned by this process is taken as is."""
         rec = self.current(stage)
+        if wanted is not None and stage not in self.pins:
+            rec = self._run_of_config(stage, by, rec, wanted)
         if rec is None:
             raise ManifestError(f"stage '{by}' needs the output of stage '{stage}', which has not been "
                                 f"run in {self.exp_dir}. Run `python -m eagle3 stage={stage}` first "
@@ -190,12 +230,14 @@ class Manifest:
                                     f"recorded. Re-run `python -m eagle3 stage={stage}`.")
         return rec
 
-    def consume_upstream(self, stage: str, target_hash: str, only: Optional[tuple] = None) -> dict:
+    def consume_upstream(self, stage: str, target_hash: str, only: Optional[tuple] = None, cfg=None) -> dict:
         """The current runs of every stage ``stage`` reads (``eagle3.contracts.UPSTREAM``), each checked
         by :meth:`consume`; ``only`` narrows them (export of a draft trained elsewhere needs prepare's
-        prompts at most)."""
+        prompts at most). ``cfg``: the composed config; the runs of ``SELECTED_BY_CONFIG`` stages are
+        then those of its sections (``extract``, ``train``), not merely the current ones."""
         names = UPSTREAM[stage] if only is None else tuple(n for n in UPSTREAM[stage] if n in only)
-        return {name: self.consume(name, by=stage, target_hash=target_hash) for name in names}
+        return {name: self.consume(name, by=stage, target_hash=target_hash,
+                                   wanted=config_section(cfg, name) if cfg is not None else None) for name in names}
 
     # -- running a stage --------------------------------------------------------------------
     def start(self, stage: str, config: dict, target: dict, inputs: Optional[dict] = None,
@@ -368,3 +410,27 @@ class StageJob:
         if missing_facts is not None:
             raise missing_facts
         return False
+
+
+def config_section(cfg, stage: str) -> Optional[dict]:
+    """What a run of ``stage`` records of ``cfg`` (its ``semantic_dict`` section, as the manifest's JSON
+    keeps it), for the stages in ``SELECTED_BY_CONFIG``; None for the others."""
+    if stage not in SELECTED_BY_CONFIG:
+        return None
+    from .hashing import semantic_dict
+
+    return json.loads(json.dumps(semantic_dict(getattr(cfg, stage)), sort_keys=True))
+
+
+def _config_diff(stage: str, had: Optional[dict], wanted: dict, limit: int = 4) -> str:
+    """``train.seed=1 (this config: 0)``-style differences between two recorded sections."""
+    def flat(d, prefix):
+        out = {}
+        for k, v in (d or {}).items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(had, f"{stage}."), flat(wanted, f"{stage}.")
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
+    parts = [f"{k}={a.get(k, '<unset>')} (this config: {b.get(k, '<unset>')})" for k in keys[:limit]]
+    return ", ".join(parts) + (f" and {len(keys) - limit} more" if len(keys) > limit else "") or "another config"

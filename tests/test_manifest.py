@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -215,3 +216,49 @@ def test_version_1_manifest_is_read_and_upgraded(tmp_path):
     data = json.loads((exp / "manifest.json").read_text())
     assert data["schema_version"] == 2
     assert data["stages"]["train"]["runs"][run["config_hash"]]["facts"]["eval"]["loss"] == 3.25
+
+
+def test_consumer_reads_the_run_of_its_config_not_only_the_current_one(tmp_path, caplog):
+    """`stage=export train.seed=0` after seed 1 was trained: the export reads seed 0's train run; for a
+    config no run was made with it reads the current run and warns with the difference and the command."""
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    prep = m.consume("prepare", by="extract")
+    _run(m, "extract", {"extract": {"dtype": "bf16"}}, inputs={"prepare": prep})
+    ext = m.consume("extract", by="train", wanted={"dtype": "bf16"})
+    seed0, _ = _run(m, "train", {"train": {"seed": 0, "lr": 1e-3}}, inputs={"prepare": prep, "extract": ext})
+    seed1, _ = _run(m, "train", {"train": {"seed": 1, "lr": 1e-3}}, inputs={"prepare": prep, "extract": ext})
+    m = Manifest(m.exp_dir)  # another process (`stage=export`): nothing pinned
+    assert m.consume("train", by="export").config_hash == seed1.config_hash  # no config given: the current run
+    assert m.consume("train", by="export", wanted={"seed": 1, "lr": 1e-3}).config_hash == seed1.config_hash
+    assert m.consume("train", by="export", wanted={"seed": 0, "lr": 1e-3}).config_hash == seed0.config_hash
+    with caplog.at_level("WARNING", logger="eagle3.manifest"):
+        assert m.consume("train", by="export", wanted={"seed": 2, "lr": 1e-3}).config_hash == seed1.config_hash
+    assert re.search(r"current train run .*train\.seed=1 \(this config: 2\).*stage=train", caplog.text)
+    m.pins["train"] = seed1.config_hash  # a run this process made (stage=all) is taken as is
+    assert m.consume("train", by="export", wanted={"seed": 0, "lr": 1e-3}).config_hash == seed1.config_hash
+
+
+def test_a_stale_run_of_the_config_is_not_taken(tmp_path):
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    prep = m.consume("prepare", by="extract")
+    _run(m, "extract", {"extract": {"dtype": "bf16"}}, inputs={"prepare": prep})
+    _run(m, "train", {"train": {"seed": 0}}, inputs={"prepare": prep, "extract": m.consume("extract", by="train")})
+    _run(m, "extract", {"extract": {"dtype": "fp8"}}, inputs={"prepare": prep})  # current extract changes
+    ext = Manifest(m.exp_dir).consume("extract", by="train")
+    _run(m, "train", {"train": {"seed": 1}}, inputs={"prepare": prep, "extract": ext})
+    current = Manifest(m.exp_dir).consume("train", by="export")
+    # seed 0's run was trained on the old store: not taken (the current run is, with a warning)
+    assert Manifest(m.exp_dir).consume("train", by="export", wanted={"seed": 0}).config_hash == current.config_hash
+
+
+def test_config_section_is_what_the_train_and_extract_runs_record():
+    from eagle3.__main__ import compose_config
+    from eagle3.hashing import semantic_dict
+    from eagle3.manifest import config_section
+
+    cfg = compose_config(["train.seed=3", "extract.store_dtype=fp8"])
+    assert config_section(cfg, "train") == json.loads(json.dumps(semantic_dict(cfg.train)))
+    assert config_section(cfg, "train")["seed"] == 3 and config_section(cfg, "extract")["store_dtype"] == "fp8"
+    assert config_section(cfg, "prepare") is None  # read as the current run

@@ -101,6 +101,7 @@ def directory_identity(path) -> str:
 def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export"):
     """(DraftCheckpoint, inputs for the manifest, prepare record or None, identity of export.from),
     for ``stage`` (export or eval: both consume what export does)."""
+    from ..manifest import ManifestError
     from .importers import import_draft
 
     ecfg = cfg.export
@@ -110,9 +111,14 @@ def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export
         needs_prompts = needs_prompts and not ecfg.prompts
         inputs = manifest.consume_upstream(stage, target.hash, only=("prepare",) if needs_prompts else ())
         return ckpt, inputs, inputs.get("prepare"), from_id
-    inputs = manifest.consume_upstream(stage, target.hash, only=("prepare", "train"))
+    inputs = manifest.consume_upstream(stage, target.hash, only=("prepare", "train"), cfg=cfg)
     if inputs["train"].facts.hidden_states != "online":  # trained on a store: its extract run too
-        inputs = manifest.consume_upstream(stage, target.hash)
+        inputs = manifest.consume_upstream(stage, target.hash, cfg=cfg)
+        used = inputs["train"].data.get("upstream", {}).get("extract")
+        if used != inputs["extract"].config_hash:
+            raise ManifestError(f"the train run {inputs['train'].config_hash[:12]} was trained on extract run "
+                                f"{str(used)[:12]}, but this config's extract run is {inputs['extract'].config_hash[:12]}: "
+                                f"give the extract.* overrides the draft was trained with (or re-run stage=train).")
     ckpt = trained_draft(inputs["train"], inputs.get("extract"), inputs["prepare"], target)
     return ckpt, inputs, inputs["prepare"], None
 

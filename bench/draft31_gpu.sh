@@ -21,12 +21,8 @@ E31=norm_before_fc=true,fc_norm=true,norm_output=true
 ARMS=${3:-"e3:0 e3:1 e31:0:$E31 e31:1:$E31"}
 WS=${WS:-/tmp/e3d31}
 OUT=${OUT:-$WS}
-mkdir -p "$OUT"
-deadline=$(( $(date +%s) + BUDGET ))
-common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
-        logger=jsonl progress=false)
-
 source "$(dirname "$0")/stage_step.sh"
+smollm2_large_gpu_setup
 
 step prepare stage=prepare
 step extract stage=extract

@@ -21,12 +21,8 @@ BUDGET=${2:-3600}
 ARMS=${3:-"bfloat16 fp8"}
 WS=${WS:-/tmp/e3fp8}
 OUT=${OUT:-$WS}
-mkdir -p "$OUT"
-deadline=$(( $(date +%s) + BUDGET ))
-common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
-        logger=jsonl progress=false)
-
 source "$(dirname "$0")/stage_step.sh"
+smollm2_large_gpu_setup
 
 step prepare stage=prepare
 for arm in $ARMS; do

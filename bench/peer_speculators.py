@@ -268,12 +268,14 @@ def export(args, ckpt: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=("convert", "train", "export", "all"))
-    ap.add_argument("--workspace", default="/work/scratch/ws_spec")
-    ap.add_argument("--data", default="/work/scratch/spec_data")
-    ap.add_argument("--out", default="/work/scratch/spec_runs")
+    ap.add_argument("--workspace", default="/work/scratch/ws_spec",
+                    help="an eagle3 workspace whose embedded-default prepare and extract runs are complete (a copy: exports are recorded there)")
+    ap.add_argument("--data", default="/work/scratch/spec_data", help="where the converted speculators data go")
+    ap.add_argument("--out", default="/work/scratch/spec_runs", help="one directory per speculators run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="run name (default: spec_default_s<seed>)")
-    ap.add_argument("--spec-python", default="/work/scratch/specvenv/bin/python")
+    ap.add_argument("--spec-python", default="/work/scratch/specvenv/bin/python",
+                    help="python of a scratch venv with speculators 0.9.0 (bench/peer_speculators.md: how it was made)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ckpt", default=None, help="export: checkpoint dir (default: the run's final epoch)")
     argv = sys.argv[1:]

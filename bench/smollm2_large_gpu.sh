@@ -19,12 +19,8 @@ GGUF=${1:?usage: bench/smollm2_large_gpu.sh GGUF_FILE [SECONDS]}
 BUDGET=${2:-3600}
 WS=${WS:-/tmp/e3ws}
 OUT=${OUT:-$WS/out}
-mkdir -p "$OUT"
-deadline=$(( $(date +%s) + BUDGET ))
-common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
-        logger=jsonl progress=false)
-
 source "$(dirname "$0")/stage_step.sh"
+smollm2_large_gpu_setup
 
 step prepare stage=prepare
 step extract stage=extract

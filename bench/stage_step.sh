@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (bench/smollm2_large_gpu.sh, bench/fp8_quality_gpu.sh): `step NAME OVERRIDES...`
+# Sourced by the GPU scripts (bench/smollm2_large_gpu.sh, bench/fp8_quality_gpu.sh, bench/draft31_gpu.sh): `step NAME OVERRIDES...`
 # runs one stage, `python -m eagle3 OVERRIDES... ${common[@]}`, within the time left before $deadline
 # (epoch seconds); exits with the stage's code if it fails, 124 when no time is left.
 step() {
@@ -10,4 +10,14 @@ step() {
     local rc=$?
     echo "== $1: rc=$rc in $(( $(date +%s) - t0 )) s"
     if (( rc != 0 )); then exit "$rc"; fi
+}
+
+# `smollm2_large_gpu_setup`: what every experiment=smollm2_large script for a GPU machine without vLLM
+# starts with, from its GGUF, BUDGET (seconds), WS and OUT: $OUT made, $deadline set, and ${common[@]},
+# the overrides each of its stages runs with (regeneration and extraction through transformers).
+smollm2_large_gpu_setup() {
+    mkdir -p "$OUT"
+    deadline=$(( $(date +%s) + BUDGET ))
+    common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
+            logger=jsonl progress=false)
 }

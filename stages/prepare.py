@@ -21,6 +21,7 @@ def run(cfg, manifest):
     from eagle3.data.dataset import (
         assign_splits,
         category_counts,
+        conversation_key,
         load_conversations,
         prepare_config,
         token_frequencies,
@@ -58,16 +59,19 @@ def run(cfg, manifest):
         if report.bad_records:
             log.warning("skipped %d bad records, e.g. %s", report.bad_records, "; ".join(report.bad_examples))
         regen_stats = {}
+        keys = [conversation_key(m) for m in conversations]  # ids and splits: the source conversations'
         if cfg.prepare.regenerate:
             kept: list = []
             conversations, regen_stats = _regenerate(cfg, target, tokenizer, conversations, drops, kept)
             categories = [categories[i] for i in kept]
+            keys = [keys[i] for i in kept]
             with open(out / REGENERATED_FILE, "w") as f:
                 for msgs in conversations:
                     f.write(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n")
             job.add_output(out / REGENERATED_FILE)
         t_tok = time.perf_counter()
-        rows, truncated = tokenize_all(conversations, tokenizer, cfg, drops, cfg.progress, categories=categories)
+        rows, truncated = tokenize_all(conversations, tokenizer, cfg, drops, cfg.progress, categories=categories,
+                                        keys=keys)
         tok_seconds = time.perf_counter() - t_tok
         if not rows:
             raise DataError(f"no sample has trainable (assistant) tokens after preparation (drops: {dict(drops)}). "

@@ -71,3 +71,44 @@ def test_hf_backend_batch_size_does_not_change_the_output(tiny_llama_dir):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="prepare.regen.backend"):
         RegenerateConfig(backend="sglang")
+
+
+def test_regenerated_answers_do_not_move_a_prompt_between_splits(tiny_llama_dir, tmp_path):
+    """Sample ids and splits are hashed from the source conversations: two prepare runs whose
+    regenerated answers differ (4 against 12 new tokens a turn; on GPUs a bf16 token can differ
+    between machines the same way) hold out the same prompts. They once were hashed from the
+    regenerated text, and the smollm2_large held-out split moved by 8 of ~125 conversations
+    between two H200s."""
+    import contextlib
+    import io
+    import json
+
+    import datasets
+    from conftest import chat_records, write_jsonl
+
+    from eagle3.__main__ import compose_config
+    from eagle3.manifest import Manifest
+    from eagle3.runner import run
+
+    chats = write_jsonl(tmp_path / "chats.jsonl", chat_records(24, turns=2, seed=3))
+    splits, answers = [], []
+    for max_tokens in (4, 12):
+        ws = tmp_path / f"ws{max_tokens}"
+        with contextlib.redirect_stdout(io.StringIO()):
+            run(compose_config([f"target.path={tiny_llama_dir}", f"data.path={chats}", f"workspace={ws}",
+                                "experiment=split", "logger=jsonl", "progress=false", "stage=prepare",
+                                "prepare.draft_vocab_size=64", "prepare.eval_fraction=0.3",
+                                "prepare.regenerate=true", "prepare.regen.backend=hf",
+                                f"prepare.regen.max_tokens={max_tokens}"]))
+        run_dir = ws / "split" / Manifest(ws / "split").current("prepare").out_dir
+        ds = datasets.load_from_disk(str(run_dir / "dataset"))
+        splits.append({name: sorted(ds[name]["sample_id"]) for name in ("train", "eval")})
+        answers.append([json.loads(line) for line in open(run_dir / "regenerated.jsonl")])
+    assert answers[0] != answers[1]  # the regenerated answers differ ...
+    assert splits[0]["eval"] and splits[0]["train"]
+    # ... and every prompt both runs kept is in the same split under the same id (a run may drop an
+    # answer the target ended at once: no trainable token)
+    both = set(splits[0]["train"] + splits[0]["eval"]) & set(splits[1]["train"] + splits[1]["eval"])
+    assert len(both) >= 20
+    for name in ("train", "eval"):
+        assert set(splits[0][name]) & both == set(splits[1][name]) & both

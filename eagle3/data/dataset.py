@@ -110,17 +110,21 @@ def record_category(rec) -> str | None:
     return None
 
 
-def split_of(messages: list[dict], seed: int, eval_fraction: float) -> tuple[str, float]:
-    """A sample's split from a hash of its content: stable when other samples are added."""
-    key = conversation_key(messages)
+def split_of(key: str, seed: int) -> tuple[str, float]:
+    """A sample's (sample_id, u) from its :func:`conversation_key`: the split (eval when u <
+    eval_fraction) is stable when other samples are added. With regeneration the key is the source
+    conversation's, not the regenerated one's: the target's answers (bf16 on another GPU, another
+    batch size) may differ by a token between runs, and that must not move a prompt between splits."""
     u = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:12], 16) / 16**12
     return key[:16], u
 
 
 def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, batch: int = 512,
-                 categories: list | None = None):
+                 categories: list | None = None, keys: list | None = None):
     """Rows (sample_id, u, input_ids, loss_mask; and ``category`` when ``categories``, parallel to
-    ``conversations``, is given) and the number of samples cut at ``prepare.max_length``."""
+    ``conversations``, is given) and the number of samples cut at ``prepare.max_length``.
+    ``keys``, parallel to ``conversations``: what each sample's id and split are hashed from (the
+    source conversations' keys when the answers were regenerated); default: each conversation's own."""
     from tqdm.auto import tqdm
 
     from .chat_template import tokenize_conversations
@@ -150,7 +154,8 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
                 if not any(mask):
                     drops["no_trainable_tokens"] += 1
                     continue
-                sid, u = split_of(msgs, cfg.prepare.seed, cfg.prepare.eval_fraction)
+                key = keys[start + j] if keys is not None else conversation_key(msgs)
+                sid, u = split_of(key, cfg.prepare.seed)
                 row = {"sample_id": sid, "u": u, "input_ids": ids, "loss_mask": mask}
                 if categories is not None:
                     row["category"] = categories[start + j]

@@ -11,7 +11,8 @@
 # last checkpoint.
 #
 # Usage: bash bench/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]
-#   ARMS: space-separated NAME:SEED[:OPTION=VALUE,...] with train.model options, default
+#   ARMS: space-separated NAME:SEED[:OPTION=VALUE,...]: train.model options (norm_output=true), or
+#   any train key written whole (train.optimizer=muon); default
 #   "e3:0 e3:1 e31:0:norm_before_fc=true,fc_norm=true,norm_output=true e31:1:norm_before_fc=true,fc_norm=true,norm_output=true"
 # Environment: WS (workspace, default /tmp/e3d31), OUT (where results.jsonl goes, default $WS).
 set -uo pipefail
@@ -30,7 +31,10 @@ for arm in $ARMS; do
     IFS=: read -r name seed opts <<< "$arm"
     over=("train.seed=$seed")
     IFS=, read -ra kv <<< "${opts:-}"
-    for o in "${kv[@]}"; do [[ -n $o ]] && over+=("train.model.$o"); done
+    for o in "${kv[@]}"; do
+        [[ -z $o ]] && continue
+        if [[ $o == train.* ]]; then over+=("$o"); else over+=("train.model.$o"); fi
+    done
     if grep -qxF "$arm" "$OUT/done_arms" 2>/dev/null; then echo "== $arm: done before"; continue; fi
     step "train $arm" stage=train "${over[@]}"
     step "eval $arm" stage=eval "${over[@]}" export.num_speculative_tokens=5 \

@@ -1,20 +1,22 @@
 """Peer baseline: speculators' own EAGLE-3 recipe on eagle3's data, hidden states and vocabulary.
 
-Issue 18, part 0 (CPU half): on the embedded default's data and budget, eagle3's draft must reach a
-higher vLLM acceptance length than speculators' default recipe on the same samples, hidden states
-and vocabulary mapping. This script makes the comparison without letting speculators near eagle3's
-environment: speculators runs from a scratch venv (``--spec-python``), eagle3 with this python.
+Issue 18, part 0: on an experiment's data and budget, compare eagle3's draft with what
+vllm-project/speculators 0.9.0's default recipe trains from the same samples, hidden states and
+vocabulary mapping. speculators never shares eagle3's environment: its trainer runs in a separate
+python (``--spec-python``, plus ``--spec-path`` prepended to its PYTHONPATH), eagle3 in this one.
+On the 2-core CPU box (``--device cpu``, the embedded default) and on a GPU machine without vLLM
+(``--device cuda``, driven by ``bench/peer_speculators_gpu.sh`` on experiment=smollm2_large).
 
-Three subcommands (``all`` runs them in order for one seed):
+Subcommands (``all`` = convert, train, export for one seed):
 
-``convert``  (this python, eagle3's reader) an experiment's current prepare + extract runs ->
+``convert``  (this python, eagle3's reader) the experiment's current prepare + extract runs ->
              speculators 0.9.0's offline-training data directory (what its ``prepare_data`` plus
              offline hidden-state generation would have written):
 
                DATA/                      datasets.Dataset.save_to_disk, format torch, columns
                                           input_ids int64 [T], loss_mask int64 [T], seq_len int:
-                                          the prepare run's train split (628 rows) then its eval
-                                          split (26 rows), in store order
+                                          the prepare run's train split then its eval split, in
+                                          store order
                DATA/hidden_states/hs_<i>.safetensors
                                           {"hidden_states": [T, 4, H] = aux layers (ascending
                                            vLLM ids) then the final pre-norm state,
@@ -26,20 +28,38 @@ Three subcommands (``all`` runs them in order for one seed):
 
              speculators splits train/val by ``--train-data-ratio``: it is set so that the train
              part is exactly eagle3's train split and the val part exactly eagle3's eval split.
+             ``--workers`` processes write the sample files (one torch thread each).
 
-``train``    (scratch-venv python) speculators' trainer, ``speculators.train.cli.main``, with its
-             default recipe; only the budget knobs are set to the embedded default's
-             (epochs 2, TTT 3, lr 1e-3, packed rows of 512 tokens) plus the data/vocab/layer
-             paths and CPU plumbing. A small launcher patches three CUDA assumptions of
-             speculators' Trainer for a CPU run (model/batch ``.to(0)`` -> cpu, autocast device
-             "cuda" -> "cpu", torch.accelerator.synchronize -> no-op); nothing numerical.
+``train``    (``--spec-python``) speculators' trainer, ``speculators.train.cli.main``, with its
+             default recipe; only the budget knobs are set, from eagle3's composed config of the
+             experiment (epochs, TTT steps, lr, tokens per optimizer step = batch_size x
+             max_seq_len x grad_accum -> ``--total-seq-len``), plus the data/vocab/layer paths and
+             plumbing. A small launcher (written into the run dir) adds a JSON-lines copy of
+             speculators' metric records (``metrics.jsonl``) and, on CPU only, patches four CUDA
+             assumptions of its Trainer (model/batch ``.to(0)`` -> cpu, autocast device "cuda"
+             -> "cpu", torch.accelerator.synchronize -> no-op, a resume's checkpoint loading
+             onto "cuda:0" -> cpu); nothing numerical.
+             Device plumbing: on CPU ``--draft-attn-impl sdpa`` (flex attention has no CPU
+             backward), ``--loss-implementation eager`` (the fused loss is Triton) and one
+             dataloader worker; on CUDA speculators' defaults (flex attention, fused loss, 12
+             workers) unless ``--attn/--loss/--num-workers`` say otherwise. ``--fallback`` (CUDA):
+             a launch that fails before its first epoch checkpoint is retried once with sdpa +
+             eager, and the run records it (``impl.json``; a resumed run keeps what it started with).
+             ``--resume`` + ``--deadline``: stop the trainer (SIGTERM) before the deadline and
+             exit 124; the next call resumes from its last epoch checkpoint (speculators' own
+             resume; it saves weights and optimizer state in bf16, so a resumed run is not
+             bit-identical to an uninterrupted one, and the result says ``launches``).
 
-``export``   (this python) ``python -m eagle3 stage=export workspace=WS export.from=CKPT`` on the
-             final epoch's checkpoint: vLLM's acceptance on the prepare run's held-out prompts
-             (export.eval_prompts / eval_max_tokens of the embedded default, k=1..5), read back
-             from the manifest and printed.
+``export``   (this python, vLLM) ``python -m eagle3 stage=export ... export.from=CKPT`` on the
+             final epoch's checkpoint; vLLM's acceptance, read back from the manifest.
 
-Example (seed 0)::
+``row``      after ``python -m eagle3 stage=eval ... export.from=CKPT`` (the offline evaluator,
+             run by the caller with its own overrides): appends the arm's row to a results.jsonl
+             in bench/draft31_gpu.sh's format (plus speculators' own held-out metrics).
+
+``table``    prints a results.jsonl (eagle3 and speculators arms alike).
+
+Example (CPU, the embedded default, seed 0)::
 
     PYTHONPATH=/work/main python3 bench/peer_speculators.py all --workspace /work/scratch/ws_spec \
         --data /work/scratch/spec_data --out /work/scratch/spec_runs --seed 0 \
@@ -50,32 +70,75 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-EXPERIMENT = "default"
-
-# The embedded default's budget (conf/experiment/embedded_default.yaml), where speculators exposes it.
-BUDGET = {"epochs": 2, "ttt_steps": 3, "lr": 1e-3, "total_seq_len": 512}
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _exp_dir(workspace: str) -> Path:
-    return Path(workspace) / EXPERIMENT
+def _exp_dir(args) -> Path:
+    return Path(args.workspace) / args.experiment
+
+
+def budget(experiment: str) -> dict:
+    """The experiment's training budget from eagle3's composed config, in speculators' terms."""
+    from eagle3.__main__ import compose_config
+
+    t = compose_config([] if experiment == "default" else [f"experiment={experiment}"]).train
+    if t.max_steps:
+        raise SystemExit(f"experiment {experiment} sets train.max_steps={t.max_steps}; only epochs are mapped")
+    # speculators packs one row of --total-seq-len tokens per optimizer step; eagle3 takes
+    # batch_size rows of max_seq_len packed tokens, grad_accum times, per step
+    return {"epochs": int(t.epochs), "ttt_steps": int(t.ttt_steps), "lr": float(t.lr),
+            "total_seq_len": int(t.batch_size * t.max_seq_len * t.grad_accum)}
+
+
+def _budget(args) -> dict:
+    bud = budget(args.experiment)
+    if args.epochs:  # smoke tests only
+        bud["epochs"] = args.epochs
+    return bud
 
 
 # --------------------------------------------------------------------------------------- convert
-def convert(args) -> dict:
-    import numpy as np
+def _convert_range(exp_dir: str, split: str, lo: int, hi: int, first: int, hs_dir: str) -> list:
+    """Samples lo..hi-1 of ``split`` -> hs_<first + j - lo>.safetensors; their (ids, mask) arrays."""
     import torch
+    from safetensors.torch import save_file
+
+    import eagle3
+
+    torch.set_num_threads(1)  # one process per core; threads only contend
+    store = eagle3.open_hidden_states(exp_dir, split=split)  # fp8 comes dequantised
+    out = []
+    for j in range(lo, hi):
+        item = store[j]
+        aux, last, ids = item["aux_hidden_states"], item["last_hidden_state"], item["input_ids"].long()
+        hs = torch.empty(aux.shape[0], aux.shape[1] + 1, aux.shape[2], dtype=torch.bfloat16)
+        hs[:, :-1].copy_(aux)  # the cast rounds as .to(torch.bfloat16) does
+        hs[:, -1].copy_(last)
+        save_file({"hidden_states": hs, "token_ids": ids.contiguous()},
+                  os.path.join(hs_dir, f"hs_{first + j - lo}.safetensors"))
+        out.append((ids.numpy(), item["loss_mask"].to(torch.int64).numpy()))
+    return out
+
+
+def convert(args) -> dict:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
     from datasets import Dataset, load_from_disk
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     import eagle3
     from eagle3.manifest import Manifest
 
-    exp = _exp_dir(args.workspace)
+    exp = _exp_dir(args)
     man = Manifest(exp)
     prep, ext = man.current("prepare"), man.current("extract")
     data = Path(args.data)
@@ -85,35 +148,39 @@ def convert(args) -> dict:
         if info.get("prepare") == prep.config_hash and info.get("extract") == ext.config_hash:
             print(f"convert: {data} already holds prepare {prep.config_hash[:12]} / extract {ext.config_hash[:12]}")
             return info
-    (data / "hidden_states").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(data, ignore_errors=True)  # a stale or half-written conversion
+    (data / "hidden_states").mkdir(parents=True)
 
     ds = load_from_disk(str(prep.out_dir / "dataset"))
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     checks = {}
-    i = 0
     t0 = time.time()
-    for split in ("train", "eval"):
-        store = eagle3.open_hidden_states(exp, split=split)  # float32 store; fp8 would come dequantised
-        assert len(store) == len(ds[split]), (split, len(store), len(ds[split]))
-        mism_ids = mism_mask = 0
-        for j in range(len(store)):
-            item = store[j]
-            ids, mask = item["input_ids"], item["loss_mask"]
-            ref = ds[split][j]
-            mism_ids += int(list(ref["input_ids"]) != ids.tolist())
-            mism_mask += int([int(m) for m in ref["loss_mask"]] != mask.long().tolist())
-            hs = torch.cat([item["aux_hidden_states"].float(), item["last_hidden_state"].float()[:, None, :]], dim=1)
-            save_file({"hidden_states": hs.to(torch.bfloat16).contiguous(), "token_ids": ids.long().contiguous()},
-                      str(data / "hidden_states" / f"hs_{i}.safetensors"))
-            rows["input_ids"].append(ids.long().tolist())
-            rows["loss_mask"].append(mask.long().tolist())
-            rows["seq_len"].append(len(ids))
-            i += 1
-        checks[split] = {"samples": len(store), "tokens": int(store.num_tokens),
-                         "trainable_tokens": int(sum(sum(m) for m in rows["loss_mask"][i - len(store):i])),
-                         "ids_mismatch_vs_prepare": mism_ids, "mask_mismatch_vs_prepare": mism_mask,
-                         "layer_ids": list(store.layer_ids), "last_layer_id": store.last_layer_id,
-                         "store_dtype": store.dtype}
+    first = 0
+    workers = max(1, args.workers)
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        for split in ("train", "eval"):
+            store = eagle3.open_hidden_states(exp, split=split)
+            n = len(store)
+            assert n == len(ds[split]), (split, n, len(ds[split]))
+            chunk = max(1, -(-n // (workers * 4)))
+            futs = [pool.submit(_convert_range, str(exp), split, lo, min(n, lo + chunk), first + lo,
+                                str(data / "hidden_states")) for lo in range(0, n, chunk)]
+            got = [pair for f in futs for pair in f.result()]
+            ref_ids, ref_mask = ds[split]["input_ids"], ds[split]["loss_mask"]
+            mism_ids = sum(int(list(r) != ids.tolist()) for r, (ids, _) in zip(ref_ids, got))
+            mism_mask = sum(int([int(m) for m in r] != mask.tolist()) for r, (_, mask) in zip(ref_mask, got))
+            for ids, mask in got:
+                rows["input_ids"].append(ids.tolist())
+                rows["loss_mask"].append(mask.tolist())
+                rows["seq_len"].append(len(ids))
+            checks[split] = {"samples": n, "tokens": int(store.num_tokens),
+                             "trainable_tokens": int(sum(int(m.sum()) for _, m in got)),
+                             "ids_mismatch_vs_prepare": mism_ids, "mask_mismatch_vs_prepare": mism_mask,
+                             "layer_ids": list(store.layer_ids), "last_layer_id": store.last_layer_id,
+                             "store_dtype": store.dtype}
+            first += n
+            print(f"convert: {split} {n} samples, {store.num_tokens} tokens at {time.time() - t0:.1f} s", flush=True)
+    assert all(c["ids_mismatch_vs_prepare"] == 0 and c["mask_mismatch_vs_prepare"] == 0 for c in checks.values()), checks
     out = Dataset.from_dict(rows)
     out.set_format(type="torch")
     out.save_to_disk(str(data / "dataset_tmp"))
@@ -124,6 +191,8 @@ def convert(args) -> dict:
 
     vocab = load_file(str(prep.out_dir / "vocab.safetensors"))
     d2t, t2d = vocab["d2t"].long(), vocab["t2d"].bool()
+    import torch
+
     tgt = torch.arange(d2t.numel()) + d2t
     assert int(t2d.sum()) == d2t.numel() and bool(t2d[tgt].all()) and bool((tgt[1:] > tgt[:-1]).all()), \
         "vocab mapping is not speculators' offset/mask convention"
@@ -136,46 +205,92 @@ def convert(args) -> dict:
             "train_data_ratio": (n_train + 0.5) / (n_train + n_eval),
             "draft_vocab_size": int(d2t.numel()), "vocab_size": int(t2d.numel()),
             "hidden_states": "bf16 [T, n_aux + 1, H]: aux layers ascending, then the final pre-norm state",
-            "seconds": round(time.time() - t0, 1)}
+            "workers": workers, "seconds": round(time.time() - t0, 1)}
     assert int((n_train + n_eval) * info["train_data_ratio"]) == n_train
     done.write_text(json.dumps(info, indent=1) + "\n")
-    print(f"convert: {i} samples -> {data} in {info['seconds']} s; {json.dumps(checks)}")
+    print(f"convert: {first} samples -> {data} in {info['seconds']} s ({workers} workers); {json.dumps(checks)}")
     return info
 
 
 # ----------------------------------------------------------------------------------------- train
 LAUNCHER = r'''
-import os, sys, time, json
+import json, logging, os, sys, time
 import torch
-torch.set_num_threads(int(os.environ.get("SPEC_THREADS", "2")))
-import speculators.train.trainer as T
-# CPU plumbing only: speculators 0.9.0's Trainer moves the model/batches with .to(local_rank) (an int
-# = cuda:0) and autocasts on "cuda" when no accelerator is found.
-T.get_local_rank = lambda: "cpu"
-_init = T.Trainer.__init__
-def _cpu_init(self, *a, **k):
-    _init(self, *a, **k)
-    self.device_type = "cpu"
-T.Trainer.__init__ = _cpu_init
-if not torch.accelerator.is_available():  # its step timer synchronises the accelerator
-    torch.accelerator.synchronize = lambda *a, **k: None
+if os.environ.get("SPEC_DEVICE") == "cpu":
+    torch.set_num_threads(int(os.environ.get("SPEC_THREADS", "2")))
+    import speculators.train.trainer as T
+    # CPU plumbing only: speculators 0.9.0's Trainer moves the model/batches with .to(local_rank)
+    # (an int = cuda:0) and autocasts on "cuda" when no accelerator is found.
+    T.get_local_rank = lambda: "cpu"
+    _init = T.Trainer.__init__
+    def _cpu_init(self, *a, **k):
+        _init(self, *a, **k)
+        self.device_type = "cpu"
+    T.Trainer.__init__ = _cpu_init
+    if not torch.accelerator.is_available():  # its step timer synchronises the accelerator
+        torch.accelerator.synchronize = lambda *a, **k: None
+    import speculators.train.checkpointer as K
+    K.get_current_device = lambda: "cpu"  # a resume loads checkpoints onto "cuda:0" without an accelerator
+import speculators.train.cli as C
+
+class _Jsonl(logging.Handler):
+    """speculators' metric records (dicts on logger speculators.metrics) as JSON lines."""
+    def __init__(self, path):
+        super().__init__()
+        self.f = open(path, "a", buffering=1)
+    def emit(self, record):
+        if isinstance(record.msg, dict):
+            rec = dict(record.msg, time=round(record.created, 3))
+            if getattr(record, "hparams", False):
+                rec = {"hparams": rec}
+            self.f.write(json.dumps(rec, default=str) + "\n")
+
+_setup = C.setup_metric_logger
+def _setup_metric_logger(*a, **k):
+    _setup(*a, **k)
+    logging.getLogger("speculators.metrics").addHandler(_Jsonl(os.environ["SPEC_METRICS"]))
+C.setup_metric_logger = _setup_metric_logger
+
 if __name__ == "__main__":  # the dataloader's spawned workers re-import this file
-    from speculators.train.cli import main
     from speculators.train.config import TrainConfig
     cfg = TrainConfig.resolve(sys.argv[1:])
     print("RESOLVED", json.dumps(cfg.flatten(), default=str), flush=True)
     t0 = time.time()
-    main(cfg)
+    C.main(cfg)
     print(f"TRAIN_WALL_S {time.time() - t0:.1f}", flush=True)
 '''
 
+def _target_dir(args) -> Path:
+    if args.target:
+        return Path(args.target)
+    found = [p for p in sorted((Path(args.workspace) / "targets").iterdir()) if (p / "config.json").is_file()]
+    if len(found) != 1:
+        raise SystemExit(f"{args.workspace}/targets holds {len(found)} converted targets; pass --target DIR")
+    return found[0]
 
-def train_argv(args, info: dict) -> list:
+
+def _impl_args(args, fallback: bool = False) -> list:
+    """Device plumbing flags (attention, loss, dataloader workers); [] = speculators' defaults.
+    ``fallback``: sdpa attention + eager loss, what a CPU run uses."""
+    out = []
+    cpu = args.device == "cpu" or fallback
+    attn = "sdpa" if fallback else (args.attn or ("sdpa" if cpu else None))
+    loss = "eager" if fallback else (args.loss or ("eager" if cpu else None))
+    workers = args.num_workers if args.num_workers is not None else (1 if args.device == "cpu" else None)
+    if attn:
+        out += ["--draft-attn-impl", attn]
+    if loss:
+        out += ["--loss-implementation", loss]
+    if workers is not None:
+        out += ["--num-workers", str(workers)]
+    return out
+
+
+def train_argv(args, info: dict, bud: dict, impl: list) -> list:
     data = Path(args.data)
     save = Path(args.out) / args.name / "checkpoints"
-    target = [p for p in sorted((Path(args.workspace) / "targets").iterdir()) if (p / "config.json").is_file()][0]
     argv = [
-        "--verifier-name-or-path", str(target),
+        "--verifier-name-or-path", str(_target_dir(args)),
         "--data-path", str(data),
         "--speculator-type", "eagle3",
         # the same vocabulary mapping and aux layers as eagle3's runs
@@ -184,54 +299,171 @@ def train_argv(args, info: dict) -> list:
         "--target-layer-ids", *[str(x) for x in info["checks"]["train"]["layer_ids"]],
         # train = eagle3's train split, val = eagle3's eval split
         "--train-data-ratio", repr(info["train_data_ratio"]),
-        # the embedded default's budget
-        "--epochs", str(BUDGET["epochs"]), "--ttt-steps", str(BUDGET["ttt_steps"]),
-        "--lr", repr(BUDGET["lr"]), "--total-seq-len", str(BUDGET["total_seq_len"]),
+        # the experiment's budget
+        "--epochs", str(bud["epochs"]), "--ttt-steps", str(bud["ttt_steps"]),
+        "--lr", repr(bud["lr"]), "--total-seq-len", str(bud["total_seq_len"]),
         "--seed", str(args.seed),
-        # plumbing: no vLLM endpoint (every sample is cached), 2 cores
-        "--on-missing", "raise", "--num-workers", "1", "--prefetch-factor", "4",
-        # flex attention has no backward on CPU (torch 2.13); speculators' own alternative for such hardware
-        "--draft-attn-impl", "sdpa",
-        # its fused (Triton) losses need a GPU; eager computes the same kl_div
-        "--loss-implementation", "eager",
+        # no vLLM endpoint: every sample is cached
+        "--on-missing", "raise",
+        *impl,
         "--save-path", str(save), "--log-dir", str(save.parent / "logs"),
-        "--no-resume-from-checkpoint",
     ]
-    argv += args.extra
-    return argv
+    if not args.resume:
+        argv.append("--no-resume-from-checkpoint")
+    return argv + args.extra
+
+
+def _epoch_state(d: Path):
+    try:
+        return json.loads((d / "training_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _prune_incomplete(ckpts: Path) -> None:
+    """Before a resume: drop what a stop may have left half-written. speculators writes an epoch's
+    training_state.json last, so a numbered dir without a readable one is incomplete; its
+    "interrupted" save (SIGTERM) is not resumable and dangling symlinks point at nothing."""
+    if not ckpts.is_dir():
+        return
+    for d in ckpts.iterdir():
+        if d.is_symlink() and not d.exists():
+            d.unlink()
+        elif d.is_dir() and not d.is_symlink() and (d.name == "interrupted" or (d.name.isdigit() and _epoch_state(d) is None)):
+            print(f"train: removing incomplete checkpoint {d}", flush=True)
+            shutil.rmtree(d)
+
+
+def _last_epoch(ckpts: Path) -> int:
+    nums = [int(d.name) for d in ckpts.iterdir() if d.name.isdigit() and not d.is_symlink()] if ckpts.is_dir() else []
+    return max(nums, default=-1)
+
+
+def _complete(ckpts: Path, epochs: int) -> bool:
+    st = _epoch_state(ckpts / str(epochs - 1))
+    return bool(st) and st.get("epoch") == epochs - 1 and st.get("local_step", 0) == 0
+
+
+def _launch(args, run: Path, argv: list, launches: int) -> tuple:
+    """One trainer process; (rc, stopped_for_deadline, wall seconds)."""
+    launcher = run / "launch_speculators.py"
+    launcher.write_text(LAUNCHER)
+    env = dict(os.environ, SPEC_DEVICE=args.device, SPEC_THREADS=str(args.threads),
+               SPEC_METRICS=str(run / "metrics.jsonl"), PYTHONPATH=args.spec_path,
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if args.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    cmd = [args.spec_python, str(launcher), *argv]
+    with open(run / "train_cmd.txt", "a") as f:
+        f.write(f"# launch {launches} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n" + " ".join(cmd) + "\n")
+    print("train:", " ".join(cmd), flush=True)
+    t0 = time.time()
+    with open(run / "train.log", "a") as log:
+        log.write(f"\n===== launch {launches} =====\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run),
+                                start_new_session=True)
+        stopped = False
+        try:
+            proc.wait(timeout=None if args.deadline is None else max(1.0, args.deadline - args.grace - time.time()))
+        except subprocess.TimeoutExpired:
+            stopped = True
+            print(f"train: deadline near, stopping {args.name} (SIGTERM)", flush=True)
+            proc.send_signal(signal.SIGTERM)  # speculators' handler unwinds the step (and saves "interrupted")
+            try:
+                proc.wait(timeout=max(5, args.grace - 5))
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None or stopped:  # the trainer and its dataloader workers
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return proc.returncode, stopped, time.time() - t0
+
+
+def _read_metrics(run: Path) -> dict:
+    """The last train step and the last validation record of metrics.jsonl."""
+    last_step, last_val = None, None
+    p = run / "metrics.jsonl"
+    if p.exists():
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if "val" in r:
+                last_val = r
+            elif "global_step" in r:
+                last_step = r
+    return {"last_step": last_step, "last_val": last_val}
 
 
 def train(args, info: dict) -> dict:
+    bud = _budget(args)
     run = Path(args.out) / args.name
-    run.mkdir(parents=True, exist_ok=True)
-    argv = train_argv(args, info)
-    launcher = run / "launch_speculators.py"
-    launcher.write_text(LAUNCHER)
-    env = dict(os.environ, SPEC_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
-               PYTHONPATH="", TOKENIZERS_PARALLELISM="false")
-    cmd = [args.spec_python, str(launcher), *argv]
-    (run / "train_cmd.txt").write_text(" ".join(cmd) + "\n")
-    print("train:", " ".join(cmd), flush=True)
-    t0 = time.time()
-    with open(run / "train.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run))
-    wall = time.time() - t0
-    if rc != 0:
-        tail = (run / "train.log").read_text()[-4000:]
-        raise SystemExit(f"speculators training failed (rc {rc}); tail of {run / 'train.log'}:\n{tail}")
     ckpts = run / "checkpoints"
-    final = ckpts / str(BUDGET["epochs"] - 1)
-    steps = None
-    for line in (run / "train.log").read_text().splitlines():
-        if '"global_step"' in line:
-            try:
-                steps = json.loads(line[line.index("{"):]).get("global_step", steps)
-            except Exception:
-                pass
-    res = {"name": args.name, "seed": args.seed, "train_wall_s": round(wall, 1), "checkpoint": str(final),
-           "last_logged_global_step": steps, "argv": argv}
-    (run / "train_result.json").write_text(json.dumps(res, indent=1) + "\n")
-    print(f"train: {args.name} done in {wall:.0f} s -> {final}", flush=True)
+    result_path = run / "train_result.json"
+    if args.resume and result_path.exists():
+        res = json.loads(result_path.read_text())
+        if res.get("complete") and _complete(ckpts, bud["epochs"]):
+            print(f"train: {args.name} complete before ({res['checkpoint']})", flush=True)
+            return res
+    if not args.resume:  # a fresh run: nothing of an earlier one may count
+        shutil.rmtree(ckpts, ignore_errors=True)
+        for name in ("train.log", "metrics.jsonl", "train_cmd.txt", "impl.json", "train_result.json"):
+            (run / name).unlink(missing_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
+    impl_path = run / "impl.json"
+    state = json.loads(impl_path.read_text()) if (args.resume and impl_path.exists()) else {}
+    launches, wall = state.get("launches", 0), state.get("wall_s", 0.0)
+    if args.resume:
+        _prune_incomplete(ckpts)
+    if state and (_last_epoch(ckpts) >= 0 or state.get("fallback")):
+        # resume with what the checkpoints were trained with (or what a failure fell back to)
+        impl, fell_back = state["impl"], state.get("fallback", False)
+    else:  # nothing to resume: this call's options
+        impl, fell_back = _impl_args(args), False
+    while True:
+        if args.deadline is not None and args.deadline - time.time() < args.min_start_s:
+            print(f"train: under {args.min_start_s} s left: not starting {args.name}", flush=True)
+            raise SystemExit(124)
+        if args.resume:
+            _prune_incomplete(ckpts)
+        launches += 1
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": wall,
+                                         "fallback": fell_back}) + "\n")
+        rc, stopped, dt = _launch(args, run, train_argv(args, info, bud, impl), launches)
+        wall += dt
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": round(wall, 1),
+                                         "fallback": fell_back}) + "\n")
+        if _complete(ckpts, bud["epochs"]) and (rc == 0 or stopped):
+            break  # (stopped during the last validation pass: the final checkpoint is whole)
+        if stopped:
+            print(f"train: {args.name} stopped at epoch checkpoint {_last_epoch(ckpts)} after {dt:.0f} s; "
+                  f"run again to resume", flush=True)
+            raise SystemExit(124)
+        tail = (run / "train.log").read_text()[-4000:]
+        fb = _impl_args(args, fallback=True)
+        if args.fallback and not fell_back and impl != fb and _last_epoch(ckpts) < 0:
+            print(f"train: {args.name} failed (rc {rc}) with {impl or 'the defaults'} before its first checkpoint; "
+                  f"retrying with {fb}. Tail:\n{tail[-1500:]}", flush=True)
+            impl, fell_back = fb, True
+            shutil.rmtree(ckpts, ignore_errors=True)
+            (run / "metrics.jsonl").unlink(missing_ok=True)
+            continue
+        raise SystemExit(f"speculators training failed (rc {rc}); tail of {run / 'train.log'}:\n{tail}")
+    final = ckpts / str(bud["epochs"] - 1)
+    m = _read_metrics(run)
+    res = {"name": args.name, "seed": args.seed, "complete": True, "device": args.device,
+           "train_wall_s": round(wall, 1), "launches": launches, "impl": impl, "fallback": fell_back,
+           "checkpoint": str(final), "global_step": (_epoch_state(final) or {}).get("global_step"),
+           "budget": bud, "val": (m["last_val"] or {}).get("val"), "val_epoch": (m["last_val"] or {}).get("epoch"),
+           "argv": train_argv(args, info, bud, impl)}
+    result_path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"train: {args.name} done in {wall:.0f} s ({launches} launch(es), {res['global_step']} steps) -> {final}",
+          flush=True)
     return res
 
 
@@ -240,17 +472,18 @@ def export(args, ckpt: str) -> dict:
     from eagle3.manifest import Manifest
 
     cmd = [sys.executable, "-m", "eagle3", "stage=export", f"workspace={args.workspace}", f"export.from={ckpt}"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    if args.experiment != "default":
+        cmd.append(f"experiment={args.experiment}")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     run = Path(args.out) / args.name
     run.mkdir(parents=True, exist_ok=True)
     print("export:", " ".join(cmd), flush=True)
     t0 = time.time()
     with open(run / "export.log", "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                             cwd=str(Path(__file__).resolve().parents[1]))
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
     if rc != 0:
         raise SystemExit(f"eagle3 export failed (rc {rc}); tail:\n{(run / 'export.log').read_text()[-4000:]}")
-    man = Manifest(_exp_dir(args.workspace))
+    man = Manifest(_exp_dir(args))
     rec = man.current("export")
     f = rec.facts
     res = {"name": args.name, "seed": args.seed, "export_run": rec.config_hash, "from": ckpt,
@@ -265,32 +498,120 @@ def export(args, ckpt: str) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------------- row, table
+def row(args) -> dict:
+    """The results.jsonl row of an arm whose checkpoint the offline evaluator just scored."""
+    from eagle3.manifest import Manifest
+
+    run = Path(args.out) / args.name
+    tr = json.loads((run / "train_result.json").read_text())
+    ev = Manifest(_exp_dir(args)).current("eval")
+    src = ev.facts.source or {}
+    if Path(str(src.get("path", ""))).resolve() != Path(tr["checkpoint"]).resolve():
+        raise SystemExit(f"the current eval run {ev.config_hash[:12]} scored {src.get('path')}, not {tr['checkpoint']}")
+    val = tr.get("val") or {}
+    S = tr["budget"]["ttt_steps"]
+    per = lambda key: [val.get(f"{key}_{j}_epoch") for j in range(S)]  # noqa: E731
+    r = {"arm": args.arm, "train_run": f"speculators 0.9.0: {run}", "eval_run": ev.config_hash[:12],
+         # speculators' own held-out metrics of the last epoch (its definitions: full_acc_j = steps
+         # 0..j all right, cond_acc_j = step j right given 0..j-1 right), not eagle3's StepMetrics
+         "train_eval": {"full_acc_per_step": per("full_acc"), "cond_acc_per_step": per("cond_acc"),
+                        "loss_per_step": per("loss"), "loss": val.get("loss_epoch")},
+         "steps": tr.get("global_step"), "train_wall_s": tr.get("train_wall_s"), "launches": tr.get("launches"),
+         "impl": tr.get("impl"), "fallback": tr.get("fallback"),
+         "acceptance_by_k": ev.facts.acceptance_by_k, "acceptance_per_position": ev.facts.acceptance_per_position,
+         "num_prompts": ev.facts.num_prompts, "max_tokens": ev.facts.max_tokens}
+    print(json.dumps(r))
+    with open(args.results, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    return r
+
+
+def table(path: str) -> None:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    ks = sorted({k for r in rows for k in r["acceptance_by_k"]}, key=int)
+    print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " | held-out acc per TTT step | steps |")
+    print("| --- | " + " | ".join("---" for _ in ks) + " | --- | --- |")
+    for r in rows:
+        te = r.get("train_eval") or {}
+        acc = te.get("acc_per_step") or []
+        kind = ""
+        if not acc and te.get("full_acc_per_step"):
+            acc, kind = te["full_acc_per_step"], "full-chain: "
+        cell = kind + " ".join(f"{a:.3f}" for a in acc if a is not None)
+        print(f"| {r['arm']} | " + " | ".join(f"{r['acceptance_by_k'].get(k, float('nan')):.4f}" for k in ks)
+              + f" | {cell} | {r.get('steps')} |")
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["arm"].split(":")[0], []).append(r)
+    for g, rs in groups.items():
+        print(f"{g}: mean over {len(rs)} seeds " + ", ".join(
+            f"k={k} {sum(r['acceptance_by_k'][k] for r in rs) / len(rs):.4f}" for k in ks
+            if all(k in r["acceptance_by_k"] for r in rs)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=("convert", "train", "export", "all"))
+    ap.add_argument("cmd", choices=("convert", "train", "export", "all", "row", "table"))
     ap.add_argument("--workspace", default="/work/scratch/ws_spec",
-                    help="an eagle3 workspace whose embedded-default prepare and extract runs are complete (a copy: exports are recorded there)")
+                    help="an eagle3 workspace whose prepare and extract runs of --experiment are complete (a copy: "
+                         "exports are recorded there)")
+    ap.add_argument("--experiment", default="default",
+                    help="experiment dir under the workspace; its budget comes from eagle3's config of that name "
+                         "(default = the embedded default)")
     ap.add_argument("--data", default="/work/scratch/spec_data", help="where the converted speculators data go")
     ap.add_argument("--out", default="/work/scratch/spec_runs", help="one directory per speculators run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default=None, help="run name (default: spec_default_s<seed>)")
-    ap.add_argument("--spec-python", default="/work/scratch/specvenv/bin/python",
-                    help="python of a scratch venv with speculators 0.9.0 (bench/peer_speculators.md: how it was made)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", default=None, help="the target's HF dir (default: the one under WORKSPACE/targets)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where speculators trains (auto: cuda when this python sees one)")
+    ap.add_argument("--spec-python", default=None,
+                    help="python that runs speculators (default: /work/scratch/specvenv/bin/python on cpu, this "
+                         "python on cuda; bench/peer_speculators.md: how the venv was made)")
+    ap.add_argument("--spec-path", default="",
+                    help="PYTHONPATH of the trainer (e.g. /tmp/specsite:/tmp/site on the GPU machine)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of a CPU run")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="convert: processes")
+    ap.add_argument("--attn", default=None, help="--draft-attn-impl (default: sdpa on cpu, speculators' on cuda)")
+    ap.add_argument("--loss", default=None, help="--loss-implementation (default: eager on cpu, speculators' on cuda)")
+    ap.add_argument("--num-workers", type=int, default=None,
+                    help="dataloader workers (default: 1 on cpu, speculators' 12 on cuda)")
+    ap.add_argument("--fallback", action="store_true",
+                    help="retry once with sdpa attention + eager loss if a launch fails before its first checkpoint")
+    ap.add_argument("--resume", action="store_true",
+                    help="resume the run's checkpoints (and skip a complete run) instead of starting fresh")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="epoch seconds: stop the trainer before it (exit 124, resumable with --resume)")
+    ap.add_argument("--grace", type=float, default=25.0, help="seconds before --deadline to stop the trainer")
+    ap.add_argument("--min-start-s", type=float, default=60.0, help="do not launch with less time than this left")
+    ap.add_argument("--epochs", type=int, default=None, help="override the budget's epochs (smoke tests only)")
     ap.add_argument("--ckpt", default=None, help="export: checkpoint dir (default: the run's final epoch)")
+    ap.add_argument("--arm", default=None, help="row: the arm's name in results.jsonl (e.g. spec:0)")
+    ap.add_argument("--results", default=None, help="row, table: the results.jsonl")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     args = ap.parse_args(argv)
     args.extra = extra  # speculators flags after --, e.g. -- --optimizer adamw
     args.name = args.name or f"spec_default_s{args.seed}"
+    if args.cmd == "table":
+        return table(args.results)
+    if args.cmd == "row":
+        return row(args)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.spec_python is None:
+        args.spec_python = "/work/scratch/specvenv/bin/python" if args.device == "cpu" else sys.executable
     if args.cmd in ("convert", "all", "train"):
         info = convert(args)
     if args.cmd in ("train", "all"):
         res = train(args, info)
     if args.cmd in ("export", "all"):
         ckpt = args.ckpt or (res["checkpoint"] if args.cmd == "all"
-                             else str(Path(args.out) / args.name / "checkpoints" / str(BUDGET["epochs"] - 1)))
+                             else str(Path(args.out) / args.name / "checkpoints" / str(_budget(args)["epochs"] - 1)))
         export(args, ckpt)
 
 

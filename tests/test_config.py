@@ -54,6 +54,19 @@ def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(c
     assert (m.norm_before_fc, m.fc_norm, m.norm_output) == (True, False, True)
 
 
+def test_presets_train_with_muon_at_their_measured_step_the_schema_with_adamw(compose):
+    """The embedded default and smollm2_large took Muon at muon_lr 2e-3 (README, "EAGLE-3.1 drafts and
+    the optimizer"); the schema keeps AdamW, and an explicit muon_lr enters the train hash."""
+    from eagle3.config import TrainConfig
+    from eagle3.hashing import semantic_dict
+    for preset in ((), ("experiment=smollm2_large",)):
+        t = compose(*preset).train
+        assert (t.optimizer, t.muon_lr) == ("muon", 2e-3)
+        assert semantic_dict(t)["muon_lr"] == 2e-3
+    assert TrainConfig().optimizer == "adamw"
+    assert compose("target.path=/m").train.optimizer == "adamw"  # your own target drops the embedded default
+
+
 def test_unknown_key_fails_at_compose(compose):
     with pytest.raises(ConfigCompositionException, match="bogus"):
         compose("train.bogus=1")

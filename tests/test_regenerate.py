@@ -112,3 +112,13 @@ def test_regenerated_answers_do_not_move_a_prompt_between_splits(tiny_llama_dir,
     assert len(both) >= 20
     for name in ("train", "eval"):
         assert set(splits[0][name]) & both == set(splits[1][name]) & both
+
+
+def test_prepare_runs_that_regenerate_hash_their_split_scheme(compose):
+    """A regenerating prepare run of an older version (splits hashed from the regenerated text) and one
+    of this version hold out other prompts, so their config hashes differ; without regeneration
+    nothing changed and the hash stays."""
+    from eagle3.data.dataset import prepare_config
+
+    assert prepare_config(compose("prepare.regenerate=true"))["split_key"] == "source"
+    assert "split_key" not in prepare_config(compose("data.path=/d.jsonl", "prepare.regenerate=false"))

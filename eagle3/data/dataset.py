@@ -40,6 +40,10 @@ def prepare_config(cfg) -> dict:
               "sources": [source_identity(p) for p, *_ in source_list(cfg.data)]}
     if not cfg.prepare.regenerate:
         config["prepare"].pop("regen")
+    else:
+        # ids and splits hashed from the source conversations (:func:`split_of`); before, from the
+        # regenerated ones: a run of the same config now holds out other prompts, so it is another run
+        config["split_key"] = "source"
     return config
 
 

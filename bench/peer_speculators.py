@@ -127,12 +127,37 @@ def _convert_range(exp_dir: str, split: str, lo: int, hi: int, first: int, hs_di
     return out
 
 
+def save_dataset(data: Path, rows: dict) -> None:
+    """``rows`` (lists input_ids, loss_mask, seq_len) -> DATA's arrow files, format torch, at DATA's top
+    (speculators reads them with load_from_disk(data_path), beside DATA/hidden_states)."""
+    from datasets import Dataset
+
+    out = Dataset.from_dict(rows)
+    out.set_format(type="torch")
+    out.save_to_disk(str(data / "dataset_tmp"))
+    for p in (data / "dataset_tmp").iterdir():
+        os.replace(p, data / p.name)
+    (data / "dataset_tmp").rmdir()
+
+
+def save_vocab(data: Path, d2t, t2d) -> None:
+    """DATA/d2t.npy (int64 offsets) and DATA/t2d.npy (bool mask), checked against speculators' convention."""
+    import numpy as np
+    import torch
+
+    d2t, t2d = d2t.long(), t2d.bool()
+    tgt = torch.arange(d2t.numel()) + d2t
+    assert int(t2d.sum()) == d2t.numel() and bool(t2d[tgt].all()) and bool((tgt[1:] > tgt[:-1]).all()), \
+        "vocab mapping is not speculators' offset/mask convention"
+    np.save(data / "d2t.npy", d2t.numpy())
+    np.save(data / "t2d.npy", t2d.numpy())
+
+
 def convert(args) -> dict:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    import numpy as np
-    from datasets import Dataset, load_from_disk
+    from datasets import load_from_disk
     from safetensors.torch import load_file
 
     import eagle3
@@ -181,23 +206,11 @@ def convert(args) -> dict:
             first += n
             print(f"convert: {split} {n} samples, {store.num_tokens} tokens at {time.time() - t0:.1f} s", flush=True)
     assert all(c["ids_mismatch_vs_prepare"] == 0 and c["mask_mismatch_vs_prepare"] == 0 for c in checks.values()), checks
-    out = Dataset.from_dict(rows)
-    out.set_format(type="torch")
-    out.save_to_disk(str(data / "dataset_tmp"))
-    # speculators reads the dataset with load_from_disk(data_path): the arrow files sit at the top
-    for p in (data / "dataset_tmp").iterdir():
-        os.replace(p, data / p.name)
-    (data / "dataset_tmp").rmdir()
+    save_dataset(data, rows)
 
     vocab = load_file(str(prep.out_dir / "vocab.safetensors"))
     d2t, t2d = vocab["d2t"].long(), vocab["t2d"].bool()
-    import torch
-
-    tgt = torch.arange(d2t.numel()) + d2t
-    assert int(t2d.sum()) == d2t.numel() and bool(t2d[tgt].all()) and bool((tgt[1:] > tgt[:-1]).all()), \
-        "vocab mapping is not speculators' offset/mask convention"
-    np.save(data / "d2t.npy", d2t.numpy())
-    np.save(data / "t2d.npy", t2d.numpy())
+    save_vocab(data, d2t, t2d)
     n_train, n_eval = checks["train"]["samples"], checks["eval"]["samples"]
     info = {"prepare": prep.config_hash, "extract": ext.config_hash, "checks": checks,
             "num_train": n_train, "num_eval": n_eval,

@@ -396,20 +396,27 @@ def _launch(args, run: Path, argv: list, launches: int) -> tuple:
     return proc.returncode, stopped, time.time() - t0
 
 
+def metric_records(run: Path) -> list:
+    """The records of the run's metrics.jsonl (the launcher's copy of speculators' metric log), in
+    order; a torn last line (a killed trainer) is skipped."""
+    p = run / "metrics.jsonl"
+    recs = []
+    for line in p.read_text().splitlines() if p.exists() else ():
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            continue
+    return recs
+
+
 def _read_metrics(run: Path) -> dict:
     """The last train step and the last validation record of metrics.jsonl."""
     last_step, last_val = None, None
-    p = run / "metrics.jsonl"
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "val" in r:
-                last_val = r
-            elif "global_step" in r:
-                last_step = r
+    for r in metric_records(run):
+        if "val" in r:
+            last_val = r
+        elif "global_step" in r:
+            last_step = r
     return {"last_step": last_step, "last_val": last_val}
 
 

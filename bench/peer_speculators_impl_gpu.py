@@ -194,16 +194,7 @@ def error_lines(log_text: str) -> tuple:
 
 
 def step_stats(run: Path, t_start: float, skip: int) -> dict:
-    recs = []
-    p = run / "metrics.jsonl"
-    if p.exists():
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "train" in r and "global_step" in r:
-                recs.append(r)
+    recs = [r for r in P.metric_records(run) if "train" in r and "global_step" in r]
     out = {"steps": len(recs), "step_s": [round(r["profile"]["step_ms"] / 1000, 4) for r in recs],
            "tokens_per_s_step": [round(r["profile"].get("tokens_per_s", 0.0)) for r in recs]}
     if recs:

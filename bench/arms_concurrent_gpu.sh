@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Issue 18, item 0 (GPU half) on experiment=smollm2_large: eagle3's arms (bench/draft31_gpu.sh) and
+# speculators' arms (bench/peer_speculators_gpu.sh) trained side by side on one GPU, each in its own
+# process, from one prepare run and one extract run. A draft this small leaves an H200 mostly idle,
+# so four trainings at once take about as long as one and a half alone (session 9: four arms in
+# 508 s of wall time).
+#
+# prepare and extract run once in WS; then each arm gets a hard-linked copy of WS (cp -al: the store
+# is shared, not copied; every file eagle3 writes is written to a new name and renamed, so the copies
+# never write into each other) and its own OUT directory, and is started in a new process session
+# (setsid), so it outlives a device call that ends before it does. The script then waits until every
+# arm is done or SECONDS have passed, and prints the table of every finished arm.
+#
+# Run it again with the same WS to wait for arms still running and to restart those that died (each
+# underlying script resumes: finished stages are no-ops, train continues from its last checkpoint);
+# arms already done are not run again.
+#
+# Usage: bash bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"
+#   E3_ARMS: bench/draft31_gpu.sh arms (NAME:SEED[:OPTION=VALUE,...]), one process each;
+#   SPEC_ARMS: bench/peer_speculators_gpu.sh arms (NAME:SEED[:FLAG=VALUE,...]), one process each.
+#   Session 9's runs: "e31m2:0 e31m2:1 e31a:0:train.optimizer=adamw e31a:1:train.optimizer=adamw"
+#   and "spec:0 spec:1 speclr2e-3:0:lr=2e-3 speclr2e-3:1:lr=2e-3" (bench/draft31.md).
+# Environment: WS (default /tmp/e3d31), OUT (default $WS.arms: one folder per arm, results.jsonl),
+#   ARM_BUDGET (seconds each arm may run, default 1500), SPEC_TRAIN_OPTS (default "--loss eager":
+#   flex attention with the eager loss, the pair that runs under torch 2.11; bench/peer_speculators.md).
+set -uo pipefail
+GGUF=${1:?usage: bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"}
+BUDGET=${2:-1500}
+E3_ARMS=${3:-}
+SPEC_ARMS=${4:-}
+WS=${WS:-/tmp/e3d31}
+OUT=${OUT:-$WS.arms}
+ARM_BUDGET=${ARM_BUDGET:-1500}
+SPECSITE=${SPECSITE:-/tmp/specsite}
+export SPEC_TRAIN_OPTS=${SPEC_TRAIN_OPTS:---loss eager}
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "$HERE/stage_step.sh"
+t_start=$(date +%s)
+smollm2_large_gpu_setup
+
+step prepare stage=prepare
+step extract stage=extract
+if [[ -n $SPEC_ARMS ]]; then
+    # once, before the arms start: the wheels and the converted data every spec arm reads
+    if [[ ! -f $SPECSITE/.installed ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPECSITE" \
+            "$HERE"/../.wt/specwheels/*.whl && touch "$SPECSITE/.installed" || exit 1
+    fi
+    python3 "$HERE/peer_speculators.py" convert --workspace "$WS" --experiment smollm2_large \
+        --data "$WS/spec_data" --out "$WS/spec_runs" || exit 1
+fi
+
+# `arm_dir ARM`: the arm's folder name (letters, digits, '.', '_' and '-')
+arm_dir() { printf '%s' "$1" | tr -c 'A-Za-z0-9._-' '_'; }
+alive() { [[ -f $1/pid ]] && kill -0 "$(cat "$1/pid")" 2>/dev/null; }
+done_arm() { grep -qxF "$2" "$1/done_arms" 2>/dev/null; }
+
+names=()
+launch() {  # launch KIND ARM
+    local kind=$1 arm=$2 d
+    d="$OUT/$(arm_dir "$arm")"
+    names+=("$arm")
+    if done_arm "$d" "$arm"; then echo "== $arm: done before"; return; fi
+    if alive "$d"; then echo "== $arm: still running (pid $(cat "$d/pid"))"; return; fi
+    local ws="$WS.arm_$(arm_dir "$arm")"
+    if [[ ! -d $ws ]]; then cp -al "$WS" "$ws" || exit 1; fi
+    mkdir -p "$d"
+    local script=draft31_gpu.sh
+    [[ $kind == spec ]] && script=peer_speculators_gpu.sh
+    WS=$ws OUT=$d setsid nohup bash "$HERE/$script" "$GGUF" "$ARM_BUDGET" "$arm" >> "$d/run.log" 2>&1 < /dev/null &
+    echo $! > "$d/pid"
+    echo "== $arm: started ($script, pid $!, workspace $ws)"
+}
+for a in $E3_ARMS; do launch e3 "$a"; done
+for a in $SPEC_ARMS; do launch spec "$a"; done
+
+while :; do
+    running=0
+    for a in "${names[@]}"; do alive "$OUT/$(arm_dir "$a")" && running=$((running + 1)); done
+    (( running == 0 )) && break
+    if (( $(date +%s) - t_start >= BUDGET - 10 )); then
+        echo "== $running arm(s) still running after $(( $(date +%s) - t_start )) s: run this again with the same WS to wait for them"
+        break
+    fi
+    sleep 10
+done
+
+: > "$OUT/results.jsonl"
+for a in "${names[@]}"; do
+    d="$OUT/$(arm_dir "$a")"
+    if done_arm "$d" "$a"; then
+        cat "$d/results.jsonl" >> "$OUT/results.jsonl"
+        grep -E "^== (train|eval) .*rc=" "$d/run.log" | sed "s/^/   /"
+    elif ! alive "$d"; then
+        echo "== $a: FAILED (not done, not running); the end of $d/run.log:"; tail -5 "$d/run.log"
+    fi
+done
+[[ -s $OUT/results.jsonl ]] && python3 "$HERE/peer_speculators.py" table --results "$OUT/results.jsonl"

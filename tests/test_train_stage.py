@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, VLLM_CONFIG_FILE
@@ -68,11 +69,13 @@ def test_train_stage_records_draft_metrics_and_facts(tmp_path, tiny_llama_dir, c
     assert "already complete" in capsys.readouterr().out
 
 
-def test_train_stage_under_two_processes(tiny_llama_dir, tmp_path):
-    """The stage launched on two processes (`accelerate launch -m eagle3 stage=train`; here torchrun
+@pytest.mark.parametrize("nproc", [2, 8])
+def test_train_stage_under_several_processes(tiny_llama_dir, tmp_path, nproc):
+    """The stage launched on several processes (`accelerate launch -m eagle3 stage=train`; here torchrun
     with ACCELERATE_USE_CPU, the variable `accelerate launch --cpu` sets: gloo): the main process records
     one complete run with one metrics stream, and the draft is the one a single process trains on
-    the same global batch (2 x 1 row against 1 x 2 rows)."""
+    the same global batch (N x 1 row against 1 x N rows). With 8 processes, as on an 8-GPU host, the
+    held-out split (1 sample of 24) is smaller than the number of ranks."""
     import os
     import subprocess
     import sys
@@ -95,15 +98,17 @@ def test_train_stage_under_two_processes(tiny_llama_dir, tmp_path):
 
     for stage in ("prepare", "extract"):
         cli(f"stage={stage}")
-    cli("stage=train", "train.batch_size=2")
+    cli("stage=train", f"train.batch_size={nproc}")
     env["ACCELERATE_USE_CPU"] = "1"
     cli("stage=train", "train.batch_size=1",
-        launcher=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"))
+        launcher=("-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(29539 + nproc)))
     manifest = json.loads((tmp_path / "ws" / "mp" / "manifest.json").read_text())
+    (prep,) = manifest["stages"]["prepare"]["runs"].values()
+    assert prep["facts"]["num_eval"] < 2 <= nproc  # some ranks hold no held-out sample
     runs = manifest["stages"]["train"]["runs"]
     assert len(runs) == 2 and all(r["status"] == "complete" for r in runs.values())
     one, two = (Manifest(tmp_path / "ws" / "mp").record("train", h) for h in runs)
-    if one.data["config"]["train"]["batch_size"] != 2:
+    if one.data["config"]["train"]["batch_size"] != nproc:
         one, two = two, one
     for rec in (one, two):  # one line per step and one eval: nothing written twice
         lines = [json.loads(x) for x in (rec.out_dir / "metrics.jsonl").read_text().splitlines()]

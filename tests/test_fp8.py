@@ -13,8 +13,8 @@ import torch
 from conftest import build_tiny_llama, chat_records, write_jsonl
 
 from eagle3.extract.writer import CapturedBatch, ShardWriter
-from eagle3.hashing import sha256_tree_file
 from eagle3.fp8 import FP8_MAX, bad_scales, dequantize, quantize
+from eagle3.hashing import sha256_tree_file
 from eagle3.store import (
     FORMAT,
     FORMAT_FP8,

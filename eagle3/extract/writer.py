@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import heapq
 import mmap
 import os
 import queue

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 18, item 0 (GPU half) on experiment=smollm2_large: eagle3's arms (bench/draft31_gpu.sh) and
 # speculators' arms (bench/peer_speculators_gpu.sh) trained side by side on one GPU, each in its own
-# process, from one prepare run and one extract run. A draft this small leaves an H200 mostly idle,
-# so four trainings at once take about as long as one and a half alone (session 9: four arms in
-# 508 s of wall time).
+# process, from one prepare run and one extract run. Session 9 on one H200: four arms (two eagle3,
+# two speculators) trained and evaluated 523 s after they started, where eagle3's arm alone had
+# taken 253 s to train and 80 s to evaluate (session 8; bench/draft31.md).
 #
 # prepare and extract run once in WS; then each arm gets a hard-linked copy of WS (cp -al: the store
-# is shared, not copied; every file eagle3 writes is written to a new name and renamed, so the copies
-# never write into each other) and its own OUT directory, and is started in a new process session
+# is shared, not copied; the arms only read it, and the manifest is written to a new name and renamed,
+# so the copies never write into each other) and its own OUT directory, and is started in a new process session
 # (setsid), so it outlives a device call that ends before it does. The script then waits until every
 # arm is done or SECONDS have passed, and prints the table of every finished arm.
 #

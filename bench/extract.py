@@ -21,6 +21,17 @@ runs torch ops (its own OpenMP team), which flips libgomp into the second regime
 cores from the work). To compare like with like, the benchmark sets OMP_WAIT_POLICY=PASSIVE for
 both runs (``--omp-wait-policy ''`` leaves the environment alone).
 
+On a GPU (``--dummy-8b``, the shape of Llama-3.1-8B with vLLM's ``load_format=dummy``: random
+weights, no checkpoint written; ``--length 2048 --exact-length``; ``--store-dtypes bfloat16,fp8``):
+the ``load_time`` mode (compiled, CUDA graphs) is compared with plain prefill on a compiled engine
+without capture (``plain (compiled)``, its own engine) and on the load-time engine itself with the
+capture not installed; ``shm`` writes the same extraction to /dev/shm (no disk), so the difference
+is the disk's share; ``hf`` is the transformers backend on a random model of the same shape. The
+KV-cache tokens each engine reserved (and its bytes per token) are in the table:
+
+    python bench/extract.py --dummy-8b --prompts 64 --length 2048 --exact-length \
+        --modes load_time,shm,runtime,hf --store-dtypes bfloat16,fp8 --kv-cache-gb 8
+
 Prints a table last; writes raw numbers to $OUT/bench_extract.json when OUT is set.
 """
 from __future__ import annotations
@@ -38,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("runtime", "load_time", "connector", "hf")
+MODES = ("runtime", "load_time", "shm", "connector", "hf")
 
 
 def smollm2_target(cache: Path, use_random: bool) -> tuple[Path, str]:
@@ -62,10 +73,40 @@ def smollm2_target(cache: Path, use_random: bool) -> tuple[Path, str]:
     return out, "random Llama, SmolLM2-135M shape"
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0, exact: bool = False) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(max(1, int(length * rng.uniform(0.75, 1.25))))]
+    return [[rng.randrange(100, vocab) for _ in range(length if exact else max(1, int(length * rng.uniform(0.75, 1.25))))]
             for _ in range(n)]
+
+
+# Llama-3.1-8B's shape (config.json only: vLLM's load_format=dummy fills random weights)
+LLAMA_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1,
+                eos_token_id=2)
+
+
+def dummy_8b_target(cache: Path) -> Path:
+    out = cache / "dummy-llama-8b-shape"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(LLAMA_8B, indent=2))
+    return out
+
+
+def random_hf_model(config_dir: Path, dtype: str):
+    """The base model of ``config_dir``'s config with random weights, built on the GPU (the hf
+    backend's rate on the same shape as the dummy vLLM engine)."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModel.from_config(cfg, dtype=getattr(torch, dtype))
+    for prm in model.parameters():
+        prm.data.normal_(0, 0.02)
+    return model
 
 
 def store_bytes(d: Path) -> int:
@@ -90,6 +131,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / "workspace" / "bench"))
     ap.add_argument("--store-dir", default="", help="where stores are written (default: a temp dir)")
+    ap.add_argument("--dummy-8b", action="store_true", help="GPU: a Llama-3.1-8B-shaped engine, load_format=dummy")
+    ap.add_argument("--exact-length", action="store_true", help="every prompt exactly --length tokens")
+    ap.add_argument("--store-dtypes", default="", help="comma list of store dtypes, each run (default: --store-dtype)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--hf-batch", type=int, default=4, help="hf mode: samples per forward pass")
     a = ap.parse_args()
     if a.omp_wait_policy:
         if "torch" in sys.modules:
@@ -102,32 +148,46 @@ def main() -> None:
 
     from eagle3.config import ExtractConfig
     from eagle3.extract import Samples, extract_store, make_extractor, resolve_layer_ids, resolve_store_dtype
+    from eagle3.extract.vllm_backend import engine_info
     from eagle3.store import StoreLayout
-    from eagle3.target import identify
 
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    if a.target:
-        target_dir, target_name = Path(a.target), Path(a.target).name
+    engine_extra: dict = {}
+    if a.dummy_8b:
+        target_dir, target_name = dummy_8b_target(cache), "random Llama-3.1-8B shape (vLLM load_format=dummy)"
+        engine_extra = {"load_format": "dummy", "skip_tokenizer_init": True}
+        conf, target_hash = LLAMA_8B, "dummy-llama-8b"
     else:
-        target_dir, target_name = smollm2_target(cache, a.random)
-    info = identify(target_dir)
-    L, H = info.num_hidden_layers, info.hidden_size
+        from eagle3.target import identify
+
+        if a.target:
+            target_dir, target_name = Path(a.target), Path(a.target).name
+        else:
+            target_dir, target_name = smollm2_target(cache, a.random)
+        info = identify(target_dir)
+        conf, target_hash = info.config.get("text_config", info.config), info.hash
+        if not any((target_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            engine_extra = {"skip_tokenizer_init": True}  # token ids in, one token id out: no tokenizer needed
+    L, H, vocab = conf["num_hidden_layers"], conf["hidden_size"], conf["vocab_size"]
     layer_ids = resolve_layer_ids([int(x) for x in a.layer_ids.split(",") if x], L)
-    store_dtype = resolve_store_dtype(a.store_dtype, a.dtype, H)
-    layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
-                         target_hash=info.hash)
+    dtypes = [resolve_store_dtype(d, a.dtype, H) for d in (a.store_dtypes or a.store_dtype).split(",") if d]
+    layouts = {d: StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=d, target_hash=target_hash)
+               for d in dtypes}
+    layout = layouts[dtypes[0]]  # the engine's (aux ids); each run writes its own dtype
     ecfg = ExtractConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                         samples_per_shard=a.samples_per_shard, kv_cache_gb=a.kv_cache_gb)
-    prompts = make_prompts(a.prompts, a.length, info.vocab_size)
+                         samples_per_shard=a.samples_per_shard, kv_cache_gb=a.kv_cache_gb,
+                         gpu_memory_utilization=a.gpu_memory_utilization, batch_size=a.hf_batch)
+    prompts = make_prompts(a.prompts, a.length, vocab, exact=a.exact_length)
     n_tokens = sum(len(p) for p in prompts)
     samples = {"train": Samples(prompts)}
     max_model_len = -(-(max(len(p) for p in prompts) + 1) // 16) * 16
     load_start = os.getloadavg()
     root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm") / f"eagle3-bench-{os.getpid()}"
     print(f"bench: {target_name}: L={L} H={H}, layers {layer_ids}+[{L}], {a.prompts} prompts, {n_tokens} tokens, "
-          f"vLLM {a.dtype}, store {store_dtype} ({layout.bytes_per_token} B/token)", file=sys.stderr)
+          f"vLLM {a.dtype}, stores {dtypes} ({[lay.bytes_per_token for lay in layouts.values()]} B/token)", file=sys.stderr)
 
     # Each run records (wall seconds, process CPU seconds). The engine runs in this process
     # (in-process vLLM, one worker), so CPU time counts its compute and is far less sensitive than
@@ -136,19 +196,20 @@ def main() -> None:
     pairs: list = []  # (plain, runtime) runs adjacent in time, for the paired overhead
     stored: dict[str, float] = {}
     capture_cpu: dict[str, list] = {}  # CPU seconds spent by the capture wrapper + writer thread
+    engines: dict[str, dict] = {}  # engine -> what it ran with (KV tokens, bytes per token, graphs)
 
     def timed(fn):
         w0, c0 = time.perf_counter(), time.process_time()
         fn()
         return time.perf_counter() - w0, time.process_time() - c0
 
-    def extract_once(name, extractor, rep):
-        store = root / f"{name}-{rep}"
+    def extract_once(name, extractor, rep, dtype, backend="vllm", where=None):
+        store = (where or root) / f"{name}-{rep}".replace("/", "_")
         shutil.rmtree(store, ignore_errors=True)
         res = []
-        t = timed(lambda: res.append(extract_store(store, samples, layout, backend="vllm", target_path=target_dir,
-                                                   target_dtype=a.dtype, ecfg=ecfg, progress=False,
-                                                   extractor=extractor)))
+        t = timed(lambda: res.append(extract_store(store, samples, layouts[dtype], backend=backend,
+                                                   target_path=target_dir, target_dtype=a.dtype, ecfg=ecfg,
+                                                   progress=False, extractor=extractor)))
         assert res[0].complete
         stored[name] = store_bytes(store) / n_tokens
         st = res[0].stats or {}
@@ -165,85 +226,163 @@ def main() -> None:
     def plain_once(llm):
         return timed(lambda: llm.generate(token_prompts, plain_params, use_tqdm=False))
 
-    base = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="runtime")
-    try:
-        plain_once(base.llm)  # warm-up
-        if "runtime" in modes:
-            runs["runtime"] = []
-            extract_once("runtime", base, "warmup")
-        for rep in range(a.reps):
-            # Alternate the order (ABBA) so that drifting load from other processes hits both alike.
-            order = ("plain", "runtime") if rep % 2 == 0 else ("runtime", "plain")
-            got = {}
-            for what in order:
-                if what == "plain":
-                    base.aux_off()
-                    got["plain"] = plain_once(base.llm)
-                elif "runtime" in modes:
-                    got["runtime"] = extract_once("runtime", base, rep)
-            for k, v in got.items():
-                runs[k].append(v)
-            if "runtime" in got:
-                pairs.append((got["plain"], got["runtime"]))
-            print(f"bench: rep {rep}: " + ", ".join(f"{k} {n_tokens / v[0]:.0f} tok/s ({n_tokens / v[1]:.0f}/CPU-s)"
-                                                    for k, v in got.items()), file=sys.stderr)
-    finally:
-        base.close()
+    def set_layouts(extractor, dtype):
+        extractor.layout = layouts[dtype]
 
-    for mode in [m for m in modes if m != "runtime"]:
-        kwargs = {"aux_setup": "load_time"} if mode == "load_time" else {}
-        backend = {"load_time": "vllm", "connector": "vllm_connector", "hf": "hf"}[mode]
-        ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
+    from eagle3.vllm_engine import build_llm, on_cpu, shutdown_llm
+
+    gpu = not on_cpu()
+    if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
+        # the compiled baseline: the same engine settings, no capture of any kind
+        llm = build_llm(str(target_dir), max_model_len=max_model_len, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
+                        work="batch", max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                        enable_chunked_prefill=True, async_scheduling=False,
+                        gpu_memory_utilization=a.gpu_memory_utilization,
+                        worker_extension_cls="eagle3.extract.vllm_worker.HiddenStateCapture", **engine_extra)
         try:
-            runs[mode] = []
-            extract_once(mode, ex, "warmup")
+            engines["plain (compiled)"] = engine_info(llm)
+            plain_once(llm)
+            runs["plain (compiled)"] = [plain_once(llm) for _ in range(a.reps + 1)][1:]
+            print(f"bench: plain (compiled) {n_tokens / statistics.median(r[0] for r in runs['plain (compiled)']):.0f} "
+                  f"tok/s", file=sys.stderr)
+        finally:
+            shutdown_llm(llm)
+
+    if "runtime" in modes or not gpu:
+        from dataclasses import replace
+
+        eager = replace(ecfg, enforce_eager=True) if gpu else ecfg
+        base = make_extractor("vllm", target_dir, layout, a.dtype, eager, max_model_len, root, aux_setup="runtime",
+                              **engine_extra)
+        engines["runtime (eager)"] = base.engine_info
+        try:
+            plain_once(base.llm)  # warm-up
+            if "runtime" in modes:
+                for d in dtypes:
+                    runs[f"runtime/{d}"] = []
+                    set_layouts(base, d)
+                    extract_once(f"runtime/{d}", base, "warmup", d)
             for rep in range(a.reps):
-                runs[mode].append(extract_once(mode, ex, rep))
-                print(f"bench: rep {rep}: {mode} {n_tokens / runs[mode][-1][0]:.0f} tok/s", file=sys.stderr)
+                # Alternate the order (ABBA) so that drifting load from other processes hits both alike.
+                order = ("plain", "runtime") if rep % 2 == 0 else ("runtime", "plain")
+                got = {}
+                for what in order:
+                    if what == "plain":
+                        base.aux_off()
+                        got["plain"] = plain_once(base.llm)
+                    elif "runtime" in modes:
+                        for d in dtypes:
+                            set_layouts(base, d)
+                            got[f"runtime/{d}"] = extract_once(f"runtime/{d}", base, rep, d)
+                for k, v in got.items():
+                    runs[k].append(v)
+                if f"runtime/{dtypes[0]}" in got:
+                    pairs.append((got["plain"], got[f"runtime/{dtypes[0]}"]))
+                print(f"bench: rep {rep}: " + ", ".join(f"{k} {n_tokens / v[0]:.0f} tok/s ({n_tokens / v[1]:.0f}/CPU-s)"
+                                                        for k, v in got.items()), file=sys.stderr)
+        finally:
+            base.close()
+
+    if "load_time" in modes or "shm" in modes:
+        ex = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="load_time",
+                            **engine_extra)
+        engines["load_time"] = ex.engine_info
+        try:
+            plain_once(ex.llm)
+            runs["plain (load-time engine, no capture)"] = [plain_once(ex.llm) for _ in range(a.reps)]
+            for d in dtypes:
+                set_layouts(ex, d)
+                extract_once(f"load_time/{d}", ex, "warmup", d)
+                for mode in [m for m in ("load_time", "shm") if m in modes]:
+                    name = f"{mode}/{d}"
+                    runs[name] = []
+                    for rep in range(a.reps):
+                        runs[name].append(extract_once(name, ex, rep, d, where=shm if mode == "shm" else None))
+                        print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
         finally:
             ex.close()
+            shutil.rmtree(shm, ignore_errors=True)
+
+    for mode in [m for m in modes if m in ("connector", "hf")]:
+        backend = {"connector": "vllm_connector", "hf": "hf"}[mode]
+        kwargs = dict(engine_extra) if mode == "connector" else {}
+        if mode == "hf" and a.dummy_8b:
+            kwargs = {"model": random_hf_model(target_dir, a.dtype)}
+        ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
+        if getattr(ex, "engine_info", None):
+            engines[mode] = ex.engine_info
+        try:
+            for d in dtypes:
+                name = f"{mode}/{d}"
+                set_layouts(ex, d)
+                runs[name] = []
+                extract_once(name, ex, "warmup", d, backend=backend)
+                for rep in range(a.reps):
+                    runs[name].append(extract_once(name, ex, rep, d, backend=backend))
+                    print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
+        finally:
+            ex.close()
+            del ex, kwargs
+            import gc
+
+            gc.collect()
 
     def pct(x):
         return round(100 * (x - 1), 1)
 
     med = lambda k, i: statistics.median(r[i] for r in runs[k])  # noqa: E731
+
+    def baseline(k: str) -> str:
+        """Plain prefill to compare run ``k`` with: the eager engine's for the runtime mode (and on
+        CPU), the compiled engine's for the others on a GPU."""
+        if k.startswith("runtime") or not runs.get("plain (compiled)"):
+            return "plain"
+        return "plain (compiled)"
+
     rows = []
     for k in [k for k, v in runs.items() if v]:
-        row = {"run": "plain prefill (generate, max_tokens=1)" if k == "plain" else f"extract: {k}",
+        plain_row = k.startswith("plain")
+        row = {"run": "plain prefill, eager engine (generate, max_tokens=1)" if k == "plain" else
+               (f"{k} (generate, max_tokens=1)" if plain_row else f"extract: {k}"),
                "tokens": n_tokens, "tokens_per_s": round(n_tokens / med(k, 0), 1),
                "best_tokens_per_s": round(n_tokens / min(r[0] for r in runs[k]), 1),
                "tokens_per_cpu_s": round(n_tokens / med(k, 1), 1),
                "runs_wall_cpu_s": [[round(w, 2), round(c, 2)] for w, c in runs[k]]}
-        if k != "plain":
-            row["overhead_cpu_pct"] = pct(med(k, 1) / med("plain", 1))
-            if k == "runtime" and pairs:
+        b = baseline(k)
+        if k != b and runs.get(b):
+            row["baseline"] = b
+            row["vs_plain"] = round(med(b, 0) / med(k, 0), 3)
+            row["overhead_cpu_pct"] = pct(med(k, 1) / med(b, 1))
+            if k.startswith("runtime") and pairs:
                 row["overhead_wall_pct"] = pct(statistics.median(e[0] / p[0] for p, e in pairs))
-            else:  # another engine, timed after the plain runs: only the medians can be compared
-                row["overhead_wall_pct"] = pct(med(k, 0) / med("plain", 0))
-            row["overhead_best_pct"] = pct(min(r[0] for r in runs[k]) / min(r[0] for r in runs["plain"]))
-            row["stored_bytes_per_token"] = round(stored[k], 1)
+            else:  # another engine or run: only the medians can be compared
+                row["overhead_wall_pct"] = pct(med(k, 0) / med(b, 0))
+            row["overhead_best_pct"] = pct(min(r[0] for r in runs[k]) / min(r[0] for r in runs[b]))
+            if k in stored:
+                row["stored_bytes_per_token"] = round(stored[k], 1)
             if capture_cpu.get(k):
                 # The capture's own CPU (engine-thread wrapper + writer thread) over plain prefill's
                 # CPU for the same tokens: what the capture costs on a machine with no idle core.
-                row["capture_cpu_pct"] = round(100 * statistics.median(capture_cpu[k]) / med("plain", 1), 2)
+                row["capture_cpu_pct"] = round(100 * statistics.median(capture_cpu[k]) / med(b, 1), 2)
         rows.append(row)
     load = os.getloadavg()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "bench_extract.json").write_text(json.dumps(
             {"target": target_name, "num_layers": L, "hidden_size": H, "layer_ids": list(layer_ids),
-             "dtype": a.dtype, "store_dtype": store_dtype, "prompts": a.prompts, "args": vars(a), "rows": rows,
-             "load_start": load_start, "load_end": load},
+             "dtype": a.dtype, "store_dtypes": dtypes, "prompts": a.prompts, "args": vars(a), "rows": rows,
+             "engines": engines, "load_start": load_start, "load_end": load},
             indent=2))
     if not a.store_dir:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{target_name}, {a.prompts} prompts, {n_tokens} tokens, vLLM {a.dtype}, store {store_dtype}, "
+    print(f"\n{target_name}, {a.prompts} prompts, {n_tokens} tokens, vLLM {a.dtype}, stores {dtypes}, "
           f"layers {list(layer_ids)}+[{L}], {a.reps} reps; load average {load_start[0]:.1f} -> {load[0]:.1f} "
           f"on {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-    print("overhead: extraction time / plain time - 1; wall: median of adjacent (plain, extract) pairs for the "
-          "runtime mode, medians otherwise; best: fastest run vs fastest run; CPU: process CPU seconds, medians; "
-          "capture CPU: CPU seconds of the capture wrapper + writer thread / plain prefill's CPU seconds")
-    print(f"{'run':<40}{'tok/s':>8}{'best':>8}{'tok/CPU-s':>11}{'ovh wall':>10}{'ovh best':>10}{'ovh CPU':>9}"
+    print("x plain: plain prefill's median time / this run's (the baseline: the compiled engine without capture on a "
+          "GPU, the eager engine for the runtime mode and on CPU); overhead: time / plain time - 1 (wall: median of "
+          "adjacent (plain, extract) pairs for the runtime mode, medians otherwise; best: fastest vs fastest; CPU: "
+          "process CPU seconds); capture CPU: CPU seconds of the capture wrapper + writer thread / plain's CPU seconds")
+    print(f"{'run':<52}{'tok/s':>10}{'best':>10}{'x plain':>9}{'ovh wall':>10}{'ovh best':>10}{'ovh CPU':>9}"
           f"{'capture CPU':>13}{'B/token':>9}")
     for r in rows:
         ow = "" if "overhead_wall_pct" not in r else f"{r['overhead_wall_pct']:+.1f}%"
@@ -251,8 +390,17 @@ def main() -> None:
         bpt = "" if "stored_bytes_per_token" not in r else f"{r['stored_bytes_per_token']:.0f}"
         cc = "" if "capture_cpu_pct" not in r else f"{r['capture_cpu_pct']:.2f}%"
         ob = "" if "overhead_best_pct" not in r else f"{r['overhead_best_pct']:+.1f}%"
-        print(f"{r['run']:<40}{r['tokens_per_s']:>8.1f}{r['best_tokens_per_s']:>8.1f}{r['tokens_per_cpu_s']:>11.1f}"
+        xp = "" if "vs_plain" not in r else f"{r['vs_plain']:.3f}"
+        print(f"{r['run']:<52}{r['tokens_per_s']:>10.1f}{r['best_tokens_per_s']:>10.1f}{xp:>9}"
               f"{ow:>10}{ob:>10}{oc:>9}{cc:>13}{bpt:>9}")
+    if engines:
+        print("\nengines: KV-cache tokens reserved (bytes per token, over every KV layer), graphs, attention")
+        for name, e in engines.items():
+            kv = e.get("kv_cache") if isinstance(e.get("kv_cache"), dict) else {}
+            groups = "; ".join(f"{g['layers']} x {g['spec']}" for g in kv.get("groups", []))
+            print(f"  {name:<22} {kv.get('tokens', '?'):>9} tokens ({kv.get('bytes_per_token', '?')} B/token: {groups}), "
+                  f"{'eager' if e.get('enforce_eager') else 'compiled, graphs ' + str(e.get('cudagraph_mode'))}, "
+                  f"{e.get('attention_backends')}")
 
 
 if __name__ == "__main__":

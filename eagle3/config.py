@@ -147,6 +147,8 @@ class RegenerateConfig:
     """Longest conversation (prompt + answer) the engine accepts; longer ones are dropped and counted."""
     kv_cache_gb: float = 1.0
     """KV cache of the vLLM engine, GiB."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM on GPU: the share of the device's memory the engine may take (free memory must cover it)."""
     dtype: str = "auto"
     """auto (the dtype extraction and verification run the target in: ``target.dtype``, else the
     checkpoint's) | bfloat16 | float16 | float32. (vLLM's own "auto" would run a float32 checkpoint
@@ -157,7 +159,7 @@ class RegenerateConfig:
     hf_batch_size: int = 64
     """Conversations per transformers generate call (``backend=hf`` only)."""
 
-    NON_SEMANTIC = ("kv_cache_gb", "hf_batch_size")
+    NON_SEMANTIC = ("kv_cache_gb", "gpu_memory_utilization", "hf_batch_size")
 
     def __post_init__(self):
         _check_positive("prepare.regen.max_tokens", self.max_tokens)
@@ -230,7 +232,23 @@ class ExtractConfig:
     enable_chunked_prefill: bool = True
     """vLLM: split long prompts across steps (the capture stitches them back)."""
     kv_cache_gb: float = 1.0
-    """vLLM: KV cache, GiB."""
+    """vLLM: KV cache, GiB, on CPU and GPU (prefill-only extraction needs the KV of the requests in
+    flight only: 1 GiB holds 8k tokens of an 8B Llama)."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM on GPU: the share of the device's memory the engine may take (weights, activations,
+    CUDA graphs and the KV cache above); free memory must cover it at start-up."""
+    aux_setup: str = "auto"
+    """vllm backend: when the target's aux hidden-state outputs are switched on. load_time: by
+    vLLM's extract_hidden_states method while the model loads, so torch.compile and CUDA graphs
+    include them (the GPU default) | runtime: by eagle3 after the engine started, which needs an
+    eager engine (extract.enforce_eager=true; the CPU default, where vLLM always runs eagerly) |
+    auto."""
+    enforce_eager: bool = False
+    """vLLM on GPU: no torch.compile, no CUDA graphs (slower; what aux_setup=runtime needs)."""
+    async_scheduling: bool = False
+    """vLLM's async scheduling (the next step is scheduled while this one runs). Off: the capture
+    maps rows to requests from the runner's bookkeeping of the step it reads, which async
+    scheduling updates ahead of the step; prefill-only extraction gains little from it."""
     batch_size: int = 8
     """hf backend: samples per forward pass."""
     device: str = "auto"
@@ -262,11 +280,18 @@ class ExtractConfig:
     parity_tolerance: float = 0.0
     """Largest relative error (max |stored - transformers| / max |transformers| per layer and
     sample) the parity sample accepts; 0 = by dtype (float32 1e-3, float16 5e-2, bfloat16 1e-1; the
-    coarser of the target's and the store's; eagle3/extract/checks.py says what was measured)."""
+    coarser of the target's and the store's; eagle3/extract/checks.py says what was measured). For
+    bfloat16/float16 targets with a store of at least their precision, 0 means the float32-reference
+    check instead (see parity_factor)."""
+    parity_factor: float = 3.0
+    """bfloat16/float16 targets: each stored layer may differ from a float32 transformers reference
+    by at most this many times the error transformers itself makes in the target's dtype on the same
+    samples (per-token relative error, mean and max over tokens; eagle3/extract/checks.py)."""
 
     NON_SEMANTIC = ("tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs",
-                    "enable_chunked_prefill", "kv_cache_gb", "batch_size", "device", "num_shards", "shard_index",
-                    "agreement_positions", "min_agreement", "verify_samples", "parity_tolerance")
+                    "enable_chunked_prefill", "kv_cache_gb", "gpu_memory_utilization", "aux_setup",
+                    "enforce_eager", "async_scheduling", "batch_size", "device", "num_shards", "shard_index",
+                    "agreement_positions", "min_agreement", "verify_samples", "parity_tolerance", "parity_factor")
 
     def __post_init__(self):
         from .extract.backend import BACKENDS  # the registry: a new backend is valid once registered there
@@ -285,6 +310,13 @@ class ExtractConfig:
             raise ValueError(f"extract.min_agreement must be in [0, 1], got {self.min_agreement}")
         _check_positive("extract.verify_samples", self.verify_samples, allow_zero=True)
         _check_positive("extract.parity_tolerance", self.parity_tolerance, allow_zero=True)
+        if not self.parity_factor >= 1.0:
+            raise ValueError(f"extract.parity_factor must be >= 1 (a multiple of transformers' own rounding error), "
+                             f"got {self.parity_factor}")
+        _check_choice("extract.aux_setup", self.aux_setup, ("auto", "load_time", "runtime"))
+        _check_positive("extract.kv_cache_gb", self.kv_cache_gb)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"extract.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -522,6 +554,8 @@ class ExportConfig:
     trained elsewhere (export.from) be verified without a prepare run. Hashed by content."""
     kv_cache_gb: float = 1.0
     """vLLM: KV cache, GiB."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM on GPU: the share of the device's memory each verification engine may take."""
     from_layer_convention: str = "auto"
     """How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
     layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang."""
@@ -531,7 +565,7 @@ class ExportConfig:
     device: str = "auto"
     """Offline evaluator (HF target): auto | cpu | cuda."""
 
-    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "device", "prompts")
+    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts")
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))
@@ -604,6 +638,9 @@ class Config:
     are faster, on an idle one more); OMP_NUM_THREADS, when set, replaces the probe. N > 0 forces N
     everywhere. Changes nothing computed beyond float summation order, so it is in no stage's
     config hash."""
+    allow_untested_vllm: bool = False
+    """Let every stage start a vLLM release newer than those eagle3 was run on (a warning, not a
+    refusal; eagle3/vllm_compat.py lists them). The extract stage's checks still judge the states."""
 
     def __post_init__(self):
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))

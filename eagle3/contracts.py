@@ -165,7 +165,11 @@ class ExtractFacts(Facts):
                     if self.agreement_threshold else "reported only: answers not regenerated greedily by the target")
             parts.append(f"target agreement {figs} ({rule})")
         p = self.parity or {}
-        if p.get("max") is not None:
+        if p.get("method") == "float32 reference":
+            parts.append(f"parity with transformers in float32 on {len(p.get('samples', []))} samples: worst error "
+                         f"{p['max']:.2g} of the allowed ({p.get('factor', 0):g}x transformers' own {p.get('dtype')} "
+                         f"error, per layer)")
+        elif p.get("max") is not None:
             parts.append(f"parity with transformers on {len(p.get('samples', []))} samples: worst relative error "
                          f"{p['max']:.2g} (tolerance {p.get('tolerance', float('nan')):g}, {p.get('dtype')})")
         elif p.get("skipped"):

@@ -66,7 +66,10 @@ def _in_multirun() -> bool:
 def run(cfg: Config) -> dict:
     """Run the configured stage(s); returns a summary dict (used by sweeps and tests)."""
     from .tracking import Tracker
+    from .vllm_compat import ALLOW_ENV
 
+    if cfg.allow_untested_vllm:  # read by every engine eagle3 starts (eagle3.vllm_compat.check_installed)
+        os.environ[ALLOW_ENV] = "1"
     exp_dir = cfg.experiment_dir
     manifest = Manifest(exp_dir, tracker=Tracker(cfg))
     if cfg.stage == "status":

@@ -26,11 +26,18 @@ def on_cpu() -> bool:
 
 
 def import_vllm():
-    """Import vllm with the CPU environment set first, or say which extra installs it."""
+    """Import vllm with eagle3's environment set first (CPU: in-process engine, no thread binding;
+    GPU: spawned engine processes; both: the V1 model runner, eagle3.vllm_compat), or say which
+    extra installs it."""
+    from .vllm_compat import pin_v1_runner, set_process_method
+
     cpu = on_cpu()
+    pin_v1_runner()
     if cpu:
         for k, v in _CPU_ENV.items():
             os.environ.setdefault(k, v)
+    else:
+        set_process_method()
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -119,17 +126,25 @@ def cpu_mla_backend(model_dir, dtype: str) -> dict:
 
 
 def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
-              tensor_parallel_size: int = 1, dtype: str = "auto", work: str = "decode", **extra):
+              tensor_parallel_size: int = 1, dtype: str = "auto", work: str = "decode",
+              gpu_memory_utilization: float | None = None, **extra):
     """``work``: the engine's kind of CPU work for the thread probe (eagle3.cpu): ``decode``
-    (generation, verification) or ``batch`` (extraction: prefill only)."""
+    (generation, verification) or ``batch`` (extraction: prefill only). ``kv_cache_gb``: the KV cache
+    asked of vLLM, on CPU and GPU alike; ``gpu_memory_utilization``: vLLM's start-up ceiling on GPU
+    (None: vLLM's default). The installed vLLM must be one eagle3 runs on (eagle3.vllm_compat)."""
+    from .vllm_compat import check_installed, kv_cache_kwargs
+
     vllm = import_vllm()
+    cpu = on_cpu()
+    check_installed(cpu=cpu, tensor_parallel_size=tensor_parallel_size)
     _guard_kernel_override_scan()
-    if on_cpu():
+    if cpu:
         _serving_threads(work)
     kwargs = dict(model=str(model), max_model_len=max_model_len, seed=seed, dtype=dtype,
                   tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False)
-    if on_cpu():
-        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+    kwargs.update(kv_cache_kwargs(kv_cache_gb, gpu_memory_utilization, cpu=cpu))
+    if cpu:
+        kwargs.update(enforce_eager=True)
         kwargs.update(cpu_mla_backend(model, dtype))
         spec = extra.get("speculative_config")
         if isinstance(spec, dict) and spec.get("model") and "attention_backend" not in spec:
@@ -140,7 +155,7 @@ def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed:
     try:
         return vllm.LLM(**kwargs)
     except BaseException:
-        if on_cpu():
+        if cpu:
             _restore_threads()
         raise
 

@@ -73,7 +73,7 @@ def run(cfg, manifest):
                 model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
                 reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
                 max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
-                tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress,
+                gpu_memory_utilization=ecfg.gpu_memory_utilization, tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress,
                 categories=categories, temperatures=ecfg.eval_temperatures, seed=ecfg.eval_seed))
         store = inputs.get("extract") if ckpt.source.get("kind") == "train" else None
         _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens, store)

@@ -390,3 +390,43 @@ def test_export_warning_names_the_store_figures(caplog):
         _compare_with_training(facts, {"train_expected_acceptance_length": [1.8, 2.4, 2.9]}, 3, store)
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "extract run abcdef012345" in msg and "target agreement train 0.2002" in msg and "does not fit" in msg
+
+
+# -- bfloat16 targets: the float32 reference ---------------------------------------------------------
+def test_bfloat16_parity_passes_a_correct_store_and_catches_one_6_percent_off(tmp_path):
+    """A bfloat16 store from the hf backend passes the float32-reference parity (its error is
+    transformers' own bfloat16 error); moved 6% per token it fails, naming the layers and the noise,
+    although the fixed bfloat16 tolerance (0.1 of the largest value) would let it through."""
+    from conftest import build_tiny_llama, perturb_store
+
+    from eagle3.extract import Samples, extract_store
+    from eagle3.extract.checks import parity_sample, parity_tolerance, uses_reference_parity
+
+    target = build_tiny_llama(tmp_path / "t", tokenizer_vocab=259)
+    cfg = json.loads((target / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, 250, n).tolist() for n in (40, 90, 7, 64, 120, 15)]
+    splits = {"train": Samples(ids[:4]), "eval": Samples(ids[4:])}
+    layout = StoreLayout(layer_ids=tuple(LAYER_IDS), last_layer_id=4, hidden_size=64, dtype="bfloat16")
+    ecfg = ExtractConfig(layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
+                         agreement_positions=0)
+    store = tmp_path / "store"
+    assert extract_store(store, splits, layout, backend="hf", target_path=target, target_dtype="bfloat16",
+                         ecfg=ecfg, progress=False).complete
+    assert uses_reference_parity("bfloat16", "bfloat16", 0.0) and not uses_reference_parity("bfloat16", "fp8", 0.0)
+    _, _, parity = check_store(store, list(splits), layout, target, cfg, "bfloat16", ecfg, greedy=False)
+    assert parity["method"] == "float32 reference" and parity["max"] <= 1.0
+    noise = max(v[0] for v in parity["noise"].values())
+    assert 1e-4 < noise < 0.03, parity  # transformers' own bfloat16 error: not zero, not gross
+    perturb_store(store, 0.06)
+    with pytest.raises(HiddenStateCheckError, match=r"parity sample: .*float32.*per-token relative errors of aux 1: "
+                                                    r"0\.0[5-7]\d* mean.*more than 3x the error transformers itself"):
+        check_store(store, list(splits), layout, target, cfg, "bfloat16", ecfg, greedy=False)
+    fixed = parity_sample(store, list(splits), layout, target, cfg, "bfloat16", ecfg, 4,
+                          parity_tolerance("bfloat16", "bfloat16"))
+    assert fixed["max"] <= fixed["tolerance"]  # what the fixed tolerance would have said: passed
+    # an explicit extract.parity_tolerance keeps the fixed-tolerance check it names
+    loose = ExtractConfig(layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
+                          agreement_positions=0, parity_tolerance=0.2)
+    _, _, p = check_store(store, list(splits), layout, target, cfg, "bfloat16", loose, greedy=False)
+    assert "method" not in p and p["tolerance"] == 0.2

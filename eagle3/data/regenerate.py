@@ -83,7 +83,8 @@ class _VLLMGenerator:
         self.params = vllm.SamplingParams(temperature=regen_cfg.temperature, top_p=regen_cfg.top_p,
                                           max_tokens=regen_cfg.max_tokens, seed=regen_cfg.seed)
         self.llm = build_llm(target_path, max_model_len=regen_cfg.max_model_len, kv_cache_gb=regen_cfg.kv_cache_gb,
-                             seed=regen_cfg.seed, dtype=dtype)
+                             seed=regen_cfg.seed, dtype=dtype,
+                             gpu_memory_utilization=getattr(regen_cfg, "gpu_memory_utilization", None))
 
     def generate(self, prompts: list[list[int]]) -> list[tuple[str, bool]]:
         """(text, hit max_tokens) per prompt, in order."""

@@ -80,7 +80,7 @@ def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str) -> 
 
 def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: str, reference: DraftCheckpoint,
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
-                  tolerance: float = 0.05, device: str = "auto", progress: bool = False,
+                  gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
                   seed: int = 0) -> dict:
     """Run steps 1-8; returns the facts to record; raises VerificationError on any failure.
@@ -98,7 +98,8 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
-    run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb)
+    run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+               gpu_memory_utilization=gpu_memory_utilization)
 
     offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
                                  device=device, progress=progress)

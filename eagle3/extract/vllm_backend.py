@@ -2,15 +2,16 @@
 ``vllm_worker.HiddenStateCapture`` reading aux states between execute_model() and sample_tokens().
 
 Engine settings and why:
-- ``VLLM_USE_V2_MODEL_RUNNER=0``: the capture reads V1 runner state (``execute_model_state``,
-  ``input_batch``). vLLM >= 0.33 defaults to the V2 runner on GPU; CPU builds use V1 anyway (V2
-  needs Triton). We pin V1 explicitly and log it.
+- The V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``, pinned by eagle3.vllm_compat for every
+  engine): the capture reads V1 runner state (``execute_model_state``, ``input_batch``).
 - Prefix caching off: cached prefix tokens are not recomputed, so their states would be missing
   (the writer's coverage check would refuse the shard).
 - Chunked prefill on (``extract.enable_chunked_prefill``): long samples are split across steps;
   every chunk is written at its position, so results do not depend on the chunking.
-- ``async_scheduling=False``: chunk starts are read from the runner's bookkeeping, which async
-  scheduling updates optimistically; prefill-heavy extraction gains little from it.
+- ``extract.aux_setup``: ``load_time`` (GPU default) keeps torch.compile and CUDA graphs, which
+  then include the aux outputs; ``runtime`` needs an eager engine (``extract.enforce_eager=true``;
+  on CPU vLLM is always eager) and is refused otherwise, before the model loads.
+- ``extract.async_scheduling`` (off by default): prefill-heavy extraction gains little from it.
 - One shard at a time: a shard's requests are submitted together and drained before the next
   shard starts. A shard's batches then depend only on its own samples, so a resumed run (or
   another scale-out process) computes bit-identical states for it; the cost is one partly filled
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from ..errors import Eagle3Error
@@ -37,12 +37,32 @@ class ExtractError(Eagle3Error):
     pass
 
 
-def pin_v1_runner() -> None:
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0", "false", "False"):
-        raise ExtractError("VLLM_USE_V2_MODEL_RUNNER is set to enable the V2 model runner; eagle3's vLLM capture "
-                           "reads V1 runner state. Unset it (eagle3 pins VLLM_USE_V2_MODEL_RUNNER=0).")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    log.info("extract: pinned vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the capture reads V1 runner state")
+def resolve_aux_setup(requested: str, *, cpu: bool) -> str:
+    """``extract.aux_setup``'s ``auto``: runtime on CPU (vLLM is eager there), load_time on GPU."""
+    if requested == "auto":
+        return "runtime" if cpu else "load_time"
+    if requested not in ("runtime", "load_time"):
+        raise ExtractError(f"extract.aux_setup must be auto, runtime or load_time, got {requested!r}")
+    return requested
+
+
+def refuse_before_load(target_path, target_dtype: str, ecfg, aux_setup: str, *, cpu: bool) -> None:
+    """Settings that would fail (or compute wrong states) only after the model loaded: refused now."""
+    from ..vllm_engine import uses_mla
+
+    if aux_setup == "runtime" and not cpu and not ecfg.enforce_eager:
+        raise ExtractError(
+            "extract.aux_setup=runtime switches the aux hidden-state outputs on after the engine started, but "
+            "with extract.enforce_eager=false vLLM has already compiled the model and captured its CUDA graphs "
+            "without them: the graphs would never return the aux states. Use extract.aux_setup=load_time (the GPU "
+            "default: compiled, with CUDA graphs), or extract.enforce_eager=true (eager, slower).")
+    if not cpu and target_dtype == "float32" and uses_mla(target_path):
+        raise ExtractError(
+            f"the target {target_path} uses multi-head latent attention (kv_lora_rank), and vLLM on GPU has no MLA "
+            f"attention backend for float32 (\"No valid attention backend ... use_mla=True\"; FlashMLA, FlashAttention-"
+            f"MLA and Triton-MLA take bf16/fp16). Set target.dtype=bfloat16: the parity check then compares the "
+            f"stored states with a float32 transformers reference, its tolerance set from transformers' own "
+            f"bfloat16 error.")
 
 
 def engine_kwargs(ecfg, layout: StoreLayout, target_dtype: str, max_model_len: int) -> dict:
@@ -50,10 +70,13 @@ def engine_kwargs(ecfg, layout: StoreLayout, target_dtype: str, max_model_len: i
     if not ecfg.enable_chunked_prefill and max_batched < max_model_len:
         raise ExtractError(f"extract.enable_chunked_prefill=false needs extract.max_num_batched_tokens >= the "
                            f"longest sample + 1 ({max_model_len}), got {max_batched}")
-    return dict(dtype=target_dtype, max_num_batched_tokens=max_batched, max_num_seqs=ecfg.max_num_seqs,
-                enable_chunked_prefill=ecfg.enable_chunked_prefill, async_scheduling=False,
-                tensor_parallel_size=ecfg.tensor_parallel_size, kv_cache_gb=ecfg.kv_cache_gb,
-                max_model_len=max_model_len)
+    kw = dict(dtype=target_dtype, max_num_batched_tokens=max_batched, max_num_seqs=ecfg.max_num_seqs,
+              enable_chunked_prefill=ecfg.enable_chunked_prefill, async_scheduling=bool(ecfg.async_scheduling),
+              tensor_parallel_size=ecfg.tensor_parallel_size, kv_cache_gb=ecfg.kv_cache_gb,
+              gpu_memory_utilization=ecfg.gpu_memory_utilization, max_model_len=max_model_len)
+    if ecfg.enforce_eager:
+        kw["enforce_eager"] = True
+    return kw
 
 
 def extract_hidden_states_spec(layout: StoreLayout) -> dict:
@@ -76,29 +99,30 @@ class VLLMExtractor:
     name = "vllm"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 aux_setup: str = "auto", *, work_dir=None):
+                 aux_setup: str | None = None, *, work_dir=None, **engine_extra):
+        """``aux_setup``: overrides ``ecfg.aux_setup`` (the benchmark's); ``engine_extra``: more
+        ``vllm.LLM`` arguments (the benchmark's ``load_format=dummy``)."""
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
-        pin_v1_runner()
         cpu = on_cpu()
-        if aux_setup == "auto":
-            aux_setup = "runtime" if cpu else "load_time"
-        if aux_setup not in ("runtime", "load_time"):
-            raise ExtractError(f"aux_setup must be auto, runtime or load_time, got {aux_setup!r}")
+        aux_setup = resolve_aux_setup(aux_setup or ecfg.aux_setup, cpu=cpu)
+        refuse_before_load(target_path, target_dtype, ecfg, aux_setup, cpu=cpu)
         kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
         if aux_setup == "load_time":
             kwargs["speculative_config"] = extract_hidden_states_spec(layout)
-        elif not cpu:
-            kwargs["enforce_eager"] = True  # runtime switch-on is only valid without compiled graphs
+        kwargs.update(engine_extra)
         log.info("extract: vLLM engine for %s (%s, aux outputs switched on at %s, chunked prefill %s, "
-                 "max_num_batched_tokens %d, TP %d)", target_path, "CPU" if cpu else "GPU", aux_setup,
-                 ecfg.enable_chunked_prefill, ecfg.max_num_batched_tokens, ecfg.tensor_parallel_size)
+                 "max_num_batched_tokens %d, TP %d%s)", target_path, "CPU" if cpu else "GPU", aux_setup,
+                 ecfg.enable_chunked_prefill, ecfg.max_num_batched_tokens, ecfg.tensor_parallel_size,
+                 ", eager" if kwargs.get("enforce_eager") else "")
         self.layout = layout
         self.aux_setup = aux_setup
         self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, work="batch", **kwargs)
         self.capture_info = None
         self.last_stats = None  # CPU seconds of the capture and the writer thread in the last run
+        self.engine_info = engine_info(self.llm)
+        log.info("extract: engine %s", self.engine_info)
 
     # -- RPC helpers ----------------------------------------------------------------------------
     def _rpc(self, method: str, *args):
@@ -143,6 +167,15 @@ class VLLMExtractor:
 
         shutdown_llm(self.llm)
         self.llm = None
+
+
+def engine_info(llm) -> dict:
+    """What the engine runs with, read in its rank-0 worker (eagle3_engine_info): runner, compile
+    mode, CUDA-graph mode, attention backends, KV-cache blocks and bytes per token."""
+    try:
+        return json.loads(llm.collective_rpc("eagle3_engine_info")[0])
+    except Exception as e:  # noqa: BLE001 - informational only
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 class _WorkerWriter:

@@ -23,7 +23,14 @@ from pathlib import Path
 
 from ..store import ShardPlan, StoreLayout
 from .backend import Progress
-from .vllm_backend import ExtractError, engine_kwargs, extract_hidden_states_spec, pin_v1_runner
+from .vllm_backend import (
+    EXTENSION,
+    ExtractError,
+    engine_info,
+    engine_kwargs,
+    extract_hidden_states_spec,
+    refuse_before_load,
+)
 from .writer import CapturedBatch, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
@@ -60,12 +67,12 @@ class VLLMConnectorExtractor:
     name = "vllm_connector"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
-                 work_dir: str | Path):
+                 work_dir: str | Path, **engine_extra):
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
-        pin_v1_runner()
         cpu = on_cpu()
+        refuse_before_load(target_path, target_dtype, ecfg, "load_time", cpu=cpu)
         self.layout = layout
         self.last_stats = None
         # The connector's per-request files: next to the store (same filesystem), removed on close.
@@ -86,8 +93,13 @@ class VLLMConnectorExtractor:
             kwargs["max_num_batched_tokens"] = max_model_len
         log.info("extract: vLLM engine with the extract_hidden_states method and %s (%s)", kv["kv_connector"],
                  "CPU-safe subclass" if cpu else "as shipped")
+        kwargs.update(engine_extra)
+        # the worker extension only reports the engine's settings here (eagle3_engine_info); the
+        # connector, not eagle3's capture, writes the states
         self.llm = build_llm(target_path, speculative_config=extract_hidden_states_spec(layout),
-                             kv_transfer_config=kv, work="batch", **kwargs)
+                             kv_transfer_config=kv, work="batch", worker_extension_cls=EXTENSION, **kwargs)
+        self.engine_info = engine_info(self.llm)
+        log.info("extract: engine %s", self.engine_info)
 
     def _collect(self, paths: dict, timeout: float = 300.0) -> None:
         """Wait until every request's file is written. The connector writes a finished request's file

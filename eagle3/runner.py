@@ -65,9 +65,11 @@ def _in_multirun() -> bool:
 
 def run(cfg: Config) -> dict:
     """Run the configured stage(s); returns a summary dict (used by sweeps and tests)."""
+    from .preflight import check_environment
     from .tracking import Tracker
     from .vllm_compat import ALLOW_ENV
 
+    check_environment(cfg)  # the command line checked it before Hydra made its run directory; callers that compose do not
     if cfg.allow_untested_vllm:  # read by every engine eagle3 starts (eagle3.vllm_compat.check_installed)
         os.environ[ALLOW_ENV] = "1"
     exp_dir = cfg.experiment_dir

@@ -1,6 +1,7 @@
 """Config composition through the real Hydra app: every file composes, bad keys/types fail."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from eagle3.config import Config
+from eagle3.preflight import UnknownKeyError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -68,8 +70,40 @@ def test_presets_train_with_muon_at_their_measured_step_the_schema_with_adamw(co
 
 
 def test_unknown_key_fails_at_compose(compose):
-    with pytest.raises(ConfigCompositionException, match="bogus"):
+    with pytest.raises(UnknownKeyError, match="unknown key train.bogus: no key is close"):
         compose("train.bogus=1")
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("train.ttt_step=3", "did you mean train.ttt_steps=3?"),  # Hydra's hint was: use +train.ttt_step=3
+    ("+train.ttt_step=3", "did you mean train.ttt_steps=3?"),  # which then trained with the default
+    ("+trian.lr=5e-4", "did you mean train.lr=5e-4?"),
+    ("++train.model.fc_nrom=true", "did you mean train.model.fc_norm=true?"),
+    ("+ttt_steps=3", "did you mean train.ttt_steps=3?"),
+    ("train.fc_norm=true", "did you mean train.model.fc_norm=true?"),
+])
+def test_unknown_keys_are_refused_in_plain_and_plus_form_with_the_closest_name(compose, override, fix):
+    with pytest.raises(UnknownKeyError, match=re.escape(f"unknown key {override.lstrip('+').split('=')[0]}: {fix}")):
+        compose(override)
+
+
+def test_a_composed_config_with_a_key_the_schema_lacks_is_refused():
+    """Whatever adds the key (a `+` override, a sweeper's parameter, a YAML file of one's own):
+    to_config refuses it, where OmegaConf.to_object kept it as a stray attribute of the dataclass."""
+    from eagle3.__main__ import _compose
+    from eagle3.config import to_config
+
+    dcfg = _compose(["+train.ttt_step=3"])  # Hydra alone accepts it
+    assert dcfg.train.ttt_step == 3
+    with pytest.raises(UnknownKeyError, match="train.ttt_step: did you mean train.ttt_steps"):
+        to_config(dcfg)
+    with pytest.raises(Exception, match="wieght"):  # an element of a list of sections: OmegaConf checks it
+        to_config(_compose(["data=mixture", "data.sources=[{path: /a.jsonl, wieght: 2.0}]"]))
+
+
+def test_groups_and_hydra_keys_are_not_schema_keys(compose):
+    assert compose("debug=fast", "~experiment", "logger=jsonl", "data=jsonl", "data.path=/d.jsonl",
+                   "hydra.job.chdir=false").name == "default"
 
 
 def test_bad_type_fails_at_compose(compose):
@@ -82,6 +116,21 @@ def test_bad_type_fails_at_compose(compose):
     ("train.decay=1.5", "train.decay"),
     ("stage=deploy", "stage"),
     ("extract.layer_ids=[2,2,3]", "duplicates"),
+    # numbers torch (or vLLM) would refuse only after prepare and extract had run
+    ("train.betas=[0.9,1.5]", r"train.betas must be two values in \[0, 1\)"),
+    ("train.betas=[-0.1,0.95]", r"train.betas must be two values in \[0, 1\)"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+    ("train.min_lr_ratio=2", r"train.min_lr_ratio must be in \[0.0, 1.0\]"),
+    ("train.muon_momentum=1.0", r"train.muon_momentum must be in \[0.0, 1.0\)"),
+    ("train.grad_clip=0", "train.grad_clip must be > 0"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
+    ("train.max_seq_len=0", "train.max_seq_len must be > 0"),
+    ("train.model.head_dim=-32", "train.model.head_dim must be >= 0"),
+    ("prepare.regen.top_p=0", r"prepare.regen.top_p must be in \(0.0, 1.0\]"),
+    ("prepare.regen.temperature=-1", "prepare.regen.temperature must be >= 0"),
+    ("prepare.num_proc=0", "prepare.num_proc must be > 0"),
+    ("extract.kv_cache_gb=0", "extract.kv_cache_gb must be > 0"),
+    ("extract.layer_ids=[-1,2,3]", "extract.layer_ids must be layer numbers >= 0"),
 ])
 def test_invalid_values_name_the_key(compose, override, fragment):
     with pytest.raises(Exception, match=fragment):
@@ -102,9 +151,12 @@ def test_help_and_cfg_do_not_import_heavy_modules():
     assert "LIGHT" in out.stdout, out.stderr
 
 
-def test_cli_bad_key_exits_nonzero_with_hydra_message():
-    out = _run_cli("stage=status", "train.nope=1")
-    assert out.returncode != 0 and "nope" in out.stderr
+def test_cli_bad_key_exits_2_naming_the_closest_key(tmp_path):
+    for arg in ("train.nope=1", "+train.ttt_step=3", "train.ttt_step=3"):
+        out = _run_cli("stage=status", f"workspace={tmp_path}/ws", arg, cwd=tmp_path)
+        assert out.returncode == 2 and "eagle3: invalid config: unknown key train." in out.stderr, out.stderr
+        assert "To append to your config use" not in out.stderr  # Hydra's hint, which led to the + form
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_invalid_value_exits_2():

@@ -1,0 +1,193 @@
+"""What is refused before a run starts, and before Hydra creates its log directory for it.
+
+- Keys the schema (eagle3/config.py) does not know, with the closest valid name: on the command
+  line, in both the plain form (``train.ttt_step=3``, which Hydra refuses with a hint to add ``+``)
+  and the ``+`` form (which Hydra accepts, and which would otherwise train with the default and
+  store the unused key); and in a composed config, wherever the key came from. The schema has no
+  free-form (dict) section, so every key of a composed config must be a field.
+- A workspace this process cannot write: under a regular file, or read-only.
+- A target directory without a tokenizer.
+
+``eagle3/__main__.py`` runs these on the composed config before it hands the command line to
+Hydra; ``eagle3.runner.run`` runs the environment checks again for callers that compose
+themselves (tests, notebooks). Not done here: anything that needs the data or the target's weights
+(the stages check those where they read them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import Eagle3Error
+
+# config groups of conf/ that are no schema field (``data`` and ``logger`` are both)
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+class UnknownKeyError(ValueError):
+    """A key the schema does not know (the CLI prints it as an invalid config)."""
+
+
+class WorkspaceError(Eagle3Error):
+    """The workspace cannot hold this run's files."""
+
+
+def _groups() -> set[str]:
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
+
+
+@lru_cache(maxsize=None)
+def _fields(cls) -> dict:
+    """{field name: its type} of a schema dataclass, with the annotations resolved."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    out = []
+    for name, t in _fields(cls).items():
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(t):
+            out += _all_keys(t, f"{prefix}{name}.")
+    return out
+
+
+def _is_known(parts: list[str]) -> bool:
+    from .config import Config
+
+    node = Config
+    for i, part in enumerate(parts):
+        fields = _fields(node)
+        if part not in fields:
+            return i == 0 and len(parts) == 1 and part in _groups()
+        node = fields[part]
+        if not dataclasses.is_dataclass(node):
+            return i == len(parts) - 1
+    return True
+
+
+def closest_key(key: str) -> str | None:
+    """The valid key most like ``key``: each unknown part replaced by its closest sibling
+    (``trian.lr`` -> ``train.lr``), else a key anywhere in the schema whose last part is most like
+    ``key``'s (``train.fc_norm`` -> ``train.model.fc_norm``, ``lr`` -> ``train.lr``); None when
+    nothing is close."""
+    from .config import Config
+
+    parts, node, out = key.split("."), Config, []
+    for part in parts:
+        fields = _fields(node) if dataclasses.is_dataclass(node) else {}
+        match = part if part in fields else next(iter(difflib.get_close_matches(part, list(fields), 1, 0.6)), None)
+        if match is None:
+            break
+        out.append(match)
+        node = fields[match]
+    else:
+        return ".".join(out) if out != parts else None
+    by_last: dict[str, list[str]] = {}
+    for k in _all_keys(Config):
+        by_last.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    match = difflib.get_close_matches(parts[-1], list(by_last), 1, 0.75)
+    if not match:
+        return None
+    # of the keys with that last part, the one sharing most of the path typed
+    return max(by_last[match[0]], key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
+
+
+def unknown_key_message(key: str, value: str | None = None) -> str:
+    suggestion = closest_key(key)
+    fix = f"did you mean {suggestion}{'' if value is None else '=' + value}?" if suggestion else "no key is close."
+    return (f"unknown key {key}: {fix} (`python -m eagle3 --help` lists every key, eagle3/config.py documents "
+            f"them; a `+` adds none: the schema has no free-form section)")
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse a command-line key the schema does not know (``key=v``, ``+key=v``, ``++key=v``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # a Hydra flag, or `~key` (which Hydra checks)
+        override = OverridesParser.create().parse_override(arg)
+        if override.is_delete():
+            continue
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or "/" in key or override.package is not None:
+            continue  # Hydra's own config, and config groups: Hydra checks those
+        if not _is_known(key.split(".")):
+            raise UnknownKeyError(unknown_key_message(key, arg.partition("=")[2]))
+
+
+def check_config_keys(dcfg) -> None:
+    """Refuse a composed DictConfig holding a key that is no field of its schema section."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def walk(node, prefix: str):
+        cls = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(cls):
+            return
+        fields = _fields(cls)
+        for k in node.keys():
+            if k not in fields:
+                if not (prefix == "" and k == "hydra"):
+                    raise UnknownKeyError(unknown_key_message(f"{prefix}{k}"))
+                continue
+            child = node._get_node(k)
+            if isinstance(child, DictConfig):
+                walk(child, f"{prefix}{k}.")
+            elif isinstance(child, ListConfig):
+                for i, item in enumerate(child._iter_ex(resolve=False)):
+                    if isinstance(item, DictConfig):
+                        walk(item, f"{prefix}{k}[{i}].")
+
+    walk(dcfg, "")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(path: Path, what: str) -> None:
+    """``path`` is, or can be created as, a directory this process may write."""
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        where = "" if existing == path else f": {existing} is"
+        raise WorkspaceError(f"{what} {path}{where} a file, not a directory; set workspace= (and experiment=) "
+                             f"to a directory, or move the file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing} is not writable)"
+        raise WorkspaceError(f"{what} {path} is read-only for this user{where}; set workspace=DIR to a "
+                             f"writable directory (`stage=status` reads a read-only one)")
+
+
+def check_target_tokenizer(target_cfg) -> None:
+    """A target directory must hold a tokenizer (every stage that reads text loads it)."""
+    if not target_cfg.path:
+        return  # the GGUF conversion writes the tokenizer
+    path = Path(target_cfg.path).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return  # eagle3.target says what is wrong with it
+    if not any((path / n).is_file() for n in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        raise WorkspaceError(f"target.path={path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy "
+                             f"the tokenizer files of the model these weights come from into it")
+
+
+def check_environment(cfg) -> None:
+    """What a run of ``cfg`` (a Config, or a composed DictConfig) needs of this machine before it
+    starts; ``stage=status`` only reads."""
+    from .config import check_experiment_name
+
+    check_experiment_name(cfg.name)  # (a multirun's shared config arrives here unvalidated)
+    if cfg.stage == "status":
+        return
+    workspace = Path(cfg.workspace).expanduser().resolve()
+    check_writable(workspace, "workspace")
+    check_writable(workspace / cfg.name, "experiment directory")
+    check_target_tokenizer(cfg.target)

@@ -188,6 +188,9 @@ def check_environment(cfg) -> None:
     if cfg.stage == "status":
         return
     workspace = Path(cfg.workspace).expanduser().resolve()
-    check_writable(workspace, "workspace")
+    # beside the experiments: wandb's files, the converted GGUF target, plan's probe cache
+    wandb = cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled" and not cfg.logger.dir
+    if wandb or not cfg.target.path or cfg.stage == "plan":
+        check_writable(workspace, "workspace")
     check_writable(workspace / cfg.name, "experiment directory")
     check_target_tokenizer(cfg.target)

@@ -23,6 +23,7 @@ def run(cfg, manifest):
         category_counts,
         conversation_key,
         load_conversations,
+        nothing_to_train_message,
         prepare_config,
         token_frequencies,
         tokenize_all,
@@ -58,6 +59,8 @@ def run(cfg, manifest):
         conversations = load_conversations(cfg, report, drops, categories=categories)
         if report.bad_records:
             log.warning("skipped %d bad records, e.g. %s", report.bad_records, "; ".join(report.bad_examples))
+        if not conversations:  # (before regeneration would start an engine for nothing)
+            raise DataError(nothing_to_train_message(cfg, report, drops))
         regen_stats = {}
         keys = [conversation_key(m) for m in conversations]  # ids and splits: the source conversations'
         if cfg.prepare.regenerate:
@@ -74,8 +77,7 @@ def run(cfg, manifest):
                                         keys=keys)
         tok_seconds = time.perf_counter() - t_tok
         if not rows:
-            raise DataError(f"no sample has trainable (assistant) tokens after preparation (drops: {dict(drops)}). "
-                            f"Conversations need assistant turns, or set prepare.regenerate=true.")
+            raise DataError(nothing_to_train_message(cfg, report, drops))
         train_rows, eval_rows = assign_splits(rows, cfg.prepare.eval_fraction, cfg.prepare.eval_min)
         freq = token_frequencies(train_rows, target.vocab_size, target.path)
         mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
@@ -94,7 +96,8 @@ def run(cfg, manifest):
         save_file({"freq": torch.from_numpy(freq)}, str(out / TOKEN_FREQ_FILE))
         n_tokens = sum(len(r["input_ids"]) for r in rows)
         n_trainable = sum(sum(r["loss_mask"]) for r in rows)
-        stats = {"conversations_read": len(conversations) + drops["no_trainable_tokens"],
+        stats = {"records_read": report.records,
+                 "conversations_read": len(conversations) + drops["no_trainable_tokens"],
                  "samples": len(rows), "train": len(train_rows), "eval": len(eval_rows),
                  "tokens": n_tokens, "trainable_tokens": n_trainable, "truncated": truncated,
                  "dropped": dict(drops), "bad_records": report.bad_records,

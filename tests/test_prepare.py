@@ -240,3 +240,59 @@ def test_categories_travel_to_the_dataset_and_the_coverage_curve_is_recorded(com
     plain = write_jsonl(tmp_path / "p.jsonl", chat_records(12, seed=2))
     _, rec2 = _prepare(compose, tiny_llama_dir, tmp_path / "ws2", f"data.path={plain}")
     assert "category" not in _load(rec2).column_names and rec2.facts.categories is None
+
+
+def _refusal(compose, target, workspace, *overrides) -> str:
+    from eagle3.data.sources import DataError
+
+    with pytest.raises(DataError) as e:
+        _prepare(compose, target, workspace, *overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_empty_data_file_says_nothing_was_read_and_no_regeneration_hint_when_it_is_set(compose, tiny_llama_dir,
+                                                                                      workspace, tmp_path):
+    """It used to blame missing assistant turns and suggest prepare.regenerate=true, set or not."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    msg = _refusal(compose, tiny_llama_dir, workspace, f"data.path={empty}", "prepare.regenerate=true")
+    assert f"read 0 records from data.path={empty} (the file is empty)" in msg
+    assert "give a file with conversations" in msg and "prepare.regenerate" not in msg
+
+
+def test_max_length_too_small_says_how_many_were_dropped_and_why(compose, tiny_llama_dir, workspace, tmp_path):
+    recs = chat_records(12) + [{"messages": [{"role": "user", "content": "only a question"}]}] * 2
+    data = write_jsonl(tmp_path / "c.jsonl", recs)
+    msg = _refusal(compose, tiny_llama_dir, workspace, f"data.path={data}", "prepare.max_length=4")
+    assert f"read 14 records from data.path={data}" in msg
+    assert "12 with every assistant token beyond prepare.max_length" in msg
+    assert "1 without an assistant turn" in msg and "1 identical to an earlier conversation" in msg
+    assert "raise prepare.max_length (now 4)" in msg and "or set prepare.regenerate=true" in msg
+
+
+def test_a_json_array_file_is_read_as_its_records(compose, tiny_llama_dir, workspace, tmp_path):
+    """Read, not refused: the same records as JSONL, which is read whole as well."""
+    recs = chat_records(30)
+    array = tmp_path / "c.json"
+    array.write_text(json.dumps(recs, indent=1))
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={array}")
+    _, rec_jsonl = _prepare(compose, tiny_llama_dir, tmp_path / "w2", f"data.path={write_jsonl(tmp_path / 'c.jsonl', recs)}")
+    assert rec.facts.num_train + rec.facts.num_eval == 30
+    assert _load(rec)["input_ids"] == _load(rec_jsonl)["input_ids"]
+    array.write_text(json.dumps(recs[:3] + ["not a conversation"]))
+    msg = _refusal(compose, tiny_llama_dir, tmp_path / "w3", f"data.path={array}")
+    assert f"{array}[3]: expected a JSON object, got str" in msg
+
+
+def test_data_path_a_directory_without_a_dataset(compose, tiny_llama_dir, workspace, tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", chat_records(3))
+    msg = _refusal(compose, tiny_llama_dir, workspace, f"data.path={folder}")
+    assert f"data source {folder} is a directory but not a dataset saved with datasets' save_to_disk" in msg
+    assert f"it holds a.jsonl: set data.path={folder / 'a.jsonl'}" in msg
+    (folder / "a.jsonl").unlink()
+    msg = _refusal(compose, tiny_llama_dir, workspace, f"data.path={folder}")
+    assert "set data.path to a conversations file (JSONL, parquet)" in msg

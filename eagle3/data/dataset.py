@@ -66,11 +66,13 @@ def load_conversations(cfg, report, drops: Counter, categories: list | None = No
     for path, fmt, weight, split in source_list(cfg.data):
         convs = []
         for rec in read_source(path, fmt, split, cfg.data.on_bad_record, report):
+            report.records += 1
             try:
                 msgs = normalize_messages(rec.raw)
             except ValueError as e:
                 if cfg.data.on_bad_record == "skip":
                     report.bad(rec.origin, str(e))
+                    report.records -= 1
                     continue
                 raise DataError(f"{rec.origin}: {e}. Fix the record, or pass data.on_bad_record=skip "
                                 f"to count and skip bad records.") from None
@@ -152,11 +154,12 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
                 if enc is None:
                     continue
                 ids, mask = enc
+                had_trainable = any(mask)
                 if len(ids) > max_len:
                     ids, mask = ids[:max_len], mask[:max_len]
                     truncated += 1
                 if not any(mask):
-                    drops["no_trainable_tokens"] += 1
+                    drops["trainable_tokens_beyond_max_length" if had_trainable else "no_trainable_tokens"] += 1
                     continue
                 key = keys[start + j] if keys is not None else conversation_key(msgs)
                 sid, u = split_of(key, cfg.prepare.seed)
@@ -166,6 +169,46 @@ def tokenize_all(conversations, tokenizer, cfg, drops: Counter, progress: bool, 
                 rows.append(row)
             bar.update(len(chunk))
     return rows, truncated
+
+
+# why prepare dropped samples (the keys of PrepareFacts.dropped), and what to change
+DROP_REASONS = {
+    "duplicate": ("identical to an earlier conversation", "prepare.dedup=false keeps duplicates"),
+    "over_max_samples": ("beyond data.max_samples", "raise data.max_samples (0 = all)"),
+    "regeneration_too_long": ("longer than prepare.regen.max_model_len when regenerated",
+                              "raise prepare.regen.max_model_len"),
+    "empty_regeneration": ("given an empty answer by the target", "check the target and its chat template"),
+    "template_error": ("not renderable by the chat template", "fix the conversations or target.chat_template"),
+    "no_trainable_tokens": ("without an assistant turn", "add assistant turns{regen}"),
+    "trainable_tokens_beyond_max_length": ("with every assistant token beyond prepare.max_length",
+                                           "raise prepare.max_length (now {max_length})"),
+}
+
+
+def nothing_to_train_message(cfg, report, drops: Counter) -> str:
+    """One line for a preparation that kept no sample: how many records were read from where, how
+    many were dropped for each reason, and what to change."""
+    from .sources import source_list
+
+    where = (f"data.path={cfg.data.path}" if cfg.data.path and not cfg.data.sources else
+             f"data.sources ({', '.join(p for p, *_ in source_list(cfg.data))})" if cfg.data.sources else
+             f"the built-in prompt set ({source_list(cfg.data)[0][0]})")
+    reasons = sorted(((n, r) for r, n in drops.items() if n), reverse=True)
+    counts = [f"{n} {DROP_REASONS.get(r, (r,))[0]}" for n, r in reasons]
+    if report.bad_records:
+        counts.append(f"{report.bad_records} bad records skipped (e.g. {report.bad_examples[0]})")
+    regen = "" if cfg.prepare.regenerate else ", or set prepare.regenerate=true to have the target write them"
+    fixes = [DROP_REASONS[r][1].format(regen=regen, max_length=cfg.prepare.max_length)
+             for _, r in reasons if r in DROP_REASONS]
+    if report.records == 0:
+        fixes = ["give a file with conversations (JSONL: one {\"messages\": [...]} object a line)"] + fixes
+    nothing = ""
+    if report.records == 0 and not report.bad_records:
+        paths = [Path(p).expanduser() for p, *_ in source_list(cfg.data)]
+        nothing = " (the file is empty)" if all(p.is_file() and p.stat().st_size == 0 for p in paths) else \
+            " (no record at all)"
+    return (f"prepare kept no sample to train on: read {report.records} records from {where}{nothing}"
+            f"{', dropped ' + ', '.join(counts) if counts else ''}. To fix: {'; '.join(fixes) or 'see the drops above'}.")
 
 
 def assign_splits(rows, eval_fraction: float, eval_min: int):

@@ -3,6 +3,7 @@ to disk, parquet; several sources mixed with sampling weights."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Iterator
 
 from ..errors import Eagle3Error
 
+log = logging.getLogger("eagle3.data")
 BUILTIN_PROMPTS = Path(__file__).resolve().parent / "builtin" / "prompts.jsonl"
 # data.path values that name a prompt set generated in memory by eagle3/data/builtin/make_prompts.py
 BUILTIN_GENERATED = {"builtin:large": "build_large"}
@@ -28,6 +30,7 @@ class Record:
 
 @dataclass
 class ReadReport:
+    records: int = 0  # records read that are conversations (counted by eagle3.data.dataset.load_conversations)
     bad_records: int = 0
     bad_examples: list = field(default_factory=list)
 
@@ -67,9 +70,53 @@ def read_jsonl(path: Path, on_bad: str, report: ReadReport) -> Iterator[Record]:
             yield Record(obj, origin)
 
 
+def read_json_array(path: Path, on_bad: str, report: ReadReport) -> list[Record] | None:
+    """The records of a file that is one JSON array of objects (``json.dump(records, f)``), or None
+    when the file is not one. Read rather than refused: it holds the same records as JSONL, and
+    JSONL is read whole as well (``read_source`` returns a list), so only the error messages differ
+    (``file[index]`` instead of ``file:line``)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        return None
+    try:
+        items = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None  # not one array: read as JSONL, which names the first bad line
+    if not isinstance(items, list):
+        return None
+    log.info("%s is one JSON array, not JSONL (one object per line): read as its %d records", path, len(items))
+    out = []
+    for i, obj in enumerate(items):
+        origin = f"{path}[{i}]"
+        if isinstance(obj, dict):
+            out.append(Record(obj, origin))
+            continue
+        why = f"expected a JSON object, got {type(obj).__name__}"
+        if on_bad != "skip":
+            raise DataError(f"{origin}: {why}. Fix the record, or pass data.on_bad_record=skip to count and "
+                            f"skip bad records.")
+        report.bad(origin, why)
+    return out
+
+
+def _not_a_dataset(path: Path) -> str | None:
+    """Why directory ``path`` is not a dataset saved by ``datasets``' save_to_disk, or None."""
+    if any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
+        return None
+    files = sorted(p.name for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
+    hint = (f"; it holds {', '.join(files[:3])}{' and more' if len(files) > 3 else ''}: set data.path={path / files[0]}"
+            f"{', or data.sources=[{path: FILE}, ...] for several' if len(files) > 1 else ''}") if files else \
+        "; set data.path to a conversations file (JSONL, parquet) or to a directory save_to_disk wrote"
+    return (f"data source {path} is a directory but not a dataset saved with datasets' save_to_disk (it has no "
+            f"dataset_dict.json or state.json){hint}")
+
+
 def read_hf(path: Path, fmt: str, split: str) -> Iterator[Record]:
     import datasets
 
+    if fmt == "hf_disk" and path.is_dir() and (why := _not_a_dataset(path)):
+        raise DataError(why)
     if fmt == "parquet":
         ds = datasets.Dataset.from_parquet(str(path))
     else:
@@ -107,7 +154,11 @@ def read_source(path: str | Path, fmt: str, split: str, on_bad: str, report: Rea
         raise DataError(f"data source {str(path)!r} does not exist (set data.path=FILE or data.sources)")
     fmt = detect_format(path, fmt)
     if fmt in ("jsonl", "messages", "sharegpt"):
-        return list(read_jsonl(path, on_bad, report))
+        if path.is_dir():
+            raise DataError(f"data source {path} is a directory, not a JSONL file (data.format={fmt}); set "
+                            f"data.path to the file, or data.format=auto for a dataset saved with save_to_disk")
+        array = read_json_array(path, on_bad, report)
+        return array if array is not None else list(read_jsonl(path, on_bad, report))
     return list(read_hf(path, fmt, split))
 
 

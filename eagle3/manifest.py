@@ -197,6 +197,43 @@ class Manifest:
                         stage, stage)
         return rec
 
+    def in_progress(self, stage: str, wanted: Optional[dict] = None) -> Optional[StageRecord]:
+        """A run of ``stage`` another process is computing now (recorded as running, its run lock
+        held), of the config section ``wanted`` when given."""
+        for data in self.read()["stages"].get(stage, {}).get("runs", {}).values():
+            rec = StageRecord(stage, data, self.exp_dir)
+            if rec.status == "running" and (wanted is None or _recorded(rec, wanted)) and _run_lock_held(rec):
+                return rec
+        return None
+
+    def _wait_for(self, running: StageRecord, by: str) -> None:
+        """Wait until the run of another process ends (or refuse with EAGLE3_NO_WAIT), as
+        ``StageJob.claim`` waits for a run of its own config: what this stage needs is that run's
+        output, and it reads it as soon as it is complete (or says that it failed)."""
+        d = running.data
+        who = (f"stage '{by}' needs stage '{running.stage}', whose run {running.config_hash[:12]} is running now "
+               f"(pid {d.get('pid')} on {d.get('host')}, since {d.get('started')})")
+        if os.environ.get("EAGLE3_NO_WAIT"):
+            raise ManifestError(f"{who}: wait for it to finish, or stop it and re-run "
+                                f"`python -m eagle3 stage={running.stage}` (EAGLE3_NO_WAIT is set, so not waiting).")
+        log.warning("%s: waiting for it to finish (EAGLE3_NO_WAIT=1 refuses instead)", who)
+        lock = FileLock(str(running.out_dir / ".run.lock"))
+        with lock:  # released by that process after it recorded the run complete or failed
+            pass
+
+    def _never_completed(self, stage: str, by: str) -> str:
+        """Why ``stage`` has no run to read: never run, or its last run failed or was killed."""
+        entry = self.read()["stages"].get(stage, {})
+        last = entry.get("runs", {}).get(entry.get("latest") or "")
+        rerun = f"Run `python -m eagle3 stage={stage}` first (same workspace= and experiment=)."
+        if last is None:
+            return f"stage '{by}' needs the output of stage '{stage}', which has not been run in {self.exp_dir}. {rerun}"
+        what = {"failed": f"failed ({(last.get('error') or '').splitlines()[-1][:300] if last.get('error') else 'no error recorded'})",
+                "running": f"was stopped before it ended (recorded as running by pid {last.get('pid')} on "
+                           f"{last.get('host')}, which holds it no more)"}.get(last["status"], last["status"])
+        return (f"stage '{by}' needs the output of stage '{stage}', which has no complete run in {self.exp_dir}: its "
+                f"last run {last['config_hash'][:12]} {what}. {rerun}")
+
     def consume(self, stage: str, by: str, target_hash: Optional[str] = None,
                 wanted: Optional[dict] = None) -> StageRecord:
         """The current run of ``stage`` for use as input by stage ``by``, or a clear error. ``wanted``:
@@ -204,12 +241,15 @@ class Manifest:
         taken instead of the current one where they differ (the current one, with a warning, where the
         manifest has none). A run pinned by this process is taken as is."""
         rec = self.current(stage)
+        if stage not in self.pins and (rec is None or (wanted is not None and not _recorded(rec, wanted))):
+            running = self.in_progress(stage, wanted)
+            if running is not None:  # the run this stage would read, being computed now
+                self._wait_for(running, by)
+                rec = self.current(stage)
         if wanted is not None and stage not in self.pins:
             rec = self._run_of_config(stage, by, rec, wanted)
         if rec is None:
-            raise ManifestError(f"stage '{by}' needs the output of stage '{stage}', which has not been "
-                                f"run in {self.exp_dir}. Run `python -m eagle3 stage={stage}` first "
-                                f"(same workspace= and experiment=).")
+            raise ManifestError(self._never_completed(stage, by))
         if rec.status != "complete":
             raise ManifestError(f"stage '{by}' needs stage '{stage}', whose current run "
                                 f"{rec.config_hash[:12]} is {rec.status}. Re-run `python -m eagle3 stage={stage}`.")
@@ -410,6 +450,25 @@ class StageJob:
         if missing_facts is not None:
             raise missing_facts
         return False
+
+
+def _recorded(rec: StageRecord, wanted: dict) -> bool:
+    """Whether ``rec`` was run with the config section ``wanted`` (``config_section``)."""
+    return (rec.data.get("config") or {}).get(rec.stage) == wanted
+
+
+def _run_lock_held(rec: StageRecord) -> bool:
+    """Whether a process holds ``rec``'s run lock now (this one included: a lock is per open file)."""
+    path = rec.out_dir / ".run.lock"
+    if not path.exists():
+        return False
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
 
 
 def config_section(cfg, stage: str) -> Optional[dict]:

@@ -262,3 +262,113 @@ def test_config_section_is_what_the_train_and_extract_runs_record():
     assert config_section(cfg, "train") == json.loads(json.dumps(semantic_dict(cfg.train)))
     assert config_section(cfg, "train")["seed"] == 3 and config_section(cfg, "extract")["store_dtype"] == "fp8"
     assert config_section(cfg, "prepare") is None  # read as the current run
+
+
+def _hold_extract(exp_dir, started, seconds, complete):
+    """An extract run in another process: its run lock held for ``seconds``, then complete or failed."""
+    import time
+
+    m = Manifest(exp_dir)
+    job = m.start("extract", config={"extract": {"x": 1}}, target=TARGET)
+    assert job.claim() is None
+    with job:
+        open(started, "w").write("running\n")
+        time.sleep(seconds)
+        (job.out_dir / "out.bin").write_bytes(b"x")
+        job.add_output(job.out_dir / "out.bin")
+        job.facts = Sized(n=1)
+        if not complete:
+            raise RuntimeError("extraction stopped")
+
+
+def _start_holder(tmp_path, seconds, complete=True):
+    import time
+
+    started = tmp_path / "started"
+    proc = mp.get_context("spawn").Process(target=_hold_extract,
+                                           args=(tmp_path / "exp", started, seconds, complete))
+    proc.start()
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert started.exists()
+    return proc
+
+
+def test_an_upstream_run_in_progress_is_named_and_waited_for(tmp_path, monkeypatch):
+    """`stage=train` while extract runs in another process used to say extract "has not been run".
+    It waits for the run (as claim() waits for one of its own config) and reads it once complete;
+    with EAGLE3_NO_WAIT it refuses, naming the run and its process."""
+    proc = _start_holder(tmp_path, seconds=2.0)
+    m = Manifest(tmp_path / "exp")
+    monkeypatch.setenv("EAGLE3_NO_WAIT", "1")
+    with pytest.raises(ManifestError, match=r"stage 'train' needs stage 'extract', whose run \w{12} is running now "
+                                            rf"\(pid {proc.pid} on .*: wait for it to finish, or stop it"):
+        m.consume("extract", by="train", wanted={"x": 1})
+    monkeypatch.delenv("EAGLE3_NO_WAIT")
+    rec = m.consume("extract", by="train", wanted={"x": 1})  # waits
+    assert rec.status == "complete" and rec.data["facts"] == {"n": 1}
+    proc.join(30)
+
+
+def test_an_upstream_run_that_failed_or_was_killed_says_so(tmp_path):
+    proc = _start_holder(tmp_path, seconds=1.0, complete=False)
+    m = Manifest(tmp_path / "exp")
+    with pytest.raises(ManifestError, match=r"has no complete run in .*: its last run \w{12} failed "
+                                            r"\(RuntimeError: extraction stopped\)"):
+        m.consume("extract", by="train", wanted={"x": 1})  # waits, then reads the failure
+    proc.join(30)
+    m.update(lambda d: d["stages"]["extract"]["runs"][d["stages"]["extract"]["latest"]].update(status="running"))
+    with pytest.raises(ManifestError, match=r"was stopped before it ended \(recorded as running by pid"):
+        m.consume("extract", by="train", wanted={"x": 1})
+
+
+def _hold_extract_of(overrides, started):
+    """The extract run of this config, its run lock held by this process (the extraction itself
+    is not what is tested: the state another process sees while it runs)."""
+    import time
+
+    from eagle3.__main__ import compose_config
+    from eagle3.hashing import semantic_dict
+    from eagle3.target import resolve
+
+    cfg = compose_config(overrides)
+    m = Manifest(cfg.experiment_dir)
+    target = resolve(cfg.target, cfg.workspace)
+    job = m.start("extract", config={"extract": semantic_dict(cfg.extract)}, target=target.identity(),
+                  inputs=m.consume_upstream("extract", target.hash))
+    assert job.claim() is None
+    with job:
+        open(started, "w").write("running\n")
+        time.sleep(120)
+
+
+def test_cli_train_while_extract_runs_says_it_is_running(tmp_path, tiny_llama_dir):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import chat_records, write_jsonl
+
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(8))
+    overrides = [f"target.path={tiny_llama_dir}", f"data.path={data}", f"workspace={tmp_path}/ws", "logger=jsonl",
+                 "progress=false", "prepare.draft_vocab_size=64"]
+    cli = [sys.executable, "-m", "eagle3", *overrides]
+    assert subprocess.run([*cli, "stage=prepare"], capture_output=True, timeout=300).returncode == 0
+    started = tmp_path / "started"
+    holder = mp.get_context("spawn").Process(target=_hold_extract_of, args=(overrides, started))
+    holder.start()
+    try:
+        deadline = time.time() + 120
+        while not started.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        out = subprocess.run([*cli, "stage=train"], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "EAGLE3_NO_WAIT": "1"})
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert re.search(rf"eagle3: error: stage 'train' needs stage 'extract', whose run \w{{12}} is running now "
+                         rf"\(pid {holder.pid} on ", out.stderr), out.stderr
+        assert "has not been run" not in out.stderr
+    finally:
+        holder.kill()
+        holder.join(30)

@@ -83,30 +83,34 @@ def compose_config(overrides: list[str] = ()):
     return to_config(_compose(overrides))
 
 
-# Hydra flags that print and exit: no job runs, no run directory is made; passed on unchecked
-_PRINT_FLAGS = ("-h", "--help", "--hydra-help", "--version", "--info", "-i", "--cfg", "-c", "--resolve",
-                "--shell-completion", "-sc")
+# Hydra flags that print and exit: no job runs, no run directory is made. Help is passed on
+# unchecked (it must be instant); a printed config has its keys checked
+_HELP_FLAGS = {"-h", "--help", "--hydra-help", "--version", "--shell-completion", "-sc"}
+_PRINT_FLAGS = {"--info", "-i", "--cfg", "-c", "--resolve", "-p", "--package"}
 # stage=status only reads: its Hydra job makes no log directory (a read-only, mistyped or absent
 # workspace stays as it is)
 STATUS_HYDRA = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
-def preflight(args: list[str]):
+def preflight(args: list[str], keys_only: bool = False):
     """Refuse a command line (message on stderr, exit 2 for a bad config, 1 for a workspace this run
     cannot use) before Hydra creates anything for it; returns the composed Config of a single run
     (None for a multirun, whose jobs' values are checked as each one starts, or when composing
-    failed: Hydra then reports it as it always has, before it creates anything)."""
+    failed: Hydra then reports it as it always has, before it creates anything). ``keys_only``:
+    only the command line's keys are checked (for a config Hydra prints)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from .config import to_config
     from .errors import Eagle3Error
-    from .preflight import check_config_keys, check_environment, check_override_keys
+    from .preflight import check_config_keys, check_environment, check_override_keys, check_runs_recorded
 
     multirun = any(a in ("-m", "--multirun") for a in args)
     overrides = [a for a in args if not a.startswith("-")]
     try:
         check_override_keys(overrides)
+        if keys_only:
+            return None
         if multirun:  # what every job shares: the overrides that are not swept
             from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -119,6 +123,7 @@ def preflight(args: list[str]):
         check_config_keys(dcfg)
         cfg = dcfg if multirun else to_config(dcfg)
         check_environment(cfg)
+        check_runs_recorded(cfg)
     except Eagle3Error as e:
         print(f"eagle3: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -138,8 +143,9 @@ def _hydra_main(dcfg: DictConfig):
 
 def main() -> None:
     args = rewrite_overrides(sys.argv[1:])
-    if not any(a.partition("=")[0] in _PRINT_FLAGS for a in args):
-        cfg = preflight(args)
+    flags = {a.partition("=")[0] for a in args if a.startswith("-")}
+    if not flags & _HELP_FLAGS:
+        cfg = preflight(args, keys_only=bool(flags & _PRINT_FLAGS))
         if cfg is not None and cfg.stage == "status":
             args = _insert(args, STATUS_HYDRA)
     sys.argv = [sys.argv[0]] + args

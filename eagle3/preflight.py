@@ -194,3 +194,17 @@ def check_environment(cfg) -> None:
         check_writable(workspace, "workspace")
     check_writable(workspace / cfg.name, "experiment directory")
     check_target_tokenizer(cfg.target)
+
+
+def check_runs_recorded(cfg) -> None:
+    """A stage that reads earlier runs needs the experiment's manifest: without one, the workspace=
+    or experiment= is most likely mistyped. (The command line checks it before Hydra makes its log
+    directory there; a caller of ``eagle3.runner.run`` gets the manifest's own refusal.)"""
+    reads_runs = cfg.stage in ("extract", "train", "produce") or (cfg.stage in ("export", "eval")
+                                                                  and not cfg.export.from_)
+    workspace = Path(cfg.workspace).expanduser().resolve()
+    manifest = workspace / cfg.name / "manifest.json"
+    if reads_runs and not manifest.is_file():
+        raise WorkspaceError(f"stage={cfg.stage} reads the runs recorded in {manifest}, which does not exist: "
+                             f"nothing has run in experiment {cfg.name} of workspace {workspace}. Check workspace= "
+                             f"and experiment= (`stage=status` shows what ran), or run stage=prepare first")

@@ -97,3 +97,13 @@ def test_target_without_a_tokenizer(tmp_path, tiny_llama_dir):
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"target.path={target} has no tokenizer" in out.stderr and "copy the tokenizer files" in out.stderr
     assert not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("stage", ["train", "extract", "export"])
+def test_a_stage_that_reads_runs_refuses_a_workspace_where_nothing_ran(tmp_path, stage):
+    """A mistyped workspace= (or experiment=): refused before Hydra makes <workspace>/default/logs/."""
+    out = _cli(f"stage={stage}", "workspace=wrokspace", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert (f"eagle3: error: stage={stage} reads the runs recorded in {tmp_path}/wrokspace/default/manifest.json, "
+            f"which does not exist") in out.stderr and "Check workspace= and experiment=" in out.stderr
+    assert _tree(tmp_path) == []

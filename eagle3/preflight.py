@@ -113,7 +113,10 @@ def check_override_keys(overrides: list[str]) -> None:
     for arg in overrides:
         if arg.startswith("-") or "=" not in arg:
             continue  # a Hydra flag, or `~key` (which Hydra checks)
-        override = OverridesParser.create().parse_override(arg)
+        try:
+            override = OverridesParser.create().parse_override(arg)
+        except Exception:
+            continue  # malformed: Hydra says why
         if override.is_delete():
             continue
         key = override.key_or_group

@@ -175,6 +175,7 @@ class RegenerateConfig:
         _check_range("prepare.regen.top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_positive("prepare.regen.max_model_len", self.max_model_len)
         _check_positive("prepare.regen.kv_cache_gb", self.kv_cache_gb)
+        _check_range("prepare.regen.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _check_choice("prepare.regen.backend", self.backend, ("vllm", "hf"))
         _check_choice("prepare.regen.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         _check_positive("prepare.regen.hf_batch_size", self.hf_batch_size)
@@ -314,7 +315,7 @@ class ExtractConfig:
         _check_choice("extract.store_dtype", self.store_dtype, ("auto", "bfloat16", "float16", "float32", "fp8"))
         _check_positive("extract.samples_per_shard", self.samples_per_shard)
         _check_positive("extract.tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("max_num_batched_tokens", "max_num_seqs", "kv_cache_gb", "batch_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "batch_size"):
             _check_positive(f"extract.{name}", getattr(self, name))
         if any(int(i) < 0 for i in self.layer_ids):
             raise ValueError(f"extract.layer_ids must be layer numbers >= 0, got {list(self.layer_ids)}")
@@ -601,6 +602,7 @@ class ExportConfig:
         _check_positive("export.eval_prompts", self.eval_prompts)
         _check_positive("export.eval_max_tokens", self.eval_max_tokens)
         _check_positive("export.kv_cache_gb", self.kv_cache_gb)
+        _check_range("export.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         if any(int(k) < 1 for k in self.eval_ks):
             raise ValueError(f"export.eval_ks must be positive numbers of draft tokens, got {list(self.eval_ks)}")
         if any(float(t) < 0 for t in self.eval_temperatures):

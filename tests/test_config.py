@@ -130,6 +130,9 @@ def test_bad_type_fails_at_compose(compose):
     ("prepare.regen.temperature=-1", "prepare.regen.temperature must be >= 0"),
     ("prepare.num_proc=0", "prepare.num_proc must be > 0"),
     ("extract.kv_cache_gb=0", "extract.kv_cache_gb must be > 0"),
+    ("extract.max_num_seqs=0", "extract.max_num_seqs must be > 0"),
+    ("export.gpu_memory_utilization=1.5", r"export.gpu_memory_utilization must be in \(0.0, 1.0\]"),
+    ("prepare.regen.gpu_memory_utilization=0", r"prepare.regen.gpu_memory_utilization must be in \(0.0, 1.0\]"),
     ("extract.layer_ids=[-1,2,3]", "extract.layer_ids must be layer numbers >= 0"),
 ])
 def test_invalid_values_name_the_key(compose, override, fragment):

@@ -59,24 +59,28 @@ def test_read_only_workspace(tmp_path, tiny_llama_dir):
     """stage=status reads it (Hydra's log directory used to fail first); a stage that writes is
     refused in one line before anything runs (three tracebacks before)."""
     ws = tmp_path / "ws"
-    (ws / "e").mkdir(parents=True)
-    ws.chmod(0o555)
-    (ws / "e").chmod(0o555)
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "hi {i}"}}, '
+                            f'{{"role": "assistant", "content": "hello {i}"}}]}}\n' for i in range(4)))
+    common = [f"workspace={ws}", "experiment=e", f"target.path={tiny_llama_dir}", f"data.path={data}",
+              "prepare.draft_vocab_size=64"]
+    assert _cli("stage=prepare", *common, cwd=tmp_path).returncode == 0
+    dirs = [ws, *(p for p in ws.rglob("*") if p.is_dir())]
+    before = _tree(ws)
+    for d in dirs:
+        d.chmod(0o555)
     try:
         prefix = _unprivileged()
         out = _cli("stage=status", f"workspace={ws}", "experiment=e", cwd=ws, prefix=prefix)
-        assert out.returncode == 0 and "no manifest at" in out.stdout, out.stderr
-        data = tmp_path / "c.jsonl"
-        data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
-        out = _cli("stage=prepare", f"workspace={ws}", "experiment=e", f"target.path={tiny_llama_dir}",
-                   f"data.path={data}", cwd=tmp_path, prefix=prefix)
+        assert out.returncode == 0 and "complete" in out.stdout, out.stderr
+        out = _cli("stage=prepare", *common, "prepare.seed=1", cwd=tmp_path, prefix=prefix)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
         assert f"eagle3: error: experiment directory {ws / 'e'} is read-only for this user" in out.stderr
         assert "set workspace=DIR to a writable directory" in out.stderr
-        assert _tree(ws) == ["e"]
+        assert _tree(ws) == before
     finally:
-        ws.chmod(0o755)
-        (ws / "e").chmod(0o755)
+        for d in dirs:
+            d.chmod(0o755)
 
 
 def test_workspace_under_a_file(tmp_path):

@@ -3,10 +3,11 @@
 - Keys the schema (eagle3/config.py) does not know, with the closest valid name: on the command
   line, in both the plain form (``train.ttt_step=3``, which Hydra refuses with a hint to add ``+``)
   and the ``+`` form (which Hydra accepts, and which would otherwise train with the default and
-  store the unused key); and in a composed config, wherever the key came from. The schema has no
-  free-form (dict) section, so every key of a composed config must be a field.
-- A workspace this process cannot write: under a regular file, or read-only.
-- A target directory without a tokenizer.
+  store the unused key); and in a composed config, wherever the key came from. Below a dict-typed
+  field any key goes (the schema has none today).
+- An experiment name that is a path; a workspace this process cannot write (under a regular
+  file, or read-only); a target directory without a tokenizer; a stage that reads earlier runs
+  in an experiment where nothing ran (a mistyped workspace= or experiment=).
 
 ``eagle3/__main__.py`` runs these on the composed config before it hands the command line to
 Hydra; ``eagle3.runner.run`` runs the environment checks again for callers that compose
@@ -24,7 +25,6 @@ from pathlib import Path
 
 from .errors import Eagle3Error
 
-# config groups of conf/ that are no schema field (``data`` and ``logger`` are both)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -39,6 +39,7 @@ class WorkspaceError(Eagle3Error):
 
 
 def _groups() -> set[str]:
+    """The config groups of conf/ (``data`` and ``logger`` are schema fields as well)."""
     return {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
 
 
@@ -58,15 +59,22 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
     return out
 
 
-def _is_known(parts: list[str]) -> bool:
+def _free_form(t) -> bool:
+    return t is dict or t is typing.Any or typing.get_origin(t) is dict
+
+
+def _is_known(parts: list[str], root=None) -> bool:
+    """Whether the key ``parts`` names a field of the schema ``root`` (Config), or a config group."""
     from .config import Config
 
-    node = Config
+    node = root or Config
     for i, part in enumerate(parts):
         fields = _fields(node)
         if part not in fields:
-            return i == 0 and len(parts) == 1 and part in _groups()
+            return i == 0 and len(parts) == 1 and root is None and part in _groups()
         node = fields[part]
+        if _free_form(node):
+            return True
         if not dataclasses.is_dataclass(node):
             return i == len(parts) - 1
     return True
@@ -161,8 +169,8 @@ def check_writable(path: Path, what: str) -> None:
     """``path`` is, or can be created as, a directory this process may write."""
     existing = _nearest_existing(path)
     if not existing.is_dir():
-        where = "" if existing == path else f": {existing} is"
-        raise WorkspaceError(f"{what} {path}{where} a file, not a directory; set workspace= (and experiment=) "
+        where = "" if existing == path else f": {existing}"
+        raise WorkspaceError(f"{what} {path}{where} is a file, not a directory; set workspace= (and experiment=) "
                              f"to a directory, or move the file")
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "" if existing == path else f" ({existing} is not writable)"

@@ -1,10 +1,12 @@
 """Config composition through the real Hydra app: every file composes, bad keys/types fail."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Dict
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -99,6 +101,25 @@ def test_a_composed_config_with_a_key_the_schema_lacks_is_refused():
         to_config(dcfg)
     with pytest.raises(Exception, match="wieght"):  # an element of a list of sections: OmegaConf checks it
         to_config(_compose(["data=mixture", "data.sources=[{path: /a.jsonl, wieght: 2.0}]"]))
+
+
+@dataclasses.dataclass
+class _SectionWithFreeForm:
+    lr: float = 1.0
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def test_keys_below_a_dict_field_stay_free_form():
+    """The schema has no dict field today; one added later keeps its keys free-form."""
+    from omegaconf import OmegaConf
+
+    from eagle3.preflight import _is_known, check_config_keys
+
+    assert _is_known(["extra", "anything"], root=_SectionWithFreeForm) and _is_known(["lr"], root=_SectionWithFreeForm)
+    assert not _is_known(["lrr"], root=_SectionWithFreeForm)
+    dcfg = OmegaConf.structured(_SectionWithFreeForm)
+    dcfg.extra.anything = 3
+    check_config_keys(dcfg)
 
 
 def test_groups_and_hydra_keys_are_not_schema_keys(compose):

@@ -1,7 +1,9 @@
 """Command line: ``python -m eagle3 stage=prepare|extract|train|export|all|status|eval|produce|plan``.
 
 Only Hydra, OmegaConf and the config schemas are imported on the ``--help`` / ``--cfg`` path;
-torch, transformers and vLLM load inside the stage that needs them.
+torch, transformers and vLLM load inside the stage that needs them. Before Hydra runs a job,
+:func:`preflight` composes the config once and refuses it (eagle3/preflight.py) while nothing has
+been created: Hydra makes its run directory (``${workspace}/${name}/logs/``) before the job starts.
 """
 from __future__ import annotations
 

@@ -87,11 +87,12 @@ def run(cfg, manifest):
                         "padded with unseen ids", mapping.num_seen, mapping.draft_vocab_size)
 
         import torch
-        from safetensors.torch import save_file
+
+        from eagle3.atomic import save_safetensors
 
         write_dataset(train_rows, eval_rows, out / DATASET_DIR)
         save_vocab(mapping, out / VOCAB_FILE)
-        save_file({"freq": torch.from_numpy(freq)}, str(out / TOKEN_FREQ_FILE))
+        save_safetensors({"freq": torch.from_numpy(freq)}, out / TOKEN_FREQ_FILE)
         n_tokens = sum(len(r["input_ids"]) for r in rows)
         n_trainable = sum(sum(r["loss_mask"]) for r in rows)
         stats = {"conversations_read": len(conversations) + drops["no_trainable_tokens"],

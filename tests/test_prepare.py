@@ -240,3 +240,39 @@ def test_categories_travel_to_the_dataset_and_the_coverage_curve_is_recorded(com
     plain = write_jsonl(tmp_path / "p.jsonl", chat_records(12, seed=2))
     _, rec2 = _prepare(compose, tiny_llama_dir, tmp_path / "ws2", f"data.path={plain}")
     assert "category" not in _load(rec2).column_names and rec2.facts.categories is None
+
+
+@pytest.fixture
+def umask():
+    """Set the process's umask for one test (restored after it)."""
+    import os
+
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_prepared_files_take_the_umask(compose, tiny_llama_dir, workspace, tmp_path, umask, mask):
+    """Every file prepare writes (the vocabulary and token counts in safetensors too, which
+    safetensors' save_file creates owner-only) gets the mode the umask gives: readable by the other
+    users a server may run as."""
+    umask(mask)
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(20))
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
+    modes = _modes(rec.out_dir)
+    assert {"vocab.safetensors", "token_freq.safetensors", "stats.json"} <= set(modes)
+    assert {name: mode for name, mode in modes.items() if name != ".run.lock"} == \
+        {name: 0o666 & ~mask for name in modes if name != ".run.lock"}
+    import torch
+
+    from eagle3.atomic import save_safetensors
+
+    save_safetensors({"x": torch.zeros(2)}, tmp_path / "one.safetensors")
+    assert (tmp_path / "one.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.glob(".one.safetensors.tmp*")] == []
+

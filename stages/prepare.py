@@ -77,6 +77,11 @@ def run(cfg, manifest):
             raise DataError(f"no sample has trainable (assistant) tokens after preparation (drops: {dict(drops)}). "
                             f"Conversations need assistant turns, or set prepare.regenerate=true.")
         train_rows, eval_rows = assign_splits(rows, cfg.prepare.eval_fraction, cfg.prepare.eval_min)
+        if not train_rows or not eval_rows:  # a dataset later stages cannot read is never recorded complete
+            raise DataError(f"{len(rows)} sample{'s' if len(rows) != 1 else ''} after preparation: too few for both "
+                            f"splits ({len(train_rows)} train, {len(eval_rows)} held out; prepare.eval_min="
+                            f"{cfg.prepare.eval_min} are held out when more samples than that exist). Add "
+                            f"conversations (drops: {dict(drops)}).")
         freq = token_frequencies(train_rows, target.vocab_size, target.path)
         mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
         curve = coverage_curve(freq, chosen=mapping.draft_vocab_size)

@@ -276,3 +276,19 @@ def test_prepared_files_take_the_umask(compose, tiny_llama_dir, workspace, tmp_p
     assert (tmp_path / "one.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
     assert [p.name for p in tmp_path.glob(".one.safetensors.tmp*")] == []
 
+
+def test_no_held_out_split_is_refused_when_composed_and_when_prepared(compose, tiny_llama_dir, workspace, tmp_path):
+    """Without a held-out split nothing downstream can run as documented (extraction's agreement
+    check, training's held-out metrics, export's verification prompts): prepare.eval_fraction=0 is
+    refused when the config is composed, naming what to set; a dataset too small to hold one out
+    fails prepare (never recorded complete with an empty eval split)."""
+    for bad in ("prepare.eval_fraction=0", "prepare.eval_fraction=0.0", "prepare.eval_min=0"):
+        with pytest.raises(Exception, match=r"held-out.*prepare\.eval_min"):
+            compose("stage=prepare", bad)
+    data = write_jsonl(tmp_path / "one.jsonl", chat_records(1))
+    from eagle3.data.sources import DataError
+
+    with pytest.raises(DataError, match=r"1 sample.*held out"):
+        _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
+    rec = Manifest(Path(workspace) / "e").record("prepare", Manifest(Path(workspace) / "e").read()["stages"]["prepare"]["latest"])
+    assert rec.status == "failed"

@@ -1,0 +1,129 @@
+"""Stopping a run: SIGTERM mid-training saves a checkpoint and a re-run resumes from it; a run whose
+process is gone (SIGKILL) is shown as interrupted, never running; a disk that fills while a
+checkpoint is written leaves the previous checkpoint usable. Real stages on a tiny real target,
+training in a real subprocess where a signal is sent."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """prepare + extract (hf backend) done; ``overrides`` of the train runs, ``cli`` runs a stage."""
+    from conftest import build_tiny_llama, chat_records, write_jsonl
+
+    from eagle3.__main__ import compose_config
+    from eagle3.runner import run
+
+    root = tmp_path_factory.mktemp("interrupt")
+    target = build_tiny_llama(root / "target")
+    data = write_jsonl(root / "chats.jsonl", chat_records(40))
+    common = [f"target.path={target}", f"data.path={data}", f"workspace={root / 'ws'}", "experiment=stop",
+              "logger=jsonl", "progress=false", "prepare.draft_vocab_size=128", "extract.backend=hf",
+              "extract.device=cpu", "train.ttt_steps=2", "train.warmup_steps=2", "train.lr=1e-3",
+              "train.log_every=1", "train.eval_every=100000", "train.max_seq_len=128", "cpu_threads=1"]
+    for stage in ("prepare", "extract"):
+        run(compose_config([f"stage={stage}", *common]))
+    return {"root": root, "common": common, "exp": root / "ws" / "stop"}
+
+
+def _popen(pipeline, *overrides):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "eagle3", "stage=train", *pipeline["common"], *overrides],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _train_dir(pipeline, proc) -> Path:
+    """The train run's directory once the subprocess has recorded it as running."""
+    from eagle3.manifest import Manifest
+
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        latest = Manifest(pipeline["exp"]).read()["stages"].get("train", {}).get("latest")
+        if latest:
+            rec = Manifest(pipeline["exp"]).record("train", latest)
+            if rec.status == "running" and rec.data.get("pid") == proc.pid:
+                return rec.out_dir
+        time.sleep(0.05)
+    raise AssertionError(f"the train run did not start: {proc.communicate()}")
+
+
+def _wait_for_steps(out_dir: Path, proc, n: int) -> None:
+    deadline = time.time() + 300
+    m = out_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if m.exists() and len(m.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the run ended before {n} steps: {proc.communicate()}")
+
+
+def _train_steps(out_dir: Path) -> list:
+    return [r["step"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in r]
+
+
+def _train_row(pipeline):
+    from eagle3.manifest import Manifest
+    from eagle3.report import status_rows
+
+    return next(r for r in status_rows(Manifest(pipeline["exp"])) if r["stage"] == "train")
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(pipeline, monkeypatch, caplog):
+    """The second checkpoint's write fails with ENOSPC part-way (the writer patched in this process
+    only): an error naming the directory, the bytes needed and free; no step-4 directory, whole or
+    partial; step 2 stays whole (with the umask's file modes), and the re-run resumes from it."""
+    import accelerate.checkpointing
+
+    from eagle3.__main__ import compose_config
+    from eagle3.manifest import Manifest
+    from eagle3.runner import run
+    from eagle3.train.checkpoint import CheckpointError
+
+    real_save = accelerate.checkpointing.save
+
+    def save_until_full(obj, f, *args, **kw):
+        if "step-00000004" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kw)
+
+    overrides = ["stage=train", *pipeline["common"], "train.max_steps=6", "train.save_every=2", "train.seed=2"]
+    monkeypatch.setattr(accelerate.checkpointing, "save", save_until_full)
+    old_mask = os.umask(0o022)
+    try:
+        with pytest.raises(CheckpointError) as e:
+            run(compose_config(overrides))
+    finally:
+        os.umask(old_mask)
+    monkeypatch.undo()
+    m = Manifest(pipeline["exp"])
+    rec = m.record("train", m.read()["stages"]["train"]["latest"])
+    ckpt_dir = rec.out_dir / "checkpoints"
+    msg = str(e.value)
+    assert f"checkpoint of step 4 in {ckpt_dir}" in msg and "bytes" in msg and "are free there" in msg, msg
+    assert f"{ckpt_dir / 'step-00000002'} is intact" in msg, msg
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000002"]
+    assert (ckpt_dir / "step-00000002" / "COMPLETE").exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (ckpt_dir / "step-00000002").iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes  # model.safetensors included
+    assert rec.status == "failed"
+
+    caplog.set_level(logging.INFO, logger="eagle3.train")
+    run(compose_config(overrides))
+    assert "resumed from step-00000002 (step 2 of 6)" in caplog.text
+    assert _train_steps(rec.out_dir) == [1, 2, 3, 4, 5, 6]
+    assert m.current("train").status == "complete"

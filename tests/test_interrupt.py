@@ -82,6 +82,61 @@ def _train_row(pipeline):
     return next(r for r in status_rows(Manifest(pipeline["exp"])) if r["stage"] == "train")
 
 
+def test_sigterm_mid_train_saves_a_checkpoint_and_a_rerun_resumes_from_it(pipeline, caplog):
+    """With the default train.save_every (500) no checkpoint would exist before step 500: SIGTERM
+    makes the loop finish its step, save one, and exit 143 saying how to resume; the re-run of the
+    same command continues from that step and logs every step once."""
+    from eagle3.__main__ import compose_config
+    from eagle3.manifest import Manifest
+    from eagle3.runner import run
+
+    proc = _popen(pipeline, "train.max_steps=400")
+    out_dir = _train_dir(pipeline, proc)
+    _wait_for_steps(out_dir, proc, 5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (stdout[-2000:], stderr[-3000:])
+    assert "interrupted by SIGTERM at step" in stderr and "Run the same command again to resume" in stderr, stderr[-3000:]
+    ckpts = sorted(p.name for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    assert len(ckpts) == 1, ckpts
+    step = int(ckpts[0].split("-")[1])
+    assert 5 <= step < 400 and _train_steps(out_dir) == list(range(1, step + 1))
+    assert not (out_dir / "draft.safetensors").exists()
+    rec = Manifest(pipeline["exp"]).record("train", Manifest(pipeline["exp"]).read()["stages"]["train"]["latest"])
+    assert rec.status == "interrupted" and "SIGTERM" in rec.data["error"]
+    row = _train_row(pipeline)
+    assert row["status"] == "interrupted" and f"last checkpoint {ckpts[0]}" in row["note"], row
+
+    caplog.set_level(logging.INFO, logger="eagle3.train")
+    run(compose_config(["stage=train", *pipeline["common"], "train.max_steps=400"]))
+    assert f"resumed from {ckpts[0]} (step {step} of 400)" in caplog.text
+    assert _train_steps(out_dir) == list(range(1, 401))
+    rec = Manifest(pipeline["exp"]).current("train")
+    assert rec.status == "complete" and rec.facts.steps == 400 and rec.out_dir == out_dir
+
+
+def test_a_run_killed_with_sigkill_shows_as_interrupted(pipeline, capsys):
+    """Nothing runs on SIGKILL: the manifest still says running, but the run lock is free, so
+    stage=status shows the run interrupted (with how to resume) instead of running forever."""
+    from eagle3.__main__ import compose_config
+    from eagle3.runner import run
+
+    proc = _popen(pipeline, "train.max_steps=400", "train.seed=1")
+    out_dir = _train_dir(pipeline, proc)
+    _wait_for_steps(out_dir, proc, 3)
+    latest = f"latest run {out_dir.name}"  # the current train run is the complete one of the test above
+    assert f"{latest} is running" in _train_row(pipeline)["note"]  # its process holds the lock
+    proc.kill()
+    proc.communicate(timeout=60)
+    row = _train_row(pipeline)
+    assert f"{latest} is interrupted" in row["note"], row
+    assert f"pid {proc.pid}" in row["note"] and "stage=train` with the same overrides to resume" in row["note"]
+    capsys.readouterr()
+    run(compose_config(["stage=status", *pipeline["common"]]))
+    table = capsys.readouterr().out
+    assert "interrupted" in table and "running" not in table
+
+
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(pipeline, monkeypatch, caplog):
     """The second checkpoint's write fails with ENOSPC part-way (the writer patched in this process
     only): an error naming the directory, the bytes needed and free; no step-4 directory, whole or

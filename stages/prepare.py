@@ -135,8 +135,20 @@ def _regenerate(cfg, target, tokenizer, conversations, drops, kept=None):
     dtype = cfg.prepare.regen.dtype
     if dtype == "auto":
         dtype = target.run_dtype(cfg.target.dtype)
-    conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
-                                      progress=cfg.progress, dtype=dtype, kept=kept)
+    key, gb = "prepare.regen.kv_cache_gb", cfg.prepare.regen.kv_cache_gb
+    if cfg.prepare.regen.backend == "vllm":  # named by its eagle3 key, before the engine starts
+        from eagle3.kv_cache import check_fits, weights_bytes
+
+        check_fits(key, gb, weights_bytes(target.path))
+    try:
+        conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
+                                          progress=cfg.progress, dtype=dtype, kept=kept)
+    except Exception as e:  # vLLM's own "KV cache does not fit" names its flags: name ours
+        from eagle3.kv_cache import translate
+
+        if (named := translate(e, key, gb)) is not None:
+            raise named from e
+        raise
     stats["dtype"] = dtype
     drops["regeneration_too_long"] += stats.get("dropped_too_long", 0)
     drops["empty_regeneration"] += stats.get("empty_response", 0)

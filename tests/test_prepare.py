@@ -292,3 +292,17 @@ def test_no_held_out_split_is_refused_when_composed_and_when_prepared(compose, t
         _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
     rec = Manifest(Path(workspace) / "e").record("prepare", Manifest(Path(workspace) / "e").read()["stages"]["prepare"]["latest"])
     assert rec.status == "failed"
+
+
+def test_a_regeneration_kv_cache_that_cannot_fit_is_refused_naming_its_key(compose, tiny_llama_dir, workspace,
+                                                                           tmp_path):
+    """As export's: vLLM on a CPU would refuse it after loading the target, naming its own flags."""
+    import psutil
+
+    from eagle3.kv_cache import KVCacheError
+
+    huge = int(psutil.virtual_memory().total / 2**30) + 1000
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(4))
+    with pytest.raises(KVCacheError, match=rf"prepare.regen.kv_cache_gb={huge} does not fit.*at most"):
+        _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "prepare.regenerate=true",
+                 f"prepare.regen.kv_cache_gb={huge}")

@@ -182,3 +182,29 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(pipeline, m
     assert "resumed from step-00000002 (step 2 of 6)" in caplog.text
     assert _train_steps(rec.out_dir) == [1, 2, 3, 4, 5, 6]
     assert m.current("train").status == "complete"
+
+
+def test_sigterm_in_another_stage_records_it_interrupted(pipeline):
+    """Outside the train loop SIGTERM ends the stage as Ctrl-C does (here prepare, regenerating
+    with transformers): the run is recorded interrupted, the command exits 143 saying how to go on."""
+    from eagle3.manifest import Manifest
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    common = [o.replace("experiment=stop", "experiment=stop_prepare") for o in pipeline["common"]]
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3", "stage=prepare", *common, "prepare.regenerate=true",
+                             "prepare.regen.backend=hf", "prepare.regen.max_tokens=3000"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    exp = pipeline["root"] / "ws" / "stop_prepare"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        runs = Manifest(exp).read()["stages"].get("prepare", {}).get("runs", {})
+        if any(r["status"] == "running" for r in runs.values()):
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # into the regeneration
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (stdout[-2000:], stderr[-3000:])
+    assert "interrupted by SIGTERM" in stderr and "Run the same command again" in stderr, stderr[-2000:]
+    (rec,) = Manifest(exp).read()["stages"]["prepare"]["runs"].values()
+    assert rec["status"] == "interrupted"

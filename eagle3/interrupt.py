@@ -61,6 +61,14 @@ def signals_raise():
         signal.signal(signal.SIGTERM, previous)
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn``: a scheduler signals every process of the job, and a
+    worker that died of it would fail the loop (torch's SIGCHLD handler) before its checkpoint; the
+    main process stops the workers itself."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 class StopRequests:
     """``with StopRequests() as stop:``: SIGTERM/SIGINT set ``stop.signum`` instead of stopping;
     ``stop.requested(accelerator)`` says whether any process of the run got one (a collective call

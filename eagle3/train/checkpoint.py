@@ -68,11 +68,8 @@ def checkpoint_path(out_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(accelerator, out_dir: Path, step: int, keep_last: int) -> Path:
-    """Every process takes part (a sharded model saves its own shards); returns the checkpoint's path.
-    A step already saved whole (a stop requested right after a periodic save) is not saved again."""
+    """Every process takes part (a sharded model saves its own shards); returns the checkpoint's path."""
     path = checkpoint_path(out_dir, step)
-    if (path / CHECKPOINT_COMPLETE).exists():
-        return path
     partial = path.with_name(f".{path.name}.partial")
     needed = _bytes_needed(accelerator, out_dir)
     if accelerator.is_main_process:

@@ -27,7 +27,7 @@ import torch
 
 from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
 from ..atomic import atomic_write_bytes, atomic_write_text
-from ..interrupt import Interrupted, StopRequests
+from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
@@ -111,7 +111,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     pin = device.type == "cuda" and not getattr(inputs.train_store, "on_device", False)
     loader = torch.utils.data.DataLoader(
         MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0),
-        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0)
+        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
+        worker_init_fn=ignore_stop_signals if tcfg.num_workers else None)
     if prefetch is None:
         prefetch = device.type == "cuda" and tcfg.num_workers == 0
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
@@ -138,11 +139,13 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                 if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
                     last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
                     _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
-                if step % tcfg.save_every == 0 or step == total:
-                    _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                saved = step % tcfg.save_every == 0 or step == total
+                if saved:
+                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
                 # several processes agree at logged steps only (a collective), one process at every step
                 if step < total and (W == 1 or step % tcfg.log_every == 0) and (signum := stop.requested(accelerator)):
-                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                    if not saved:
+                        path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
                     raise Interrupted(signum, f"train: interrupted by {signal.Signals(signum).name} at step {step} of "
                                               f"{total}; checkpoint saved in {path}. Run the same command again to "
                                               f"resume from step {step}.")

@@ -9,7 +9,7 @@ Two layers here:
   is recorded ``interrupted`` and its cleanup runs.
 - :class:`StopRequests`, around the train loop: either signal only sets a flag; the loop finishes
   its optimizer step, saves a checkpoint and raises :class:`Interrupted` saying how to resume. A
-  second signal while it does so takes the first layer's way (stop now).
+  second Ctrl-C while it does so takes the first layer's way (stop now); a second SIGTERM is ignored.
 
 A process killed with SIGKILL runs nothing; ``stage=status`` shows its run as interrupted because
 its run lock is free (``eagle3.manifest.Manifest.status_of``).
@@ -55,10 +55,14 @@ def signals_raise():
         raise Interrupted(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
+    stopping = False
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    except KeyboardInterrupt:
+        stopping = True
+        raise
+    finally:  # stopping: a repeated SIGTERM must not cut the exit (and its exit code) short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else previous)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -73,7 +77,10 @@ class StopRequests:
     """``with StopRequests() as stop:``: SIGTERM/SIGINT set ``stop.signum`` instead of stopping;
     ``stop.requested(accelerator)`` says whether any process of the run got one (a collective call
     on several processes: every rank must stop at the same step, or the checkpoint's collectives
-    would hang). A second signal restores the previous handlers and is re-delivered to them."""
+    would hang). A second SIGINT (Ctrl-C again) restores the previous handlers and is re-delivered
+    to them: stop now. Further SIGTERMs are ignored: a scheduler signals every process of the job and
+    a launcher (torchrun) forwards its own to the workers, so one stop arrives twice; the
+    scheduler's SIGKILL is what forces it."""
 
     def __init__(self):
         self.signum = 0
@@ -86,7 +93,9 @@ class StopRequests:
         return self
 
     def _handle(self, signum, frame):
-        if self.signum:  # the second one: stop now, the way the previous handler does
+        if self.signum and signum != signal.SIGINT:
+            return
+        if self.signum:  # Ctrl-C again: stop now, the way the previous handler does
             self._restore()
             handler = signal.getsignal(signum)
             if callable(handler):
@@ -96,13 +105,15 @@ class StopRequests:
             return
         self.signum = signum
 
-    def _restore(self) -> None:
+    def _restore(self, keep: tuple = ()) -> None:
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            if s not in keep:
+                signal.signal(s, h)
         self._previous = {}
 
-    def __exit__(self, *exc) -> bool:
-        self._restore()
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        # leaving with the stop: further SIGTERMs stay ignored while the caller records it and exits
+        self._restore(keep=(signal.SIGTERM,) if isinstance(exc, Interrupted) else ())
         return False
 
     def requested(self, accelerator=None) -> int:

@@ -46,17 +46,21 @@ def _popen(pipeline, *overrides):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _train_dir(pipeline, proc) -> Path:
-    """The train run's directory once the subprocess has recorded it as running."""
+def _runs(pipeline) -> dict:
     from eagle3.manifest import Manifest
 
+    return Manifest(pipeline["exp"]).read()["stages"].get("train", {}).get("runs", {})
+
+
+def _train_dir(pipeline, proc, before: dict) -> Path:
+    """The directory of the train run the subprocess started (a run not in ``before``, or one that
+    was not running then), once it is recorded as running."""
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        latest = Manifest(pipeline["exp"]).read()["stages"].get("train", {}).get("latest")
-        if latest:
-            rec = Manifest(pipeline["exp"]).record("train", latest)
-            if rec.status == "running" and rec.data.get("pid") == proc.pid:
-                return rec.out_dir
+        for chash, r in _runs(pipeline).items():
+            old = before.get(chash)
+            if r["status"] == "running" and (old is None or old["started"] != r["started"]):
+                return pipeline["exp"] / r["out_dir"]
         time.sleep(0.05)
     raise AssertionError(f"the train run did not start: {proc.communicate()}")
 
@@ -86,7 +90,7 @@ def _train_row(pipeline):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_sigterm_mid_train_saves_a_checkpoint_and_a_rerun_resumes_from_it(pipeline, caplog, workers):
     """With the default train.save_every (500) no checkpoint would exist before step 500: SIGTERM
-    (to every process of the job: DataLoader workers too) makes the loop finish its step, save one,
+    (to every process of the job, DataLoader workers too; twice) makes the loop finish its step, save one,
     and exit 143 saying how to resume; the re-run of the same command continues from that step and
     logs every step once."""
     from eagle3.__main__ import compose_config
@@ -94,10 +98,13 @@ def test_sigterm_mid_train_saves_a_checkpoint_and_a_rerun_resumes_from_it(pipeli
     from eagle3.runner import run
 
     overrides = ["train.max_steps=400", f"train.num_workers={workers}", f"train.seed={10 + workers}"]
+    before = _runs(pipeline)
     proc = _popen(pipeline, *overrides)
-    out_dir = _train_dir(pipeline, proc)
+    out_dir = _train_dir(pipeline, proc, before)
     _wait_for_steps(out_dir, proc, 5)
     os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)  # one stop often comes twice (scheduler and launcher): still one checkpoint
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, (stdout[-2000:], stderr[-3000:])
     assert "interrupted by SIGTERM at step" in stderr and "Run the same command again to resume" in stderr, stderr[-3000:]
@@ -127,8 +134,9 @@ def test_a_run_killed_with_sigkill_shows_as_interrupted(pipeline, capsys):
     from eagle3.__main__ import compose_config
     from eagle3.runner import run
 
+    before = _runs(pipeline)
     proc = _popen(pipeline, "train.max_steps=400", "train.seed=1")
-    out_dir = _train_dir(pipeline, proc)
+    out_dir = _train_dir(pipeline, proc, before)
     _wait_for_steps(out_dir, proc, 3)
     latest = f"latest run {out_dir.name}"  # the current train run is the complete one of the test above
     assert f"{latest} is running" in _train_row(pipeline)["note"]  # its process holds the lock
@@ -214,3 +222,33 @@ def test_sigterm_in_another_stage_records_it_interrupted(pipeline):
     assert "interrupted by SIGTERM" in stderr and "Run the same command again" in stderr, stderr[-2000:]
     (rec,) = Manifest(exp).read()["stages"]["prepare"]["runs"].values()
     assert rec["status"] == "interrupted"
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpoint(pipeline):
+    """Two processes (torchrun, gloo; as `accelerate launch` on GPUs): the job's process group is
+    signalled and torchrun forwards SIGTERM once more; the ranks agree on one step at a logged step,
+    save one checkpoint and stop; the same launch again resumes from it."""
+    from eagle3.manifest import Manifest
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               ACCELERATE_USE_CPU="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
+           "-m", "eagle3", "stage=train", *pipeline["common"], "train.max_steps=300", "train.log_every=3",
+           "train.seed=20", "train.batch_size=1"]
+    before = _runs(pipeline)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out_dir = _train_dir(pipeline, proc, before)
+    _wait_for_steps(out_dir, proc, 3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and "interrupted by SIGTERM at step" in stderr, (stdout[-2000:], stderr[-4000:])
+    ckpts = sorted(p.name for p in (out_dir / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+    assert len(ckpts) == 1 and int(ckpts[0].split("-")[1]) % 3 == 0, ckpts
+    m = Manifest(pipeline["exp"])
+    assert m.record("train", m.read()["stages"]["train"]["latest"]).status == "interrupted"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert _train_steps(out_dir) == list(range(3, 301, 3))
+    assert m.current("train").out_dir == out_dir and m.current("train").status == "complete"
+

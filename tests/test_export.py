@@ -1179,14 +1179,16 @@ def test_a_failed_export_leaves_no_model_directory(experiment, tmp_path):
     assert rec.status == "failed" and names == [], names
 
 
-def test_exported_files_take_the_umask(experiment, tmp_path):
+@pytest.mark.parametrize("mask,prompts", [(0o022, 7), (0o027, 8)])
+def test_exported_files_take_the_umask(experiment, tmp_path, mask, prompts):
     """model.safetensors (which safetensors' save_file creates 0600) is readable by the user a vLLM
-    server runs as: every file of the export, and of its copy in export.out_dir, has the umask's mode."""
+    server runs as: every file of the export, and of its copy in export.out_dir, has the umask's mode
+    (0644 under umask 0022). Each mask exports anew (another export.eval_prompts, another run)."""
     import os
 
-    old = os.umask(0o027)
+    old = os.umask(mask)
     try:
-        _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=7",
+        _stage(experiment, "stage=export", "export.verify=false", f"export.eval_prompts={prompts}",
                f"export.out_dir={tmp_path / 'published'}")
     finally:
         os.umask(old)
@@ -1194,4 +1196,4 @@ def test_exported_files_take_the_umask(experiment, tmp_path):
     assert rec.status == "complete" and names == ["model"]
     for d in (rec.out_dir / "model", tmp_path / "published"):
         modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
-        assert "model.safetensors" in modes and set(modes.values()) == {0o640}, (d, modes)
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, (d, modes)

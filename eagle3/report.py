@@ -74,19 +74,35 @@ def status_rows(manifest: Manifest) -> list[dict]:
         latest = entry.get("latest")
         note = ""
         if latest and (rec is None or latest != rec.config_hash):
-            last = entry["runs"][latest]
-            note = f"latest run {latest[:12]} is {last['status']}: {last.get('error', '')}".strip(": ")
+            last = StageRecord(stage, entry["runs"][latest], manifest.exp_dir)
+            note = f"latest run {latest[:12]} is {manifest.status_of(last)}: {last.data.get('error', '')}".strip(": ")
+            note = "; ".join(x for x in (note, _resume_note(manifest, last)) if x)
         if rec is None:
-            rows.append({"stage": stage, "status": entry["runs"][latest]["status"] if latest else "not run",
+            rows.append({"stage": stage, "status": manifest.status_of(last) if latest else "not run",
                          "config": (latest or "")[:12], "runs": len(entry.get("runs", {})), "note": note})
             continue
         stale = manifest.stale_reason(rec) if rec.status == "complete" else None
-        rows.append({"stage": stage, "status": "stale" if stale else rec.status, "config": rec.config_hash[:12],
+        status = manifest.status_of(rec)
+        resume = _resume_note(manifest, rec) if latest == rec.config_hash else ""
+        rows.append({"stage": stage, "status": "stale" if stale else status, "config": rec.config_hash[:12],
                      "runs": len(entry.get("runs", {})), "size": fmt_size(_stored(rec)),
                      "started": rec.data.get("started") or "", "ended": rec.data.get("ended") or "",
                      "facts": _facts_line(stage, rec.facts),
-                     "note": "; ".join(x for x in (stale, note) if x)})
+                     "note": "; ".join(x for x in (stale, note, resume) if x)})
     return rows
+
+
+def _resume_note(manifest: Manifest, rec: StageRecord) -> str:
+    """For an interrupted run: what was lost and how to take it up again."""
+    if manifest.status_of(rec) != "interrupted":
+        return ""
+    gone = (f"its process (pid {rec.data.get('pid')} on {rec.data.get('host')}) ended without recording an end"
+            if rec.status == "running" else "stopped by a signal")
+    from .artifacts import CHECKPOINT_COMPLETE, CHECKPOINTS_DIR
+
+    ckpts = sorted(p.parent.name for p in (rec.out_dir / CHECKPOINTS_DIR).glob(f"step-*/{CHECKPOINT_COMPLETE}"))
+    where = f"; last checkpoint {ckpts[-1]}" if ckpts else ""
+    return f"interrupted: {gone}{where}; run `python -m eagle3 stage={rec.stage}` with the same overrides to resume"
 
 
 def print_status(manifest: Manifest) -> None:

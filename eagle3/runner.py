@@ -106,8 +106,11 @@ def run_from_hydra(dcfg: DictConfig):
             return {"error": f"invalid config: {msg}"}
         print(f"eagle3: invalid config: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
+    from .interrupt import Interrupted, signals_raise
+
     try:
-        result = run(cfg)
+        with signals_raise():  # SIGTERM ends a stage as Ctrl-C does: recorded interrupted, cleaned up
+            result = run(cfg)
         if cfg.objective != "none":
             from .sweep import objective_value
 
@@ -117,6 +120,14 @@ def run_from_hydra(dcfg: DictConfig):
                                   f"(stage={cfg.stage} must include train for eval_loss, export for acceptance_length)")
             return float(value)
         return result
+    except KeyboardInterrupt as e:  # SIGTERM or SIGINT: the whole command stops, a sweep too
+        code = e.exit_code if isinstance(e, Interrupted) else 130
+        msg = str(e) or "interrupted by SIGINT"
+        if "again" not in msg:
+            msg += (". Run the same command again to take it up: complete stages are skipped, the interrupted "
+                    "one starts again (training resumes from its last checkpoint)")
+        print(f"eagle3: {msg}", file=sys.stderr)
+        raise SystemExit(code) from None
     except Eagle3Error as e:
         if _in_multirun():
             log.error("job failed: %s", e)

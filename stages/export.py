@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 log = logging.getLogger("eagle3.export")
 
 
 def run(cfg, manifest):
-    from eagle3.artifacts import EXPORT_MARKER as MARKER
     from eagle3.artifacts import MODEL_DIR
     from eagle3.contracts import ExportFacts
-    from eagle3.export.formats import ExportSpec, write_format
-    from eagle3.export.model_card import model_card
-    from eagle3.export.outdir import fingerprint, precheck_destination, publish
+    from eagle3.export.outdir import precheck_destination, publish, refuse_inputs
     from eagle3.export.sources import check_embedding, load_source
     from eagle3.hashing import semantic_dict
     from eagle3.target import resolve
 
     ecfg = cfg.export
     target = resolve(cfg.target, cfg.workspace)
+    if ecfg.out_dir:  # never over what this run reads, whatever export.overwrite says
+        refuse_inputs(ecfg.out_dir, run_inputs(cfg, target.path, manifest.exp_dir))
     ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=ecfg.verify)
     check_embedding(ckpt, target, ecfg.include_embedding)
     dtype = target.run_dtype(cfg.target.dtype)
@@ -42,59 +42,110 @@ def run(cfg, manifest):
         return done
     if ecfg.out_dir:  # refuse a taken destination before spending minutes on verification
         precheck_destination(ecfg.out_dir, ecfg.overwrite)
+    if ecfg.verify:  # a KV cache that cannot fit, named by its eagle3 key, before any engine starts
+        from eagle3.kv_cache import check_fits, weights_bytes
+
+        draft_bytes = sum(t.numel() * t.element_size() for t in ckpt.tensors.values())
+        check_fits("export.kv_cache_gb", ecfg.kv_cache_gb, weights_bytes(target.path) + draft_bytes)
 
     import shutil
 
     with job:
-        model_dir = job.out_dir / MODEL_DIR
-        if model_dir.exists():  # a failed earlier attempt of this same config
+        final_dir = job.out_dir / MODEL_DIR
+        if final_dir.exists():  # a failed earlier attempt of this same config (before partial exports)
+            shutil.rmtree(final_dir)
+        # everything is written and verified in a hidden sibling, renamed to model/ once it passed:
+        # a failed export leaves no complete-looking model/ behind
+        model_dir = job.out_dir / f".{MODEL_DIR}.partial"
+        if model_dir.exists():
             shutil.rmtree(model_dir)
-        spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
-                          num_speculative_tokens=ecfg.num_speculative_tokens,
-                          include_embedding=ecfg.include_embedding)
-        written = write_format(ckpt, ecfg.format, model_dir, spec)
-        c = ckpt.config
-        marker = {"format": ecfg.format, "fingerprint": fingerprint(model_dir), "target": target.identity(),
-                  "layer_ids": list(c.aux_layer_ids),
-                  "layer_id_convention": "sglang" if ecfg.format == "sglang" else "vllm",
-                  "draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size, "dtype": dtype,
-                  "source": ckpt.source, "export_run": job.config_hash[:12]}
-        (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        facts = {"format": ecfg.format, "layer_ids": list(c.aux_layer_ids), "draft_vocab_size": c.draft_vocab_size,
-                 "vocab_size": c.vocab_size, "dtype": dtype, "fingerprint": marker["fingerprint"],
-                 "model_dir": str(model_dir.relative_to(manifest.exp_dir)), "source": ckpt.source}
-        if ecfg.verify:
-            from eagle3.export.prompts import held_out_prompts, stop_token_ids
-            from eagle3.export.verify import verify_export
-
-            categories: list = []
-            prompts = held_out_prompts(ecfg, prep, target.path, categories=categories)
-            facts.update(verify_export(
-                model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
-                reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
-                max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path), kv_cache_gb=ecfg.kv_cache_gb,
-                gpu_memory_utilization=ecfg.gpu_memory_utilization, tolerance=ecfg.verify_tolerance, device=ecfg.device, progress=cfg.progress,
-                categories=categories, temperatures=ecfg.eval_temperatures, seed=ecfg.eval_seed))
-        store = inputs.get("extract") if ckpt.source.get("kind") == "train" else None
-        _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens, store)
-        meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
-                "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
-                    "architectures"), "dtype": dtype, "source": ckpt.source,
-                "num_speculative_tokens": ecfg.num_speculative_tokens,
-                "coverage": prep.facts.coverage if prep else None,
-                "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.num_train,
-                          "eval samples": prep.facts.num_eval} if prep else None)}
-        (model_dir / "README.md").write_text(model_card(meta, facts))
-        marker["verification"] = {k: facts[k] for k in ("acceptance_length", "acceptance_by_k", "tokens_per_step",
-                                                         "num_prompts", "max_tokens") if k in facts}
-        (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        try:
+            facts = _write_and_verify(cfg, manifest, job, target, ckpt, inputs, prep, dtype, model_dir, final_dir)
+        except BaseException:
+            shutil.rmtree(model_dir, ignore_errors=True)
+            raise
+        os.replace(model_dir, final_dir)
         if ecfg.out_dir:
-            publish(model_dir, ecfg.out_dir, ecfg.overwrite)
+            publish(final_dir, ecfg.out_dir, ecfg.overwrite)
             facts["exported_to"] = str(ecfg.out_dir)
-        job.add_output(model_dir)
+        job.add_output(final_dir)
         job.facts = ExportFacts(**facts)
     _print_summary(job.record)
     return job.record
+
+
+def run_inputs(cfg, target_path, exp_dir) -> dict:
+    """{what: path} of everything an export run reads, which export.out_dir must stay clear of."""
+    out = {"the target": target_path, "the experiment directory (every stage's artifacts and the manifest)": exp_dir}
+    if cfg.target.gguf:
+        out["the target's GGUF file"] = cfg.target.gguf
+    paths = [cfg.data.path] + [s.path for s in cfg.data.sources]
+    for i, p in enumerate(x for x in paths if x and not str(x).startswith("builtin")):
+        out[f"the data file {i + 1}"] = p
+    if cfg.export.prompts:
+        out["the prompts file (export.prompts)"] = cfg.export.prompts
+    if cfg.export.from_:
+        out["the draft to export (export.from)"] = cfg.export.from_
+    return out
+
+
+def _write_and_verify(cfg, manifest, job, target, ckpt, inputs, prep, dtype, model_dir, final_dir) -> dict:
+    """The export written into ``model_dir`` and verified there; returns the facts to record (which
+    name ``final_dir``, where it will be)."""
+    from eagle3.artifacts import EXPORT_MARKER as MARKER
+    from eagle3.export.formats import ExportSpec, write_format
+    from eagle3.export.model_card import model_card
+    from eagle3.export.outdir import fingerprint
+
+    ecfg = cfg.export
+    spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
+                      num_speculative_tokens=ecfg.num_speculative_tokens,
+                      include_embedding=ecfg.include_embedding)
+    written = write_format(ckpt, ecfg.format, model_dir, spec)
+    c = ckpt.config
+    marker = {"format": ecfg.format, "fingerprint": fingerprint(model_dir), "target": target.identity(),
+              "layer_ids": list(c.aux_layer_ids),
+              "layer_id_convention": "sglang" if ecfg.format == "sglang" else "vllm",
+              "draft_vocab_size": c.draft_vocab_size, "vocab_size": c.vocab_size, "dtype": dtype,
+              "source": ckpt.source, "export_run": job.config_hash[:12]}
+    (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    facts = {"format": ecfg.format, "layer_ids": list(c.aux_layer_ids), "draft_vocab_size": c.draft_vocab_size,
+             "vocab_size": c.vocab_size, "dtype": dtype, "fingerprint": marker["fingerprint"],
+             "model_dir": str(final_dir.relative_to(manifest.exp_dir)), "source": ckpt.source}
+    if ecfg.verify:
+        from eagle3.export.prompts import held_out_prompts, stop_token_ids
+        from eagle3.export.verify import verify_export
+        from eagle3.kv_cache import translate
+
+        categories: list = []
+        prompts = held_out_prompts(ecfg, prep, target.path, categories=categories)
+        try:
+            facts.update(verify_export(
+                model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
+                reference=ckpt, prompts=prompts, k=ecfg.num_speculative_tokens, eval_ks=ecfg.eval_ks,
+                max_tokens=ecfg.eval_max_tokens, stop_ids=stop_token_ids(target.path),
+                kv_cache_gb=ecfg.kv_cache_gb, gpu_memory_utilization=ecfg.gpu_memory_utilization,
+                tolerance=ecfg.verify_tolerance, device=ecfg.device,
+                progress=cfg.progress, categories=categories, temperatures=ecfg.eval_temperatures,
+                seed=ecfg.eval_seed))
+        except Exception as e:  # vLLM's "KV cache does not fit" names its own flags: name ours
+            if (named := translate(e, "export.kv_cache_gb", ecfg.kv_cache_gb)) is not None:
+                raise named from e
+            raise
+    store = inputs.get("extract") if ckpt.source.get("kind") == "train" else None
+    _compare_with_training(facts, ckpt.source, ecfg.num_speculative_tokens, store)
+    meta = {"target": {**target.identity(), "name": target.path.name}, "draft": c.to_dict(), "format": ecfg.format,
+            "architectures": written.get("architectures") or written.get("transformer_layer_config", {}).get(
+                "architectures"), "dtype": dtype, "source": ckpt.source,
+            "num_speculative_tokens": ecfg.num_speculative_tokens,
+            "coverage": prep.facts.coverage if prep else None,
+            "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.num_train,
+                      "eval samples": prep.facts.num_eval} if prep else None)}
+    (model_dir / "README.md").write_text(model_card(meta, facts))
+    marker["verification"] = {k: facts[k] for k in ("acceptance_length", "acceptance_by_k", "tokens_per_step",
+                                                     "num_prompts", "max_tokens") if k in facts}
+    (model_dir / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    return facts
 
 
 def export_semantics(ecfg, semantic_dict) -> dict:

@@ -79,6 +79,11 @@ def run(cfg, manifest):
         if not rows:
             raise DataError(nothing_to_train_message(cfg, report, drops))
         train_rows, eval_rows = assign_splits(rows, cfg.prepare.eval_fraction, cfg.prepare.eval_min)
+        if not train_rows or not eval_rows:  # a dataset later stages cannot read is never recorded complete
+            raise DataError(f"{len(rows)} sample{'s' if len(rows) != 1 else ''} after preparation: too few for both "
+                            f"splits ({len(train_rows)} train, {len(eval_rows)} held out; prepare.eval_min="
+                            f"{cfg.prepare.eval_min} are held out when more samples than that exist). Add "
+                            f"conversations (drops: {dict(drops)}).")
         freq = token_frequencies(train_rows, target.vocab_size, target.path)
         mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
         curve = coverage_curve(freq, chosen=mapping.draft_vocab_size)
@@ -89,11 +94,12 @@ def run(cfg, manifest):
                         "padded with unseen ids", mapping.num_seen, mapping.draft_vocab_size)
 
         import torch
-        from safetensors.torch import save_file
+
+        from eagle3.atomic import save_safetensors
 
         write_dataset(train_rows, eval_rows, out / DATASET_DIR)
         save_vocab(mapping, out / VOCAB_FILE)
-        save_file({"freq": torch.from_numpy(freq)}, str(out / TOKEN_FREQ_FILE))
+        save_safetensors({"freq": torch.from_numpy(freq)}, out / TOKEN_FREQ_FILE)
         n_tokens = sum(len(r["input_ids"]) for r in rows)
         n_trainable = sum(sum(r["loss_mask"]) for r in rows)
         stats = {"records_read": report.records,
@@ -132,8 +138,20 @@ def _regenerate(cfg, target, tokenizer, conversations, drops, kept=None):
     dtype = cfg.prepare.regen.dtype
     if dtype == "auto":
         dtype = target.run_dtype(cfg.target.dtype)
-    conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
-                                      progress=cfg.progress, dtype=dtype, kept=kept)
+    key, gb = "prepare.regen.kv_cache_gb", cfg.prepare.regen.kv_cache_gb
+    if cfg.prepare.regen.backend == "vllm":  # named by its eagle3 key, before the engine starts
+        from eagle3.kv_cache import check_fits, weights_bytes
+
+        check_fits(key, gb, weights_bytes(target.path))
+    try:
+        conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
+                                          progress=cfg.progress, dtype=dtype, kept=kept)
+    except Exception as e:  # vLLM's own "KV cache does not fit" names its flags: name ours
+        from eagle3.kv_cache import translate
+
+        if (named := translate(e, key, gb)) is not None:
+            raise named from e
+        raise
     stats["dtype"] = dtype
     drops["regeneration_too_long"] += stats.get("dropped_too_long", 0)
     drops["empty_regeneration"] += stats.get("empty_response", 0)

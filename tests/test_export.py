@@ -1100,3 +1100,100 @@ def test_lookup_verdict_says_plainly_whether_the_draft_beats_prompt_lookup():
     assert yes == ("EAGLE-3 beats prompt lookup on these 3 prompts: 1.700 vs 1.500 tokens per target step at k=3 "
                    "(+13.3%); per domain: code (2) 2.000 vs 1.600 (+25.0%), chat (1) 1.100 vs 1.200 (-8.3%, not better)")
     assert lookup_verdict(3, 3, 1.4, 1.5).startswith("EAGLE-3 does NOT beat prompt lookup on these 3 prompts: ")
+
+
+def _export_dirs(experiment) -> list:
+    """What the latest export run's directory holds."""
+    m = experiment["manifest"]
+    rec = m.record("export", m.read()["stages"]["export"]["latest"])
+    return sorted(p.name for p in rec.out_dir.iterdir() if p.name != ".run.lock"), rec
+
+
+def test_export_out_dir_is_never_the_target_or_an_input_of_the_run(experiment, target, tmp_path):
+    """export.overwrite=true replaces another model's files, never the target's or what the run reads:
+    an out_dir that is, contains or is inside the target, the experiment directory or a data file is
+    refused naming both paths, and nothing there changes."""
+    from eagle3.export.errors import ExportError
+    from eagle3.hashing import sha256_file
+
+    before = {p.name: sha256_file(p) for p in target.path.iterdir() if p.is_file()}
+    exp_dir = experiment["manifest"].exp_dir
+    data = experiment["root"] / "chats.jsonl"
+    cases = [(target.path, "is the target"), (target.path / "draft", "is inside the target"),
+             (target.path.parent, "contains the target"), (exp_dir, "is the experiment directory"),
+             (exp_dir / "train" / "somewhere", "is inside the experiment directory"),
+             (experiment["root"] / "ws", "contains the experiment directory"), (data, "is the data file 1"),
+             (data.parent, "contains")]
+    for out_dir, relation in cases:
+        with pytest.raises(ExportError) as e:
+            _stage(experiment, "stage=export", "export.verify=false", f"export.out_dir={out_dir}",
+                   "export.overwrite=true")
+        msg = str(e.value)
+        assert relation in msg and str(out_dir.resolve()) in msg and "Nothing was written" in msg, msg
+    assert {p.name: sha256_file(p) for p in target.path.iterdir() if p.is_file()} == before
+    assert not (target.path / "draft").exists() and not (exp_dir / "train" / "somewhere").exists()
+    assert json.loads((target.path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_naming_export_kv_cache_gb(experiment):
+    """vLLM on a CPU allocates the whole KV cache after loading the weights and then names its own
+    flags; the export refuses it first, naming its own key and what fits."""
+    import psutil
+
+    from eagle3.errors import Eagle3Error
+
+    huge = int(psutil.virtual_memory().total / 2**30) + 1000
+    with pytest.raises(Eagle3Error, match=rf"export.kv_cache_gb={huge} does not fit.*Set export.kv_cache_gb to at most "):
+        _stage(experiment, "stage=export", f"export.kv_cache_gb={huge}")
+
+
+@pytest.mark.vllm
+def test_vllms_own_kv_cache_refusal_is_named_by_the_eagle3_key(target, prompts, stops):
+    """Where vLLM itself refuses the KV cache (memory taken by others after the check), its message
+    (naming --kv-cache-memory-bytes) becomes one naming export.kv_cache_gb and what vLLM found free."""
+    import psutil
+
+    from eagle3.export.vllm_eval import run_vllm
+    from eagle3.kv_cache import translate
+
+    huge = int(psutil.virtual_memory().total / 2**30) + 1000
+    with pytest.raises(Exception) as e:
+        run_vllm(target.path, prompts, MAX_TOKENS, stops, dtype="float32", max_model_len=256, kv_cache_gb=huge)
+    assert "--kv-cache-memory-bytes" in str(e.value)
+    named = translate(e.value, "export.kv_cache_gb", huge)
+    assert named is not None and str(named).startswith(f"export.kv_cache_gb={huge} does not fit")
+    assert "GiB available after loading the weights. Set export.kv_cache_gb to less than that" in str(named)
+    assert translate(ValueError("something else"), "export.kv_cache_gb", 1) is None
+
+
+def test_a_failed_export_leaves_no_model_directory(experiment, tmp_path):
+    """The export is written and verified in a hidden sibling, renamed to model/ only once it
+    passed: here verification fails (a prompts file it cannot read) after the files were written."""
+    from eagle3.export.errors import ExportError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "not a conversation"}\n')
+    with pytest.raises(ExportError, match="bad.jsonl:1"):
+        _stage(experiment, "stage=export", f"export.prompts={bad}")
+    names, rec = _export_dirs(experiment)
+    assert rec.status == "failed" and names == [], names
+
+
+@pytest.mark.parametrize("mask,prompts", [(0o022, 7), (0o027, 8)])
+def test_exported_files_take_the_umask(experiment, tmp_path, mask, prompts):
+    """model.safetensors (which safetensors' save_file creates 0600) is readable by the user a vLLM
+    server runs as: every file of the export, and of its copy in export.out_dir, has the umask's mode
+    (0644 under umask 0022). Each mask exports anew (another export.eval_prompts, another run)."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        _stage(experiment, "stage=export", "export.verify=false", f"export.eval_prompts={prompts}",
+               f"export.out_dir={tmp_path / 'published'}")
+    finally:
+        os.umask(old)
+    names, rec = _export_dirs(experiment)
+    assert rec.status == "complete" and names == ["model"]
+    for d in (rec.out_dir / "model", tmp_path / "published"):
+        modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, (d, modes)

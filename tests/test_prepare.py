@@ -296,3 +296,69 @@ def test_data_path_a_directory_without_a_dataset(compose, tiny_llama_dir, worksp
     (folder / "a.jsonl").unlink()
     msg = _refusal(compose, tiny_llama_dir, workspace, f"data.path={folder}")
     assert "set data.path to a conversations file (JSONL, parquet)" in msg
+
+
+@pytest.fixture
+def umask():
+    """Set the process's umask for one test (restored after it)."""
+    import os
+
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_prepared_files_take_the_umask(compose, tiny_llama_dir, workspace, tmp_path, umask, mask):
+    """Every file prepare writes (the vocabulary and token counts in safetensors too, which
+    safetensors' save_file creates owner-only) gets the mode the umask gives: readable by the other
+    users a server may run as."""
+    umask(mask)
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(20))
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
+    modes = _modes(rec.out_dir)
+    assert {"vocab.safetensors", "token_freq.safetensors", "stats.json"} <= set(modes)
+    assert {name: mode for name, mode in modes.items() if name != ".run.lock"} == \
+        {name: 0o666 & ~mask for name in modes if name != ".run.lock"}
+    import torch
+
+    from eagle3.atomic import save_safetensors
+
+    save_safetensors({"x": torch.zeros(2)}, tmp_path / "one.safetensors")
+    assert (tmp_path / "one.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.glob(".one.safetensors.tmp*")] == []
+
+
+def test_no_held_out_split_is_refused_when_composed_and_when_prepared(compose, tiny_llama_dir, workspace, tmp_path):
+    """Without a held-out split nothing downstream can run as documented (extraction's agreement
+    check, training's held-out metrics, export's verification prompts): prepare.eval_fraction=0 is
+    refused when the config is composed, naming what to set; a dataset too small to hold one out
+    fails prepare (never recorded complete with an empty eval split)."""
+    for bad in ("prepare.eval_fraction=0", "prepare.eval_fraction=0.0", "prepare.eval_min=0"):
+        with pytest.raises(Exception, match=r"held-out.*prepare\.eval_min"):
+            compose("stage=prepare", bad)
+    data = write_jsonl(tmp_path / "one.jsonl", chat_records(1))
+    from eagle3.data.sources import DataError
+
+    with pytest.raises(DataError, match=r"1 sample.*held out"):
+        _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}")
+    rec = Manifest(Path(workspace) / "e").record("prepare", Manifest(Path(workspace) / "e").read()["stages"]["prepare"]["latest"])
+    assert rec.status == "failed"
+
+
+def test_a_regeneration_kv_cache_that_cannot_fit_is_refused_naming_its_key(compose, tiny_llama_dir, workspace,
+                                                                           tmp_path):
+    """As export's: vLLM on a CPU would refuse it after loading the target, naming its own flags."""
+    import psutil
+
+    from eagle3.kv_cache import KVCacheError
+
+    huge = int(psutil.virtual_memory().total / 2**30) + 1000
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(4))
+    with pytest.raises(KVCacheError, match=rf"prepare.regen.kv_cache_gb={huge} does not fit.*at most"):
+        _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "prepare.regenerate=true",
+                 f"prepare.regen.kv_cache_gb={huge}")

@@ -72,10 +72,11 @@ def coverage_curve(freq: np.ndarray, sizes=COVERAGE_SIZES, chosen: int | None = 
 
 def save_vocab(mapping: VocabMapping, path) -> None:
     import torch
-    from safetensors.torch import save_file
 
-    save_file({"d2t": torch.from_numpy(mapping.d2t), "t2d": torch.from_numpy(mapping.t2d)}, str(path),
-              metadata={"coverage": repr(mapping.coverage), "identity": str(mapping.identity)})
+    from ..atomic import save_safetensors
+
+    save_safetensors({"d2t": torch.from_numpy(mapping.d2t), "t2d": torch.from_numpy(mapping.t2d)}, path,
+                     metadata={"coverage": repr(mapping.coverage), "identity": str(mapping.identity)})
 
 
 def load_vocab(path) -> tuple:

@@ -166,7 +166,7 @@ def write_format(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, spec: ExportSpe
     """Write config.json + model.safetensors (+ tokenizer files) into ``out_dir``; returns the config."""
     import json
 
-    from safetensors.torch import save_file
+    from ..atomic import save_safetensors
 
     ckpt.validate()
     out_dir = Path(out_dir)
@@ -184,7 +184,7 @@ def write_format(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, spec: ExportSpe
     else:
         raise ExportError(f"unknown export format {fmt!r}; one of {FORMATS}")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     copy_tokenizer(Path(spec.target_path), out_dir)
     return copy.deepcopy(config)
 

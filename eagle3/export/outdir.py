@@ -7,6 +7,10 @@ the weights). Publishing into ``export.out_dir``:
 - anything else (another model, another eagle3 export, or files eagle3 did not write): refuse
   with a clear error, unless ``export.overwrite=true``, which removes only model files (configs,
   weights, tokenizer files, README, marker) before copying, and leaves other files alone.
+
+Never, not even with ``export.overwrite=true``: a directory that is, contains or lies inside the
+target or any input of the run (the experiment's artifacts and manifest, the data files, the
+prompts file, an ``export.from`` draft): :func:`refuse_inputs`.
 """
 from __future__ import annotations
 
@@ -85,6 +89,19 @@ def check_destination(out_dir, want_fingerprint: Optional[str], overwrite: bool)
         return "replace"
     raise ExportError(f"export.out_dir={str(d)!r} already holds {_describe(d)}. Nothing was written. Choose "
                       f"another export.out_dir, or pass export.overwrite=true to replace its model files.")
+
+
+def refuse_inputs(out_dir, inputs: dict) -> None:
+    """Raise when ``out_dir`` is, contains or is inside one of ``inputs`` ({what: path}): publishing
+    there would replace or delete what this run (or the next) reads."""
+    d = Path(out_dir).expanduser().resolve()
+    for what, path in inputs.items():
+        p = Path(path).expanduser().resolve()
+        relation = "is" if d == p else "contains" if p.is_relative_to(d) else "is inside" if d.is_relative_to(p) else None
+        if relation:
+            raise ExportError(f"export.out_dir={str(d)!r} {relation} {what} {str(p)!r}: the export would replace "
+                              f"or delete files this run reads (export.overwrite does not allow it). Nothing was "
+                              f"written. Choose an export.out_dir outside it.")
 
 
 def precheck_destination(out_dir, overwrite: bool) -> None:

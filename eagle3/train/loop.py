@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE
 from ..atomic import atomic_write_bytes, atomic_write_text
+from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
@@ -109,7 +111,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     pin = device.type == "cuda" and not getattr(inputs.train_store, "on_device", False)
     loader = torch.utils.data.DataLoader(
         MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0),
-        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0)
+        batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
+        worker_init_fn=ignore_stop_signals if tcfg.num_workers else None)
     if prefetch is None:
         prefetch = device.type == "cuda" and tcfg.num_workers == 0
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
@@ -118,24 +121,34 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
     batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
     try:
-        while state.step < total:
-            micro = [next(batches) for _ in range(tcfg.grad_accum)]
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
-            scheduler.step()
-            state.step += 1
-            bar.update(1)
-            step = state.step
-            if step % tcfg.log_every == 0 or step == total:
-                last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token,
-                                         step=step, epoch=epochs.locate(step - 1)[0], lr=lr,
-                                         grad_norm=float(grad_norm))
-                bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
-            if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
-                last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-                _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
-            if step % tcfg.save_every == 0 or step == total:
-                _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+        # SIGTERM / SIGINT: finish the step, save a checkpoint, raise Interrupted
+        with StopRequests() as stop:
+            while state.step < total:
+                micro = [next(batches) for _ in range(tcfg.grad_accum)]
+                lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+                grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
+                scheduler.step()
+                state.step += 1
+                bar.update(1)
+                step = state.step
+                if step % tcfg.log_every == 0 or step == total:
+                    last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token,
+                                             step=step, epoch=epochs.locate(step - 1)[0], lr=lr,
+                                             grad_norm=float(grad_norm))
+                    bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
+                if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
+                    last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
+                    _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
+                saved = step % tcfg.save_every == 0 or step == total
+                if saved:
+                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                # several processes agree at logged steps only (a collective), one process at every step
+                if step < total and (W == 1 or step % tcfg.log_every == 0) and (signum := stop.requested(accelerator)):
+                    if not saved:
+                        path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                    raise Interrupted(signum, f"train: interrupted by {signal.Signals(signum).name} at step {step} of "
+                                              f"{total}; checkpoint saved in {path}. Run the same command again to "
+                                              f"resume from step {step}.")
     finally:
         if prefetch:
             batches.close()
@@ -310,12 +323,12 @@ def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> StepMetr
     return step_metrics(accelerator.reduce(total, reduction="sum"), tcfg.decay)
 
 
-def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int) -> None:
+def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int) -> Path:
     """A checkpoint of this step, with the open window's global sums (a resumed run logs the same
-    window an uninterrupted one does)."""
+    window an uninterrupted one does); returns its path."""
     stats, tokens = window.global_sums(accelerator)
     state.window, state.window_tokens = stats.cpu(), int(tokens)
-    save_checkpoint(accelerator, out_dir, state.step, keep_last)
+    return save_checkpoint(accelerator, out_dir, state.step, keep_last)
 
 
 # -- the result ----------------------------------------------------------------------------------

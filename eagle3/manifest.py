@@ -197,12 +197,16 @@ class Manifest:
                         stage, stage)
         return rec
 
-    def consume(self, stage: str, by: str, target_hash: Optional[str] = None,
+    def consume(self, stage: str, by: str, target_hash: Optional[str | dict] = None,
                 wanted: Optional[dict] = None) -> StageRecord:
         """The current run of ``stage`` for use as input by stage ``by``, or a clear error. ``wanted``:
         the config section that names the run (``SELECTED_BY_CONFIG``); the run of that config is
         taken instead of the current one where they differ (the current one, with a warning, where the
-        manifest has none). A run pinned by this process is taken as is."""
+        manifest has none). A run pinned by this process is taken as is. ``target_hash``: the
+        target's identity hash, or its identity (``TargetInfo.identity()``: a refusal then names the
+        files that differ)."""
+        current_target = target_hash if isinstance(target_hash, dict) else {"hash": target_hash}
+        target_hash = current_target.get("hash")
         rec = self.current(stage)
         if wanted is not None and stage not in self.pins:
             rec = self._run_of_config(stage, by, rec, wanted)
@@ -218,11 +222,15 @@ class Manifest:
             raise ManifestError(f"stage '{by}' refuses the output of '{stage}' because it is stale: {reason}. "
                                 f"Re-run `python -m eagle3 stage={stage}` first.")
         if target_hash is not None and rec.data.get("target", {}).get("hash") != target_hash:
+            from .target import identity_diff
+
             theirs = rec.data.get("target", {})
+            where = f" {current_target['path']!r}" if current_target.get("path") else ""
             raise ManifestError(f"stage '{stage}' in {self.exp_dir} was produced for target "
                                 f"{theirs.get('path')!r} (identity {str(theirs.get('hash'))[:12]}), but this "
-                                f"run's target has identity {target_hash[:12]}. Use another experiment= "
-                                f"for another target, or re-run stage={stage}.")
+                                f"run's target{where} has identity {target_hash[:12]}; what differs: "
+                                f"{identity_diff(theirs, current_target)}. Use another experiment= for another "
+                                f"target, or re-run `python -m eagle3 stage={stage}` with this target.")
         for rel, meta in rec.data.get("outputs", {}).items():
             p = self.exp_dir / rel
             if not p.exists() or p.stat().st_size != meta["size"]:
@@ -230,7 +238,7 @@ class Manifest:
                                     f"recorded. Re-run `python -m eagle3 stage={stage}`.")
         return rec
 
-    def consume_upstream(self, stage: str, target_hash: str, only: Optional[tuple] = None, cfg=None) -> dict:
+    def consume_upstream(self, stage: str, target_hash: str | dict, only: Optional[tuple] = None, cfg=None) -> dict:
         """The current runs of every stage ``stage`` reads (``eagle3.contracts.UPSTREAM``), each checked
         by :meth:`consume`; ``only`` narrows them (export of a draft trained elsewhere needs prepare's
         prompts at most). ``cfg``: the composed config; the runs of ``SELECTED_BY_CONFIG`` stages are

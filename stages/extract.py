@@ -71,7 +71,7 @@ def run(cfg, manifest):
 
     ecfg = cfg.extract
     target = resolve(cfg.target, cfg.workspace)
-    inputs = manifest.consume_upstream("extract", target.hash)
+    inputs = manifest.consume_upstream("extract", target.identity())
     prep = inputs["prepare"]
     prep_tok = prep.facts.tokenizer_hash
     if prep_tok != target.tokenizer_hash:

@@ -40,7 +40,7 @@ def run(cfg, manifest):
         layer_ids = list(online.layer_ids)
     else:
         target = resolve(cfg.target, cfg.workspace)
-        upstream = manifest.consume_upstream("train", target.hash, cfg=cfg)
+        upstream = manifest.consume_upstream("train", target.identity(), cfg=cfg)
         prep, ext = upstream["prepare"], upstream["extract"]
         layer_ids = [int(i) for i in ext.facts.layer_ids]
         config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}

@@ -97,6 +97,77 @@ class StageRecord:
         """An output of this run (relative to its out_dir)."""
         return self.out_dir / rel
 
+    def damaged_outputs(self, digests: bool = True, select: Optional[Callable[[str], bool]] = None,
+                        progress: bool = False) -> list["Damage"]:
+        """The recorded outputs (``select``: those whose experiment-relative path it accepts) that
+        are missing, changed size or, with ``digests``, whose content no longer has the recorded
+        digest (sha256, or a store shard's sha256 tree: hashed on every core, a progress bar past
+        1 GiB). A file this process verified before and that has not changed since (size, mtime,
+        ctime, inode) is not read again: ``stage=all`` reads a store once for extract's check and
+        train's."""
+        out, todo = [], []
+        for rel, meta in sorted(self.data.get("outputs", {}).items()):
+            if select is not None and not select(rel):
+                continue
+            p = self.exp_dir / rel
+            if not p.is_file():
+                out.append(Damage(rel, "missing"))
+            elif p.stat().st_size != meta["size"]:
+                out.append(Damage(rel, f"{p.stat().st_size} bytes, recorded {meta['size']} (truncated or appended to)"))
+            elif digests and _VERIFIED.get(str(p)) != (_file_key(p), _recorded_digest(meta)):
+                todo.append((rel, p, meta))
+        trees = {p: meta for _, p, meta in todo if "sha256_tree" in meta}
+        found = _tree_digests(list(trees), progress)
+        for rel, p, meta in todo:
+            kind, want = ("sha256_tree", meta["sha256_tree"]) if p in trees else ("sha256", meta.get("sha256"))
+            got = found[p] if p in trees else sha256_file(p)
+            if want is not None and got != want:
+                out.append(Damage(rel, f"content changed, same size: {kind} {got[:12]}, recorded {want[:12]}"))
+            else:
+                _VERIFIED[str(p)] = (_file_key(p), _recorded_digest(meta))
+        return out
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A recorded output that no longer is what was recorded."""
+
+    rel: str     # path relative to the experiment directory
+    reason: str  # missing | its size against the recorded one | its digest against the recorded one
+
+    def __str__(self) -> str:
+        return f"{self.rel}: {self.reason}"
+
+
+_VERIFIED: dict = {}  # str(path) -> (file key, recorded digest) of outputs this process verified
+
+
+def _file_key(p: Path) -> tuple:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _recorded_digest(meta: dict) -> Optional[str]:
+    return meta.get("sha256_tree") or meta.get("sha256")
+
+
+def _tree_digests(paths: list, progress: bool) -> dict:
+    """{path: sha256 tree} on every core, with a progress bar when there is at least 1 GiB to read."""
+    from .hashing import sha256_tree_files
+
+    total = sum(p.stat().st_size for p in paths)
+    bar = None
+    if progress and total >= 1 << 30:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"verifying {len(paths)} shards against their recorded sha256 trees")
+    try:
+        return sha256_tree_files(paths, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
 
 class Manifest:
     def __init__(self, exp_dir: str | Path, tracker=None):
@@ -235,7 +306,8 @@ class Manifest:
             p = self.exp_dir / rel
             if not p.exists() or p.stat().st_size != meta["size"]:
                 raise ManifestError(f"output {p} of stage '{stage}' is missing or changed size since it was "
-                                    f"recorded. Re-run `python -m eagle3 stage={stage}`.")
+                                    f"recorded. `python -m eagle3 stage={stage}` (with this run's overrides) "
+                                    f"rebuilds it.")
         return rec
 
     def consume_upstream(self, stage: str, target_hash: str | dict, only: Optional[tuple] = None, cfg=None) -> dict:
@@ -283,6 +355,8 @@ class StageJob:
         self._outputs: dict[str, Optional[dict]] = {}  # rel path -> its known digest, or None (hashed at the end)
         self._run_lock: Optional[FileLock] = None
         self.record: Optional[StageRecord] = None
+        # set by claim(): outputs of this config's complete run that are not what was recorded
+        self.damaged: list[Damage] = []
         self._run = None  # the wandb run while the job runs (eagle3.tracking)
 
     def _acquire_run_lock(self) -> None:
@@ -302,10 +376,13 @@ class StageJob:
             lock.acquire()
         self._run_lock = lock
 
-    def claim(self) -> Optional[StageRecord]:
+    def claim(self, digests: bool = False, progress: bool = False) -> Optional[StageRecord]:
         """The complete run of this config, if one exists with its outputs intact (it becomes the
         stage's current run; nothing to do). Otherwise None, and this process now holds the run
-        lock: it must run the stage (``with job:``).
+        lock: it must run the stage (``with job:``). Intact: every output exists with its recorded
+        size, and with ``digests`` its recorded digest too (reads every output: the extract stage
+        asks for it, see :meth:`StageRecord.damaged_outputs`); the outputs that are not are in
+        ``self.damaged``, for the stage to rebuild.
 
         The lock is taken before looking, so two sweep jobs that need the same upstream run compute
         it once: the second waits for the first and then finds it complete.
@@ -314,10 +391,12 @@ class StageJob:
         rec = self.manifest.record(self.stage, self.config_hash)
         if rec is None or rec.status != "complete":
             return None
-        for rel, meta in rec.data.get("outputs", {}).items():
-            p = self.manifest.exp_dir / rel
-            if not p.exists() or p.stat().st_size != meta["size"]:
-                return None
+        self.damaged = rec.damaged_outputs(digests=digests, progress=progress)
+        if self.damaged:
+            log.warning("stage %s: the complete run %s is damaged, running it again: %s%s", self.stage,
+                        self.config_hash[:12], "; ".join(map(str, self.damaged[:5])),
+                        f" and {len(self.damaged) - 5} more" if len(self.damaged) > 5 else "")
+            return None
         self.record = rec
         self.manifest.update(lambda d: d["stages"][self.stage].__setitem__("current", self.config_hash))
         self.manifest.pins[self.stage] = self.config_hash

@@ -101,3 +101,127 @@ def test_a_noised_copy_of_the_target_is_another_target(tmp_path, tiny_llama_dir,
     assert "already complete" not in capsys.readouterr().out
     assert manifest.current("prepare").data["target"]["path"] == str(noisy)
     assert manifest.current("prepare").data["target"]["hash"] != old["hash"]
+
+
+# -- item: the store's shards are their recorded digests ----------------------------------------
+
+def _extracted(tmp_path, target):
+    for stage in ("prepare", "extract"):
+        run(_cfg(tmp_path, target, stage))
+    rec = Manifest(tmp_path / "ws" / "t").current("extract")
+    shards = sorted((rec.out_dir / "train").glob("shard-*.safetensors"))
+    assert len(shards) >= 3
+    return rec, shards
+
+
+def _tensor_offset(shard: Path, name: str) -> int:
+    with open(shard, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + header[name]["data_offsets"][0]
+
+
+def _stamps(shards) -> dict:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards}
+
+
+def test_flipped_bytes_in_a_shard_fail_train_and_extract_rebuilds_just_that_shard(tmp_path, tiny_llama_dir, capsys):
+    import numpy as np
+
+    from eagle3.hashing import sha256_tree_file
+    from eagle3.store import StoreError
+
+    rec, shards = _extracted(tmp_path, tiny_llama_dir)
+    bad = shards[1]
+    recorded = rec.data["outputs"][str(bad.relative_to(rec.exp_dir))]["sha256_tree"]
+    size = bad.stat().st_size
+    # 8 bytes of one stored state flipped in place: the file keeps its size
+    at = _tensor_offset(bad, "last_hidden_state") + 4 * 64 * 3
+    with open(bad, "r+b") as f:
+        f.seek(at)
+        before = np.frombuffer(f.read(8), dtype=np.float32).copy()
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in before.tobytes()))
+    assert bad.stat().st_size == size
+    others = _stamps(s for s in shards if s != bad)
+
+    with pytest.raises(StoreError) as e:
+        run(_cfg(tmp_path, tiny_llama_dir, "train"))
+    msg = str(e.value)
+    assert bad.name in msg and "python -m eagle3 stage=extract" in msg and recorded[:12] in msg
+    manifest = Manifest(tmp_path / "ws" / "t")
+    (train_run,) = manifest.read()["stages"]["train"]["runs"].values()
+    assert train_run["status"] == "failed" and bad.name in train_run["error"]
+
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    out = capsys.readouterr().out
+    assert "already complete" not in out and f"train/{bad.name}" in out and "1 shard(s)" in out
+    assert _stamps(s for s in shards if s != bad) == others  # only the damaged shard was written again
+    assert sha256_tree_file(bad) == recorded  # the same bytes as first written
+    again = manifest.current("extract")
+    assert again.status == "complete" and again.data["attempts"] == 2
+    assert again.data["outputs"][str(bad.relative_to(rec.exp_dir))]["sha256_tree"] == recorded
+
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    assert "already complete" in capsys.readouterr().out
+    run(_cfg(tmp_path, tiny_llama_dir, "train"))
+    assert manifest.current("train").status == "complete"
+
+
+def test_a_truncated_shard_has_one_way_out_extract_rebuilds_it(tmp_path, tiny_llama_dir, capsys):
+    from eagle3.store import StoreError
+
+    rec, shards = _extracted(tmp_path, tiny_llama_dir)
+    bad = shards[0]
+    full = bad.read_bytes()
+    bad.write_bytes(full[: len(full) // 2])
+    with pytest.raises((ManifestError, StoreError)) as e:
+        run(_cfg(tmp_path, tiny_llama_dir, "train"))
+    assert bad.name in str(e.value) and "stage=extract" in str(e.value) and "rebuilds" in str(e.value)
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    assert f"train/{bad.name}" in capsys.readouterr().out
+    assert bad.read_bytes() == full
+
+
+def test_a_corrupt_shard_header_names_the_file_and_extract_rebuilds_it(tmp_path, tiny_llama_dir, capsys):
+    from eagle3.store import StoreError, open_hidden_states
+
+    rec, shards = _extracted(tmp_path, tiny_llama_dir)
+    bad = shards[2]
+    full = bad.read_bytes()
+    bad.write_bytes(full[:8] + b"#" * 16 + full[24:])  # the header's JSON broken, the size kept
+    with pytest.raises(StoreError) as e:  # read without the manifest: no bare SafetensorError
+        ds = open_hidden_states(rec.out_dir, "train")
+        [ds[i] for i in range(len(ds))]
+    assert str(bad) in str(e.value) and "`python -m eagle3 stage=extract`" in str(e.value) and "rebuilds" in str(e.value)
+    with pytest.raises(StoreError) as e:
+        run(_cfg(tmp_path, tiny_llama_dir, "train"))
+    assert bad.name in str(e.value) and "`python -m eagle3 stage=extract`" in str(e.value) and "rebuilds" in str(e.value)
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    assert f"train/{bad.name}" in capsys.readouterr().out
+    assert bad.read_bytes() == full
+
+
+def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):
+    """Before a run is recorded (a crashed extraction resumes), a shard that exists but is truncated
+    or has a broken header is written again, not refused."""
+    from eagle3.store import ShardPlan, StoreLayout, completed_shard
+
+    rec, shards = _extracted(tmp_path, tiny_llama_dir)
+    f = rec.facts
+    layout = StoreLayout(layer_ids=tuple(f.layer_ids), last_layer_id=f.last_layer_id, hidden_size=f.hidden_size,
+                         dtype=f.store_dtype, target_hash=rec.data["target"]["hash"])
+    index = json.loads((rec.out_dir / "train" / "index.json").read_text())
+    s0 = index["shards"][0]
+    lengths = index["lengths"][s0["first_sample"]:s0["first_sample"] + s0["num_samples"]]
+    plan = ShardPlan("train", 0, len(index["shards"]), 0, [range(n) for n in lengths], [range(n) for n in lengths])
+    assert completed_shard(rec.out_dir / "train", plan, layout)["sha256_tree"] == s0["sha256_tree"]
+    full = shards[0].read_bytes()
+    shards[0].write_bytes(full[:-4])
+    assert completed_shard(rec.out_dir / "train", plan, layout) is None
+    shards[0].write_bytes(full[:8] + b"#" * 16 + full[24:])
+    assert completed_shard(rec.out_dir / "train", plan, layout) is None

@@ -12,6 +12,10 @@ A stage uses it in four calls (``stages/__init__.py``): ``consume_upstream`` (it
 one exists, else this process takes the run), and ``with job:`` around the work (complete on
 success with ``job.facts`` and the outputs added, failed on an exception).
 
+Every claim and consume checks that a run's outputs exist with their recorded sizes; the extract
+stage's claim and the train stage check their recorded digests too (``StageRecord.damaged_outputs``:
+a store's shards by their sha256 trees), so a shard corrupted in place is found, named and rebuilt.
+
 Schema versions: 2 (current) nests the train stage's metrics (``eagle3.contracts.TrainFacts``);
 a version-1 manifest is read and upgraded in memory, and written as version 2 on the next update.
 """

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.config import Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig, TrainConfig
+from eagle3.config import (
+    Config,
+    DataConfig,
+    ExportConfig,
+    ExtractConfig,
+    LoggerConfig,
+    PrepareConfig,
+    TargetConfig,
+    TrainConfig,
+)
 from eagle3.manifest import Manifest, ManifestError
 from eagle3.runner import run
 
@@ -41,9 +50,10 @@ def test_identity_follows_the_weights_not_the_path_and_is_cached(tmp_path, tiny_
 
     noisy = noised_copy(tiny_llama_dir, tmp_path / "noisy")
     same = shutil.copytree(tiny_llama_dir, tmp_path / "same")
+    assert target_mod.identify(tiny_llama_dir).hash != target_mod.identify(noisy).hash  # other weights, same sizes
     cache = tmp_path / "ws" / "targets"
     a, b, c = (target_mod.identify(p, cache) for p in (tiny_llama_dir, noisy, same))
-    assert a.hash != b.hash  # same shapes and sizes, other weights: another target
+    assert a.hash != b.hash  # the same with the cache
     assert a.hash == c.hash and a.path != c.path  # the same bytes elsewhere: the same target
     assert a.files["model.safetensors"] == sha256_tree_file(tiny_llama_dir / "model.safetensors")
     assert "model.safetensors" in target_mod.identity_diff(a.identity(), b.identity())
@@ -79,12 +89,14 @@ def _cfg(tmp_path, target: Path, stage: str, **train) -> Config:
                   extract=ExtractConfig(backend="hf", device="cpu", layer_ids=[1, 2, 3], samples_per_shard=8),
                   train=TrainConfig(max_steps=2, ttt_steps=2, log_every=1, eval_every=2, save_every=2, warmup_steps=1,
                                     lr=1e-3, max_seq_len=128, **train),
+                  export=ExportConfig(verify=False),
                   logger=LoggerConfig(mode="disabled"), progress=False)
 
 
 def test_a_noised_copy_of_the_target_is_another_target(tmp_path, tiny_llama_dir, capsys):
-    for stage in ("prepare", "extract"):
-        run(_cfg(tmp_path, tiny_llama_dir, stage))
+    from eagle3.contracts import STAGES
+
+    run(_cfg(tmp_path, tiny_llama_dir, "all"))  # a finished workspace
     noisy = noised_copy(tiny_llama_dir, tmp_path / "noisy")
     manifest = Manifest(tmp_path / "ws" / "t")
     old = manifest.current("extract").data["target"]
@@ -95,12 +107,16 @@ def test_a_noised_copy_of_the_target_is_another_target(tmp_path, tiny_llama_dir,
     msg = str(e.value)
     assert old["hash"][:12] in msg and "model.safetensors" in msg and str(noisy) in msg
     assert "config.json" not in msg.split("what differs")[1]
-    # the first stage is run again for it (not "already complete"), and its run names the new path
+    # stage=all runs every stage again for it (none is "already complete"); each run names the new path
     capsys.readouterr()
-    run(_cfg(tmp_path, noisy, "prepare"))
+    run(_cfg(tmp_path, noisy, "all"))
     assert "already complete" not in capsys.readouterr().out
-    assert manifest.current("prepare").data["target"]["path"] == str(noisy)
-    assert manifest.current("prepare").data["target"]["hash"] != old["hash"]
+    for stage in STAGES:
+        target = manifest.current(stage).data["target"]
+        assert target["path"] == str(noisy) and target["hash"] != old["hash"], stage
+    capsys.readouterr()
+    run(_cfg(tmp_path, noisy, "all"))
+    assert capsys.readouterr().out.count("already complete") == len(STAGES)
 
 
 # -- item: the store's shards are their recorded digests ----------------------------------------

@@ -4,8 +4,9 @@ stage does the same before it calls a store complete.
 
 A store at the 8B shape (Llama-3.1-8B: hidden 4096, 3 aux layers + the last, bf16 = 32 KiB per
 token) is written in eagle3's shard format (eagle3.store.shard_header; random values), ``--gib``
-GiB over ``--shards`` shards of 256 samples each (``--gib 128``: 8 shards of 256 samples x 2048
-tokens). Then, per thread count:
+GiB over ``--shards`` shards of up to 256 samples of 2048 tokens (``--gib 128``: 8 shards of 256
+samples x 2048 tokens, 16 GiB each; a smaller ``--gib`` has fewer samples per shard). Then, per
+thread count:
 
 - verify, cold: the page cache dropped for the shards first (fsync + posix_fadvise DONTNEED, no root
   needed), every shard's sha256 tree computed, its leaves on ``threads`` threads;
@@ -41,20 +42,23 @@ from eagle3.hashing import TREE_CHUNK, hash_threads, sha256_tree_files  # noqa: 
 from eagle3.store import ShardPlan, StoreLayout, shard_header, shard_name  # noqa: E402
 
 LAYOUT_8B = StoreLayout(layer_ids=(2, 16, 29), last_layer_id=32, hidden_size=4096, dtype="bfloat16")
-SAMPLES_PER_SHARD = 256
+SAMPLES_PER_SHARD = 256  # at most; fewer where --gib is too small for 256 samples of SAMPLE_TOKENS
+SAMPLE_TOKENS = 2048
 GB = 1e9
 
 
 def write_store(root: Path, gib: float, shards: int) -> list:
     """``shards`` shard files of about ``gib`` GiB in all; random bytes in the 8B layout."""
     tokens = int(gib * 2**30 / shards / LAYOUT_8B.bytes_per_token)
-    length = max(1, tokens // SAMPLES_PER_SHARD)
+    # samples of SAMPLE_TOKENS tokens (the reader's slices as in training), up to 256 a shard
+    count = max(1, min(SAMPLES_PER_SHARD, round(tokens / SAMPLE_TOKENS)))
+    length = max(1, tokens // count)
     rng = np.random.default_rng(0)
     (root / "train").mkdir(parents=True, exist_ok=True)
     paths = []
     for k in range(shards):
-        samples = [range(length)] * SAMPLES_PER_SHARD
-        plan = ShardPlan("train", k, shards, k * SAMPLES_PER_SHARD, samples, samples)
+        samples = [range(length)] * count
+        plan = ShardPlan("train", k, shards, k * count, samples, samples)
         header, offs = shard_header(plan, LAYOUT_8B)
         path = root / "train" / shard_name(k, shards)
         with open(path, "wb") as f:
@@ -73,6 +77,14 @@ def write_store(root: Path, gib: float, shards: int) -> list:
             os.fsync(f.fileno())
         paths.append(path)
     return paths
+
+
+def _count(shard: Path, what: str = "samples") -> float:
+    """Samples in a shard, or tokens per sample (from its header's metadata)."""
+    with open(shard, "rb") as f:
+        meta = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
+    n = int(meta["num_samples"])
+    return n if what == "samples" else int(meta["num_tokens"]) / n
 
 
 def drop_cache(paths) -> None:
@@ -127,7 +139,8 @@ def main() -> None:
         paths = write_store(root, args.gib, args.shards)
         write_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in paths)
-        result.update(bytes=size, shards=len(paths), shard_bytes=paths[0].stat().st_size, write_s=write_s)
+        result.update(bytes=size, shards=len(paths), shard_bytes=paths[0].stat().st_size, write_s=write_s,
+                      samples_per_shard=int(_count(paths[0])), sample_tokens=int(_count(paths[0], "tokens")))
         print(f"wrote {len(paths)} shards, {size / 2**30:.2f} GiB in {write_s:.1f} s ({size / write_s / GB:.2f} GB/s) "
               f"to {root}; {cores} cores", flush=True)
         reference = None
@@ -156,7 +169,8 @@ def main() -> None:
 
     read = next(r for r in result["runs"] if r["what"] == "read")
     print(f"\nstore at the 8B shape ({LAYOUT_8B.bytes_per_token} B/token), {result['shards']} shards of "
-          f"{result['shard_bytes'] / 2**30:.2f} GiB, {cores} cores, leaves of {TREE_CHUNK >> 20} MiB")
+          f"{result['shard_bytes'] / 2**30:.2f} GiB ({result['samples_per_shard']} samples x "
+          f"{result['sample_tokens']} tokens), {cores} cores, leaves of {TREE_CHUNK >> 20} MiB")
     print(f"{'GiB':>7} | {'what':<12} | {'threads':>7} | {'s':>8} | {'GB/s':>6} | {'x read':>6}")
     print("-" * 62)
     for r in result["runs"]:

@@ -16,7 +16,7 @@ and reading the store as the train stage's reader does (safetensors ``safe_open`
 rows of both state tensors, one thread), cold. The ratio verify/read says how much longer a run's
 first pass over its store takes.
 
-    python bench/integrity.py --gib 1 --out /tmp/integrity.json            # CPU, 2 cores: ~1 min
+    python bench/integrity.py --gib 1 --out /tmp/integrity.json            # CPU, 2 cores: ~20 s
     python bench/integrity.py --gib 48 --dir /path/on/the/nvme --out $OUT/integrity.json   # GPU host
 
 Needs torch, numpy and safetensors (no hydra, vllm or datasets). Prints a table last; the raw

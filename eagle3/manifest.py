@@ -12,6 +12,10 @@ A stage uses it in four calls (``stages/__init__.py``): ``consume_upstream`` (it
 one exists, else this process takes the run), and ``with job:`` around the work (complete on
 success with ``job.facts`` and the outputs added, failed on an exception).
 
+Every claim and consume checks that a run's outputs exist with their recorded sizes; the extract
+stage's claim and the train stage check their recorded digests too (``StageRecord.damaged_outputs``:
+a store's shards by their sha256 trees), so a shard corrupted in place is found, named and rebuilt.
+
 Schema versions: 2 (current) nests the train stage's metrics (``eagle3.contracts.TrainFacts``);
 a version-1 manifest is read and upgraded in memory, and written as version 2 on the next update.
 """
@@ -96,6 +100,77 @@ class StageRecord:
     def path(self, rel: str) -> Path:
         """An output of this run (relative to its out_dir)."""
         return self.out_dir / rel
+
+    def damaged_outputs(self, digests: bool = True, select: Optional[Callable[[str], bool]] = None,
+                        progress: bool = False) -> list["Damage"]:
+        """The recorded outputs (``select``: those whose experiment-relative path it accepts) that
+        are missing, changed size or, with ``digests``, whose content no longer has the recorded
+        digest (sha256, or a store shard's sha256 tree: hashed on every core, a progress bar past
+        1 GiB). A file this process verified before and that has not changed since (size, mtime,
+        ctime, inode) is not read again: ``stage=all`` reads a store once for extract's check and
+        train's."""
+        out, todo = [], []
+        for rel, meta in sorted(self.data.get("outputs", {}).items()):
+            if select is not None and not select(rel):
+                continue
+            p = self.exp_dir / rel
+            if not p.is_file():
+                out.append(Damage(rel, "missing"))
+            elif p.stat().st_size != meta["size"]:
+                out.append(Damage(rel, f"{p.stat().st_size} bytes, recorded {meta['size']} (truncated or appended to)"))
+            elif digests and _VERIFIED.get(str(p)) != (_file_key(p), _recorded_digest(meta)):
+                todo.append((rel, p, meta))
+        trees = {p: meta for _, p, meta in todo if "sha256_tree" in meta}
+        found = _tree_digests(list(trees), progress)
+        for rel, p, meta in todo:
+            kind, want = ("sha256_tree", meta["sha256_tree"]) if p in trees else ("sha256", meta.get("sha256"))
+            got = found[p] if p in trees else sha256_file(p)
+            if want is not None and got != want:
+                out.append(Damage(rel, f"content changed, same size: {kind} {got[:12]}, recorded {want[:12]}"))
+            else:
+                _VERIFIED[str(p)] = (_file_key(p), _recorded_digest(meta))
+        return out
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A recorded output that no longer is what was recorded."""
+
+    rel: str     # path relative to the experiment directory
+    reason: str  # missing | its size against the recorded one | its digest against the recorded one
+
+    def __str__(self) -> str:
+        return f"{self.rel}: {self.reason}"
+
+
+_VERIFIED: dict = {}  # str(path) -> (file key, recorded digest) of outputs this process verified
+
+
+def _file_key(p: Path) -> tuple:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _recorded_digest(meta: dict) -> Optional[str]:
+    return meta.get("sha256_tree") or meta.get("sha256")
+
+
+def _tree_digests(paths: list, progress: bool) -> dict:
+    """{path: sha256 tree} on every core, with a progress bar when there is at least 1 GiB to read."""
+    from .hashing import sha256_tree_files
+
+    total = sum(p.stat().st_size for p in paths)
+    bar = None
+    if progress and total >= 1 << 30:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"verifying {len(paths)} shards against their recorded sha256 trees")
+    try:
+        return sha256_tree_files(paths, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class Manifest:
@@ -242,12 +317,16 @@ class Manifest:
         return (f"stage '{by}' needs the output of stage '{stage}', which has no complete run in {self.exp_dir}: its "
                 f"last run {last['config_hash'][:12]} {what}. {rerun}")
 
-    def consume(self, stage: str, by: str, target_hash: Optional[str] = None,
+    def consume(self, stage: str, by: str, target_hash: Optional[str | dict] = None,
                 wanted: Optional[dict] = None) -> StageRecord:
         """The current run of ``stage`` for use as input by stage ``by``, or a clear error. ``wanted``:
         the config section that names the run (``SELECTED_BY_CONFIG``); the run of that config is
         taken instead of the current one where they differ (the current one, with a warning, where the
-        manifest has none). A run pinned by this process is taken as is."""
+        manifest has none). A run pinned by this process is taken as is. ``target_hash``: the
+        target's identity hash, or its identity (``TargetInfo.identity()``: a refusal then names the
+        files that differ)."""
+        current_target = target_hash if isinstance(target_hash, dict) else {"hash": target_hash}
+        target_hash = current_target.get("hash")
         rec = self.current(stage)
         if stage not in self.pins and (rec is None or (wanted is not None and not _recorded(rec, wanted))):
             running = self.in_progress(stage, wanted)
@@ -266,19 +345,24 @@ class Manifest:
             raise ManifestError(f"stage '{by}' refuses the output of '{stage}' because it is stale: {reason}. "
                                 f"Re-run `python -m eagle3 stage={stage}` first.")
         if target_hash is not None and rec.data.get("target", {}).get("hash") != target_hash:
+            from .target import identity_diff
+
             theirs = rec.data.get("target", {})
+            where = f" {current_target['path']!r}" if current_target.get("path") else ""
             raise ManifestError(f"stage '{stage}' in {self.exp_dir} was produced for target "
                                 f"{theirs.get('path')!r} (identity {str(theirs.get('hash'))[:12]}), but this "
-                                f"run's target has identity {target_hash[:12]}. Use another experiment= "
-                                f"for another target, or re-run stage={stage}.")
+                                f"run's target{where} has identity {target_hash[:12]}; what differs: "
+                                f"{identity_diff(theirs, current_target)}. Use another experiment= for another "
+                                f"target, or re-run `python -m eagle3 stage={stage}` with this target.")
         for rel, meta in rec.data.get("outputs", {}).items():
             p = self.exp_dir / rel
             if not p.exists() or p.stat().st_size != meta["size"]:
                 raise ManifestError(f"output {p} of stage '{stage}' is missing or changed size since it was "
-                                    f"recorded. Re-run `python -m eagle3 stage={stage}`.")
+                                    f"recorded. `python -m eagle3 stage={stage}` (with this run's overrides) "
+                                    f"rebuilds it.")
         return rec
 
-    def consume_upstream(self, stage: str, target_hash: str, only: Optional[tuple] = None, cfg=None) -> dict:
+    def consume_upstream(self, stage: str, target_hash: str | dict, only: Optional[tuple] = None, cfg=None) -> dict:
         """The current runs of every stage ``stage`` reads (``eagle3.contracts.UPSTREAM``), each checked
         by :meth:`consume`; ``only`` narrows them (export of a draft trained elsewhere needs prepare's
         prompts at most). ``cfg``: the composed config; the runs of ``SELECTED_BY_CONFIG`` stages are
@@ -323,6 +407,8 @@ class StageJob:
         self._outputs: dict[str, Optional[dict]] = {}  # rel path -> its known digest, or None (hashed at the end)
         self._run_lock: Optional[FileLock] = None
         self.record: Optional[StageRecord] = None
+        # set by claim(): outputs of this config's complete run that are not what was recorded
+        self.damaged: list[Damage] = []
         self._run = None  # the wandb run while the job runs (eagle3.tracking)
 
     def _acquire_run_lock(self) -> None:
@@ -342,10 +428,13 @@ class StageJob:
             lock.acquire()
         self._run_lock = lock
 
-    def claim(self) -> Optional[StageRecord]:
+    def claim(self, digests: bool = False, progress: bool = False) -> Optional[StageRecord]:
         """The complete run of this config, if one exists with its outputs intact (it becomes the
         stage's current run; nothing to do). Otherwise None, and this process now holds the run
-        lock: it must run the stage (``with job:``).
+        lock: it must run the stage (``with job:``). Intact: every output exists with its recorded
+        size, and with ``digests`` its recorded digest too (reads every output: the extract stage
+        asks for it, see :meth:`StageRecord.damaged_outputs`); the outputs that are not are in
+        ``self.damaged``, for the stage to rebuild.
 
         The lock is taken before looking, so two sweep jobs that need the same upstream run compute
         it once: the second waits for the first and then finds it complete.
@@ -354,10 +443,12 @@ class StageJob:
         rec = self.manifest.record(self.stage, self.config_hash)
         if rec is None or rec.status != "complete":
             return None
-        for rel, meta in rec.data.get("outputs", {}).items():
-            p = self.manifest.exp_dir / rel
-            if not p.exists() or p.stat().st_size != meta["size"]:
-                return None
+        self.damaged = rec.damaged_outputs(digests=digests, progress=progress)
+        if self.damaged:
+            log.warning("stage %s: the complete run %s is damaged, running it again: %s%s", self.stage,
+                        self.config_hash[:12], "; ".join(map(str, self.damaged[:5])),
+                        f" and {len(self.damaged) - 5} more" if len(self.damaged) > 5 else "")
+            return None
         self.record = rec
         self.manifest.update(lambda d: d["stages"][self.stage].__setitem__("current", self.config_hash))
         self.manifest.pins[self.stage] = self.config_hash

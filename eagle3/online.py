@@ -716,7 +716,7 @@ class OnlineRun:
         tcfg, ecfg, ocfg = cfg.train, cfg.extract, cfg.train.online
         self.cfg, self.ocfg = cfg, ocfg
         self.target = target = resolve(cfg.target, cfg.workspace)
-        self.upstream = manifest.consume_upstream("train", target.hash, only=("prepare",))
+        self.upstream = manifest.consume_upstream("train", target.identity(), only=("prepare",))
         self.prep = prep = self.upstream["prepare"]
         if prep.facts.tokenizer_hash != target.tokenizer_hash:
             raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer "

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,10 +59,17 @@ FORMATS = (FORMAT, FORMAT_FP8)
 _ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "fp8": ("F8_E4M3", 1)}
 # per-token tensors written as rows arrive (the rest of a shard is written when it is opened)
 ROW_TENSORS = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")
+log = logging.getLogger("eagle3.store")
 
 
 class StoreError(Eagle3Error):
     """A store is missing, incomplete, or was written for another target/config."""
+
+
+REBUILD = ("`python -m eagle3 stage=extract` (with the overrides of the run that wrote the store) rebuilds "
+           "it, and only what is damaged")
+"""The way out of a damaged store, the same in every message: the extract stage finds missing,
+truncated and corrupt shards (size and sha256 tree against the manifest) and writes them again."""
 
 
 class StoreWriteError(Eagle3Error):
@@ -214,13 +222,20 @@ def sidecar_path(split_dir: Path, name: str) -> Path:
 
 
 def read_shard_meta(path: Path) -> dict:
+    """A shard's header metadata; StoreError naming the file where the header is not one."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n)).get("__metadata__", {})
+        try:
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError(f"header length {n} beyond the end of the file")
+            return json.loads(f.read(n)).get("__metadata__", {})
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
+            raise StoreError(f"shard {path} has a corrupt safetensors header ({e}); {REBUILD}") from None
 
 
 def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Optional[dict]:
-    """The record of an already complete shard (for resume), None if it must be (re)written.
+    """The record of an already complete shard (for resume), None if it must be (re)written: also
+    when it is damaged (a corrupt header, the wrong size, no sidecar), which is logged.
 
     Raises StoreError if a complete shard exists but was written for another target, layer ids or
     dtype: the directory is named by the config hash, so that means files were copied in by hand."""
@@ -229,7 +244,11 @@ def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Op
     if not path.exists():
         return None
     _, offs = shard_header(plan, layout)
-    meta = read_shard_meta(path)
+    try:
+        meta = read_shard_meta(path)
+    except StoreError as e:
+        log.warning("extract: %s; writing it again", e)
+        return None
     expected = dict(layout.metadata(), split=plan.split, shard=str(plan.k), num_shards=str(plan.num),
                     first_sample=str(plan.first), num_samples=str(plan.num_samples), num_tokens=str(plan.num_tokens))
     diff = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
@@ -237,9 +256,31 @@ def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Op
         raise StoreError(f"{path} exists but was written for another extraction ({diff}, as (found, expected)). "
                          f"Remove {split_dir.parent} (or that file) and run extract again.")
     if path.stat().st_size != offs["__end__"] or not side.exists():
-        raise StoreError(f"{path} has the wrong size or lacks its sidecar {side.name}: it was not written by "
-                         f"eagle3's shard writer. Remove it and run extract again.")
+        log.warning("extract: %s has %d bytes (a complete one has %d)%s: damaged, writing it again", path,
+                    path.stat().st_size, offs["__end__"], "" if side.exists() else f" and no sidecar {side.name}")
+        return None
     return json.loads(side.read_text())
+
+
+def discard_damaged(store_dir: Path, names: list) -> list:
+    """Remove damaged files of a store (``names``: paths relative to ``store_dir``) so that extraction
+    writes them again: a shard goes with its sidecar (the record of its digest) and either with the
+    other, and store.json (the mark of a complete store) goes whenever anything does; a split's
+    index.json is written again by finalize_store. Returns the shard files removed."""
+    store_dir = Path(store_dir)
+    shards = set()
+    for name in names:
+        p = store_dir / name
+        if p.name.startswith("shard-") and p.suffix in (".safetensors", ".json"):
+            shards.add(p.with_suffix(".safetensors"))
+        elif p.name in (INDEX_JSON, STORE_JSON):
+            p.unlink(missing_ok=True)
+    for shard in sorted(shards):
+        shard.unlink(missing_ok=True)
+        sidecar_path(shard.parent, shard.name).unlink(missing_ok=True)
+    if names:
+        (store_dir / STORE_JSON).unlink(missing_ok=True)
+    return sorted(str(s.relative_to(store_dir)) for s in shards)
 
 
 # -- finalizing -------------------------------------------------------------------------------------
@@ -298,7 +339,7 @@ def checked_scales(scales, name: str, shard: Path, i: int):
     n = bad_scales(scales)
     if n:
         raise StoreError(f"fp8 shard {shard}: {n} of the {name} of sample {i} are not finite and positive; the "
-                         f"shard is corrupt, re-run extract")
+                         f"shard is corrupt; {REBUILD}")
     return scales
 
 
@@ -359,7 +400,7 @@ class HiddenStates(Sequence):
             raise StoreError(f"{meta_path} has format {fmt!r}; this eagle3 reads {list(FORMATS)}")
         if (fmt == FORMAT_FP8) != (self.meta.get("dtype") == "fp8"):
             raise StoreError(f"{meta_path} has format {fmt!r} but dtype {self.meta.get('dtype')!r}: it was not "
-                             f"written by eagle3; re-run extract")
+                             f"written by eagle3; {REBUILD}")
         if split not in self.meta["splits"]:
             raise StoreError(f"split {split!r} is not in {self.store_dir} (it has {sorted(self.meta['splits'])})")
         self.split = split
@@ -370,7 +411,7 @@ class HiddenStates(Sequence):
             p = self.store_dir / split / s["file"]
             if not p.exists() or p.stat().st_size != s["size"]:
                 raise StoreError(f"{p} is missing or changed size since the store was written "
-                                 f"(expected {s['size']} bytes); re-run extract")
+                                 f"(expected {s['size']} bytes); {REBUILD}")
         self._handles: OrderedDict = OrderedDict()
         self._offsets: dict = {}
         self._pid = os.getpid()
@@ -412,7 +453,11 @@ class HiddenStates(Sequence):
         h = self._handles.get(k)
         if h is None:
             path = self.store_dir / self.split / self.index["shards"][k]["file"]
-            h = safe_open(str(path), framework="pt")
+            try:
+                h = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors' SafetensorError names no file
+                raise StoreError(f"shard {path} cannot be read: {type(e).__name__}: {e} (a corrupt header?); "
+                                 f"{REBUILD}") from None
             self._check_shard(path, h)
             self._handles[k] = h
             if len(self._handles) > self._MAX_OPEN:
@@ -429,12 +474,12 @@ class HiddenStates(Sequence):
         if meta.get("format") != self.meta["format"] or meta.get("dtype") != self.dtype:
             raise StoreError(f"shard {path} has format {meta.get('format')!r}, dtype {meta.get('dtype')!r} but the "
                              f"store is {self.meta['format']!r}, {self.dtype!r}: it was not written by this "
-                             f"extraction; re-run extract")
+                             f"extraction; {REBUILD}")
         if self.is_fp8:
             missing = [n for n in ("aux_scales", "last_scales") if n not in h.keys()]
             if missing:
                 raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised; "
-                                 f"re-run extract")
+                                 f"{REBUILD}")
 
     def _shard_path(self, k: int) -> Path:
         return self.store_dir / self.split / self.index["shards"][k]["file"]

@@ -1,23 +1,35 @@
 """The target model: where it is, what it is (identity hash), and cheap facts about it.
 
-Nothing here loads weights. The identity hash covers config.json, the tokenizer files and the
-names and sizes of the weight files, so a different checkpoint or tokenizer changes it without
-reading terabytes of weights.
+Nothing here loads weights into a model. The identity hash covers config.json, the tokenizer files
+and the content of every weight file (its sha256 tree, eagle3.hashing.sha256_tree_file), so a
+different checkpoint, even one of the same shapes and file sizes (a fine-tune, the same weights
+with noise), is a different target, while a byte-identical copy elsewhere is the same one. The
+path is recorded beside the identity, not hashed into it.
+
+Reading terabytes on every run would be too slow, so weight digests are cached in
+``${workspace}/targets/.weight_digests.json`` by (path, size, mtime, ctime, inode): a file is read
+again only after it changed (any write, or setting its mtime back, changes its ctime, which no user
+can set). The first run reads every weight file once, on every core (:func:`weight_digests`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from .errors import Eagle3Error
-from .hashing import sha256_file
+from .hashing import sha256_file, sha256_tree_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+DIGEST_CACHE = ".weight_digests.json"  # under ${workspace}/targets/
+PROGRESS_BYTES = 1 << 30  # a progress bar when at least this much is to be hashed
+log = logging.getLogger("eagle3.target")
 
 
 class TargetError(Eagle3Error):
@@ -30,9 +42,13 @@ class TargetInfo:
     hash: str
     tokenizer_hash: str
     config: dict
+    files: dict = field(default_factory=dict)  # what the hash covers: {name: digest} (see identity_diff)
 
     def identity(self) -> dict:
-        return {"path": str(self.path), "hash": self.hash, "tokenizer_hash": self.tokenizer_hash}
+        """What a run records of its target: the path, the identity hash and the per-file digests it
+        covers (so a mismatch can name the file that differs)."""
+        return {"path": str(self.path), "hash": self.hash, "tokenizer_hash": self.tokenizer_hash,
+                "files": dict(self.files)}
 
     @property
     def text_config(self) -> dict:
@@ -75,8 +91,59 @@ def tokenizer_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def identify(path: str | Path) -> TargetInfo:
-    """Identity of an HF model directory, or a clear error if it is not one."""
+def _cache_key(p: Path) -> str:
+    st = p.stat()
+    return f"{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+
+
+def weight_digests(files: list, cache_dir: Optional[Path] = None, progress: bool = True) -> dict:
+    """{file: sha256 tree} of weight files, from the cache in ``cache_dir`` where a file has not
+    changed since it was hashed, else read (all leaves of all files on :func:`eagle3.hashing.hash_threads`
+    threads, with a progress bar past ``PROGRESS_BYTES``) and added to the cache. The cache is
+    written under a lock: processes starting together (ranks, sweep jobs) hash a file once."""
+    from contextlib import nullcontext
+
+    from filelock import FileLock
+
+    from .atomic import atomic_write_json
+
+    files = [Path(f) for f in files]
+    cache_file = cache_dir / DIGEST_CACHE if cache_dir is not None else None
+    if cache_file is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_file) + ".lock") if cache_file is not None else nullcontext():
+        try:
+            cache = json.loads(cache_file.read_text()) if cache_file is not None else {}
+        except (FileNotFoundError, ValueError):
+            cache = {}
+        keys = {f: _cache_key(f) for f in files}
+        out = {f: cache[str(f)]["sha256_tree"] for f in files
+               if cache.get(str(f), {}).get("key") == keys[f]}
+        todo = [f for f in files if f not in out]
+        if not todo:
+            return out
+        total = sum(f.stat().st_size for f in todo)
+        bar = None
+        if progress and total >= PROGRESS_BYTES:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                       desc=f"hashing {len(todo)} weight files of {todo[0].parent.name} (once; cached)")
+        try:
+            out.update(sha256_tree_files(todo, progress=bar.update if bar is not None else None))
+        finally:
+            if bar is not None:
+                bar.close()
+        if cache_file is not None:
+            for f in todo:
+                cache[str(f)] = {"key": keys[f], "sha256_tree": out[f]}
+            atomic_write_json(cache_file, cache)
+        return out
+
+
+def identify(path: str | Path, cache_dir: Optional[Path] = None, progress: bool = True) -> TargetInfo:
+    """Identity of an HF model directory, or a clear error if it is not one. ``cache_dir``: where
+    the weight files' digests are cached (:func:`weight_digests`); None reads them every time."""
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise TargetError(f"target.path={str(path)!r} does not exist. Set target.path to an HF model "
@@ -85,23 +152,45 @@ def identify(path: str | Path) -> TargetInfo:
         raise TargetError(f"target.path={str(path)!r} has no config.json: it is not an HF model directory.")
     config = json.loads((path / "config.json").read_text())
     h = hashlib.sha256()
-    h.update(sha256_file(path / "config.json").encode())
+    files = {"config.json": sha256_file(path / "config.json")}
+    h.update(files["config.json"].encode())
     tok = tokenizer_hash(path)
+    files["tokenizer"] = tok
     h.update(tok.encode())
-    for p in sorted(path.iterdir()):
-        if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
-            h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return TargetInfo(path=path, hash=h.hexdigest(), tokenizer_hash=tok, config=config)
+    weights = [p for p in sorted(path.iterdir()) if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")]
+    digests = weight_digests(weights, cache_dir, progress)
+    for p in weights:
+        files[p.name] = digests[p]
+        h.update(f"{p.name}:{p.stat().st_size}:{digests[p]}".encode())
+    return TargetInfo(path=path, hash=h.hexdigest(), tokenizer_hash=tok, config=config, files=files)
 
 
-def resolve(target_cfg, workspace: str | Path) -> TargetInfo:
-    """The HF directory to use for ``target``: as given, or converted once from a GGUF file."""
+def identity_diff(recorded: dict, current: dict) -> str:
+    """What differs between two recorded target identities (:meth:`TargetInfo.identity`): the
+    files whose digests differ, or are in one only; for a record made before per-file digests,
+    what it could cover."""
+    if recorded.get("hash") == current.get("hash"):
+        return "nothing (the same identity)"
+    a, b = recorded.get("files"), current.get("files") or {}
+    if not a:
+        return ("the recorded run names no per-file digests (recorded by an eagle3 whose identity covered weight "
+                "file names and sizes only, not their content)")
+    parts = [f"{n} ({str(a[n])[:12]} recorded, {str(b[n])[:12]} now)" for n in sorted(a) if n in b and a[n] != b[n]]
+    parts += [f"{n} only in the recorded target" for n in sorted(set(a) - set(b))]
+    parts += [f"{n} only in this target" for n in sorted(set(b) - set(a))]
+    return "; ".join(parts) or "no file (the identities were computed differently)"
+
+
+def resolve(target_cfg, workspace: str | Path, progress: bool = True) -> TargetInfo:
+    """The HF directory to use for ``target``: as given, or converted once from a GGUF file. Weight
+    digests are cached under ``${workspace}/targets/``."""
+    targets = Path(workspace).expanduser().resolve() / "targets"
     if target_cfg.path:
-        return identify(target_cfg.path)
+        return identify(target_cfg.path, targets, progress)
     from .gguf_convert import convert_gguf, default_gguf
 
     gguf = Path(target_cfg.gguf).expanduser() if target_cfg.gguf else default_gguf()
-    return identify(convert_gguf(gguf, Path(workspace) / "targets"))
+    return identify(convert_gguf(gguf, targets), targets, progress)
 
 
 def load_tokenizer(info: TargetInfo, chat_template: str = ""):

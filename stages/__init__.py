@@ -1,7 +1,7 @@
 """One module per stage, each with a single entry ``run(cfg, manifest)`` that reads as the same
 recipe (docs/architecture.md):
 
-    inputs = manifest.consume_upstream(STAGE, target.hash)   # the stage graph: eagle3.contracts.UPSTREAM
+    inputs = manifest.consume_upstream(STAGE, target.identity())  # the stage graph: eagle3.contracts.UPSTREAM
     job = manifest.start(STAGE, config=..., target=..., inputs=inputs)
     if (done := job.claim()) is not None:                    # complete with this config: nothing to do
         return done

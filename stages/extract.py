@@ -44,6 +44,19 @@ def _record_outputs(job, splits) -> None:
     job.add_output(out / STORE_JSON)
 
 
+def _discard_damaged(job) -> None:
+    """Remove what of a complete store is no longer as recorded (missing, truncated, corrupt): the
+    extraction below writes just those shards again and the run is recorded again."""
+    from eagle3.store import discard_damaged
+
+    prefix = job.rel_out + "/"
+    names = [d.rel[len(prefix):] for d in job.damaged if d.rel.startswith(prefix)]
+    shards = discard_damaged(job.out_dir, names)
+    print(f"extract: the complete store {job.out_dir} is damaged ({'; '.join(str(d) for d in job.damaged[:3])}"
+          f"{' ...' if len(job.damaged) > 3 else ''}): writing {len(shards)} shard(s) again: "
+          f"{', '.join(shards[:5])}{' ...' if len(shards) > 5 else ''}")
+
+
 def _print_size(out_dir, layout, splits) -> None:
     """Bytes per token, the store's size on disk, and what a data set of this size needs."""
     from eagle3.report import fmt_size
@@ -71,7 +84,7 @@ def run(cfg, manifest):
 
     ecfg = cfg.extract
     target = resolve(cfg.target, cfg.workspace)
-    inputs = manifest.consume_upstream("extract", target.hash)
+    inputs = manifest.consume_upstream("extract", target.identity())
     prep = inputs["prepare"]
     prep_tok = prep.facts.tokenizer_hash
     if prep_tok != target.tokenizer_hash:
@@ -86,9 +99,12 @@ def run(cfg, manifest):
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
               "store_dtype": store_dtype, "target_dtype": target_dtype}
     job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)
-    if (done := job.claim()) is not None:
-        print(f"extract: already complete ({job.config_hash[:12]}), nothing to do")
+    # a complete store counts only while every shard has its recorded sha256 tree (reads the store)
+    if (done := job.claim(digests=True, progress=cfg.progress)) is not None:
+        print(f"extract: already complete ({job.config_hash[:12]}, every shard's digest verified), nothing to do")
         return done
+    if job.damaged:
+        _discard_damaged(job)
     log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
              layer_ids, L, L, H, store_dtype, target_dtype)
 

@@ -41,7 +41,7 @@ def run(cfg, manifest):
         refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend")
     config = prepare_config(cfg)
     job = manifest.start("prepare", config=config, target=target.identity(),
-                         inputs=manifest.consume_upstream("prepare", target.hash))
+                         inputs=manifest.consume_upstream("prepare", target.identity()))
     if (done := job.claim()) is not None:
         print(f"prepare: already complete ({job.config_hash[:12]}), nothing to do")
         return done

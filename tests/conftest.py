@@ -74,6 +74,22 @@ def build_tiny_llama(out_dir: Path, num_layers: int = 4, hidden: int = 64, seed:
     return out_dir
 
 
+def build_config_only_target(out_dir: Path, hidden: int = 2048, num_layers: int = 1, dtype: str = "bfloat16",
+                             tokenizer_vocab: int = 384, **overrides) -> Path:
+    """A target of any shape without weights (config.json and a tokenizer): enough for what reads
+    the target's config only (the store layout, stage=plan without probes, prepare)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out_dir, vocab_size=tokenizer_vocab)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=len(tok), hidden_size=hidden,
+               intermediate_size=2 * hidden, num_hidden_layers=num_layers, num_attention_heads=hidden // 32,
+               num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, torch_dtype=dtype)
+    cfg.update(overrides)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))

@@ -330,27 +330,26 @@ def train_steps(cfg, lengths: list) -> int:
 
 def make_plan(cfg, manifest, probe: bool = True) -> dict:
     """Every figure of the table, with where it came from."""
-    from .extract.layers import default_layer_ids
-    from .store import StoreLayout
+    import dataclasses
+
+    from .extract.layout import derive_store_layout
     from .target import resolve
 
     target = resolve(cfg.target, cfg.workspace)
     data = count_data(cfg, target, manifest)
-    L, H = target.num_hidden_layers, target.hidden_size
-    layer_ids = tuple(sorted(cfg.extract.layer_ids)) if cfg.extract.layer_ids else tuple(default_layer_ids(L))
+    derived = derive_store_layout(cfg.extract, target, cfg.target.dtype)  # the store extract writes
+    L, H, layer_ids = derived.last_layer_id, derived.hidden_size, derived.layer_ids
     split_tokens = data.tokens  # extract.splits: train and eval by default
     store = {}
     for dt in STORE_DTYPES:
-        lay = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=dt)
+        lay = dataclasses.replace(derived.layout, dtype=dt)
         store[dt] = {"bytes_per_token": lay.bytes_per_token, "bytes": lay.bytes_per_token * split_tokens}
-    store_dtype = cfg.extract.store_dtype
-    if store_dtype == "auto":
-        store_dtype = "float32" if target.run_dtype(cfg.target.dtype) == "float32" else "bfloat16"
-    run_dtype = target.run_dtype(cfg.target.dtype)
+    store_dtype, run_dtype = derived.store_dtype, derived.target_dtype
     steps = train_steps(cfg, data.lengths)
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum
     plan = {"target": str(target.path), "layer_ids": list(layer_ids), "hidden_size": H, "num_layers": L,
             "data": asdict(data) | {"lengths": None}, "store": store, "store_dtype": store_dtype,
+            "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
     ks = sorted({cfg.export.num_speculative_tokens, *map(int, cfg.export.eval_ks)})
     engines = (2 + len(ks)) if cfg.export.verify else 0  # plain, each k, prompt lookup

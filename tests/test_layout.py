@@ -52,6 +52,33 @@ def _online_run(cfg, manifest):
                      manifest)
 
 
+@pytest.mark.parametrize("case, store_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("wide", "fp8")])
+def test_extract_online_and_plan_derive_one_layout(case, store_dtype, compose, tiny_llama_dir, tmp_path,
+                                                   monkeypatch):
+    """extract.store_dtype=auto: float32 from a float32 target, bfloat16 from a bfloat16 one of hidden
+    64, fp8 from a bfloat16 one of hidden 2048 (config only: nothing here loads weights)."""
+    from eagle3.plan import make_plan
+
+    if case == "wide":
+        target, extra = build_config_only_target(tmp_path / "wide", hidden=2048, num_layers=1), ()
+    else:
+        target, extra = tiny_llama_dir, (f"target.dtype={case}",)
+    cfg = _config(compose, target, tmp_path, *extra)
+    assert cfg.extract.store_dtype == "auto"
+    run(cfg)
+    manifest = Manifest(cfg.experiment_dir)
+    layout, target_dtype, max_model_len = _extract_derives(cfg, manifest, monkeypatch)
+    assert layout.dtype == store_dtype and target_dtype == ("float32" if case == "float32" else "bfloat16")
+    online = _online_run(cfg, manifest)
+    assert (online.layout, online.target_dtype, online.max_model_len) == (layout, target_dtype, max_model_len)
+    assert online.layer_ids == list(layout.layer_ids)
+    plan = make_plan(cfg, manifest, probe=False)
+    assert plan["store_layout"] == layout.to_json() and plan["target_dtype"] == target_dtype
+    assert plan["store_dtype"] == store_dtype and plan["layer_ids"] == list(layout.layer_ids)
+    # the plan's store size is that layout's on the counted tokens
+    assert plan["offline_online"]["offline"]["disk"] == layout.bytes_per_token * plan["data"]["tokens"]
+
+
 @pytest.mark.parametrize("bad", ["context", "split"])
 def test_online_refuses_what_extract_refuses(bad, compose, tmp_path, monkeypatch):
     """A sample longer than the target's context, a split extract.splits names that prepare did not

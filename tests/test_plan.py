@@ -67,3 +67,24 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     small = make_plan(compose("stage=plan", *common, "train.online.window_bytes=1000000",
                               "train.online.cache_bytes=500000"), m)
     assert small["offline_online"]["online"]["disk"] == 1_500_000 < store_bytes
+
+
+def _small_plan_config(compose, target, tmp_path, *extra):
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(24))
+    return compose("stage=plan", f"target.path={target}", f"data.path={data}", f"workspace={tmp_path / 'ws'}",
+                   "experiment=p", "logger=jsonl", "progress=false", "extract.backend=hf", "train.max_seq_len=64",
+                   "train.epochs=1", "train.ttt_steps=1", "cpu_threads=1", "export.verify=false", *extra)
+
+
+def test_plan_sizes_the_fp8_store_auto_gives_a_wide_target(compose, tmp_path):
+    """extract.store_dtype=auto on a bfloat16 target with hidden 2048: extraction writes fp8
+    (eagle3.extract.layers.FP8_MIN_HIDDEN), and the plan's disk figure is that store's."""
+    from conftest import build_config_only_target
+
+    from eagle3.plan import make_plan
+
+    target = build_config_only_target(tmp_path / "wide", hidden=2048, num_layers=1, dtype="bfloat16")
+    plan = make_plan(_small_plan_config(compose, target, tmp_path), Manifest(tmp_path / "ws" / "p"), probe=False)
+    assert plan["store_dtype"] == "fp8"
+    assert plan["offline_online"]["offline"]["disk"] == plan["store"]["fp8"]["bytes"] > 0
+    assert plan["store"]["fp8"]["bytes_per_token"] == 2 * (2048 + 4) + 5  # layer 0 + the last, + id and mask

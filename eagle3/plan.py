@@ -102,7 +102,7 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
     from .data.chat_template import generation_prompt_ids
     from .data.dataset import load_conversations, tokenize_all
     from .data.sources import ReadReport
-    from .data.vocab import build_vocab_mapping, coverage_curve
+    from .data.vocab import build_vocab_mapping, coverage_curve, draft_vocab_size_for
     from .target import load_tokenizer
 
     report, drops = ReadReport(), Counter()
@@ -150,7 +150,8 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
     full_lengths = [lengths[i % len(lengths)] for i in range(total - n_eval)] if lengths else []
     return DataCount(samples={"train": total - n_eval, "eval": n_eval}, tokens=int(sum(lengths) * scale),
                      trainable_tokens=int(trainable * scale), exact=False, how=how, lengths=full_lengths,
-                     coverage_curve=curve, draft_vocab_size=cfg.prepare.draft_vocab_size, tokenize_s=tokenize_s)
+                     coverage_curve=curve, tokenize_s=tokenize_s,
+                     draft_vocab_size=draft_vocab_size_for(cfg.prepare.draft_vocab_size, target.vocab_size))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,8 +367,8 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         else:
             dec = cached_probe(cache, {**key, "probe": "decode"}, lambda: probe_decode(target.path, run_dtype))
         tr = cached_probe(cache, {**key, "probe": "train", "train": _train_shape(cfg), "layers": list(layer_ids),
-                                  "draft_vocab": cfg.prepare.draft_vocab_size},
-                          lambda: probe_train(target, cfg.train, layer_ids, cfg.prepare.draft_vocab_size))
+                                  "draft_vocab": data.draft_vocab_size},  # as prepare builds it (counted or capped)
+                          lambda: probe_train(target, cfg.train, layer_ids, data.draft_vocab_size))
         plan["probes"] = {"prefill": pre, "decode": dec, "train": tr}
         prefill_tps = (dec["prefill_tokens_per_s"] if cfg.extract.backend.startswith("vllm") and "start_s" in dec
                        else pre["tokens_per_s"])

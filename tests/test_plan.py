@@ -76,6 +76,22 @@ def _small_plan_config(compose, target, tmp_path, *extra):
                    "train.epochs=1", "train.ttt_steps=1", "cpu_threads=1", "export.verify=false", *extra)
 
 
+def test_plan_on_a_target_smaller_than_the_draft_vocabulary(compose, tiny_llama_dir, tmp_path, capsys):
+    """prepare.draft_vocab_size (32000) above the target's vocabulary (384): prepare maps the whole
+    vocabulary, and the plan (its train probe) sizes the draft as prepare will."""
+    import json
+
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    cfg = _small_plan_config(compose, tiny_llama_dir, tmp_path)
+    assert cfg.prepare.draft_vocab_size > vocab
+    run(cfg)
+    assert "measured now" in capsys.readouterr().out
+    from eagle3.plan import make_plan
+
+    plan = make_plan(cfg, Manifest(tmp_path / "ws" / "p"))
+    assert plan["data"]["draft_vocab_size"] == vocab and plan["probes"]["train"]["cached"]
+
+
 def test_plan_sizes_the_fp8_store_auto_gives_a_wide_target(compose, tmp_path):
     """extract.store_dtype=auto on a bfloat16 target with hidden 2048: extraction writes fp8
     (eagle3.extract.layers.FP8_MIN_HIDDEN), and the plan's disk figure is that store's."""

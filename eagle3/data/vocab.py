@@ -25,6 +25,12 @@ class VocabMapping:
         return np.arange(len(self.d2t), dtype=np.int64) + self.d2t
 
 
+def draft_vocab_size_for(requested: int, target_vocab: int) -> int:
+    """The size of the draft vocabulary prepare builds for ``prepare.draft_vocab_size=requested``:
+    at most the target's whole vocabulary (then the mapping is the identity)."""
+    return min(int(requested), int(target_vocab))
+
+
 def build_vocab_mapping(freq: np.ndarray, draft_vocab_size: int) -> VocabMapping:
     """Top-``draft_vocab_size`` ids by frequency (ties to the lower id), sorted by id.
 
@@ -35,7 +41,7 @@ def build_vocab_mapping(freq: np.ndarray, draft_vocab_size: int) -> VocabMapping
     vocab = len(freq)
     total = int(freq.sum())
     seen = int((freq > 0).sum())
-    if draft_vocab_size >= vocab:
+    if draft_vocab_size_for(draft_vocab_size, vocab) == vocab:
         return VocabMapping(np.zeros(vocab, np.int64), np.ones(vocab, bool), 1.0 if total else 0.0, seen, True)
     # Stable sort on -freq keeps lower ids first among equal counts; unseen ids follow in id order.
     order = np.argsort(-freq, kind="stable")

@@ -8,19 +8,17 @@ been created: Hydra makes its run directory (``${workspace}/${name}/logs/``) bef
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from .config import register_configs
+from .config import CONF_DIR, register_configs
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 register_configs()
 
 
 def _presets() -> set[str]:
-    return {p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")}
+    return {p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")}
 
 
 def rewrite_overrides(overrides: list[str]) -> list[str]:
@@ -70,7 +68,7 @@ def _insert(args: list[str], extra: list[str]) -> list[str]:
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=overrides)
 
 
@@ -136,7 +134,7 @@ def preflight(args: list[str], keys_only: bool = False):
     return None if multirun else cfg
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(dcfg: DictConfig):
     from .runner import run_from_hydra
 

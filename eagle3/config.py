@@ -22,6 +22,12 @@ from omegaconf import MISSING
 
 from .contracts import STAGES
 
+_PACKAGE = Path(__file__).resolve().parent
+CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"
+"""The YAML choices Hydra composes: ``eagle3/conf/`` in an installed wheel (pyproject.toml maps the
+repository's top-level ``conf/`` onto the package ``eagle3.conf``), the repository's ``conf/`` next
+to the package in a checkout or an editable install."""
+
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:

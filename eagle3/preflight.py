@@ -23,9 +23,9 @@ import typing
 from functools import lru_cache
 from pathlib import Path
 
+from .config import CONF_DIR
 from .errors import Eagle3Error
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model")
 

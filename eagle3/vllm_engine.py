@@ -157,14 +157,23 @@ def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed:
     try:
         return vllm.LLM(**kwargs)
     except BaseException:
-        if cpu:
-            _restore_threads()
+        shutdown_llm(None)  # what the failed start left: vLLM's process groups, the threads
         raise
 
 
 def shutdown_llm(llm) -> None:
-    """Release an engine (and its memory) so the next stage or sweep job starts clean."""
+    """Release an engine (and its memory) so the next stage or sweep job starts clean; ``None``: an
+    engine whose start failed (build_llm), whose half-made state is released the same way.
+
+    An in-process engine (CPU) also leaves vLLM's process groups in its module globals: its own
+    shutdown destroys them, but an engine that failed to start (a KV cache that does not fit, a
+    draft vLLM refuses) never shuts down, and the next engine in the process then finds the groups
+    "already initialized" and skips making its own (an MoE target then gets no expert-parallel
+    group). They are destroyed here, as vLLM's own shutdown does, whenever vLLM made them in this
+    process; where it made none (GPU engines run in their own processes) nothing is touched.
+    """
     import gc
+    import sys
 
     try:
         engine = getattr(llm, "llm_engine", None)
@@ -174,6 +183,10 @@ def shutdown_llm(llm) -> None:
     except Exception:  # best effort: the engine may already be down
         pass
     del llm
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None and (getattr(state, "_WORLD", None) is not None or state.model_parallel_is_initialized()):
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()
     gc.collect()
     try:
         import torch

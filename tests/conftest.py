@@ -229,3 +229,19 @@ def perturb_store(store: Path, rel: float, seed: int = 0) -> None:
             x.copy_((v + d).to(dtype))
         mm.flush()
         del mm
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_process_groups_left(request):
+    """Every test leaves no in-process vLLM engine state behind (eagle3.vllm_engine.shutdown_llm), so
+    the suite passes in any order: a test after one that left vLLM's process groups would start its
+    engine on them (an MoE target then gets no expert-parallel group). Cleaned up, then reported."""
+    yield
+    import sys
+
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is None or (state._WORLD is None and not state.model_parallel_is_initialized()):
+        return
+    state.destroy_model_parallel()
+    state.destroy_distributed_environment()
+    pytest.fail(f"{request.node.nodeid} left vLLM's process groups initialized (an engine not shut down)")

@@ -148,7 +148,7 @@ def main() -> None:
 
     from eagle3.config import ExtractConfig
     from eagle3.extract import Samples, extract_store, make_extractor, resolve_layer_ids, resolve_store_dtype
-    from eagle3.extract.vllm_backend import engine_info
+    from eagle3.extract.vllm_backend import EXTENSION, engine_info, engine_kwargs
     from eagle3.store import StoreLayout
 
     cache = Path(a.cache)
@@ -237,15 +237,12 @@ def main() -> None:
     in_process = not gpu or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
         # the compiled baseline: the same engine settings, no capture of any kind
-        llm = build_llm(str(target_dir), max_model_len=max_model_len, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
-                        work="batch", max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                        enable_chunked_prefill=True, async_scheduling=False,
-                        gpu_memory_utilization=a.gpu_memory_utilization,
-                        worker_extension_cls="eagle3.extract.vllm_worker.HiddenStateCapture", **engine_extra)
+        llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION,
+                        **engine_kwargs(ecfg, layout, a.dtype, max_model_len), **engine_extra)
         try:
             engines["plain (compiled)"] = engine_info(llm)
             plain_once(llm)
-            runs["plain (compiled)"] = [plain_once(llm) for _ in range(a.reps + 1)][1:]
+            runs["plain (compiled)"] = [plain_once(llm) for _ in range(a.reps)]
             print(f"bench: plain (compiled) {n_tokens / statistics.median(r[0] for r in runs['plain (compiled)']):.0f} "
                   f"tok/s", file=sys.stderr)
         finally:

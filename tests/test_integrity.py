@@ -186,6 +186,15 @@ def test_flipped_bytes_in_a_shard_fail_train_and_extract_rebuilds_just_that_shar
     assert manifest.current("train").status == "complete"
 
 
+
+def _extract_rebuilds(tmp_path, target, capsys, bad, full):
+    """``stage=extract`` on the damaged store rewrites ``bad`` (it says so) to its original bytes."""
+    capsys.readouterr()
+    run(_cfg(tmp_path, target, "extract"))
+    assert f"train/{bad.name}" in capsys.readouterr().out
+    assert bad.read_bytes() == full
+
+
 def test_a_truncated_shard_has_one_way_out_extract_rebuilds_it(tmp_path, tiny_llama_dir, capsys):
     from eagle3.store import StoreError
 
@@ -196,10 +205,7 @@ def test_a_truncated_shard_has_one_way_out_extract_rebuilds_it(tmp_path, tiny_ll
     with pytest.raises((ManifestError, StoreError)) as e:
         run(_cfg(tmp_path, tiny_llama_dir, "train"))
     assert bad.name in str(e.value) and "stage=extract" in str(e.value) and "rebuilds" in str(e.value)
-    capsys.readouterr()
-    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
-    assert f"train/{bad.name}" in capsys.readouterr().out
-    assert bad.read_bytes() == full
+    _extract_rebuilds(tmp_path, tiny_llama_dir, capsys, bad, full)
 
 
 def test_a_corrupt_shard_header_names_the_file_and_extract_rebuilds_it(tmp_path, tiny_llama_dir, capsys):
@@ -216,10 +222,7 @@ def test_a_corrupt_shard_header_names_the_file_and_extract_rebuilds_it(tmp_path,
     with pytest.raises(StoreError) as e:
         run(_cfg(tmp_path, tiny_llama_dir, "train"))
     assert bad.name in str(e.value) and "`python -m eagle3 stage=extract`" in str(e.value) and "rebuilds" in str(e.value)
-    capsys.readouterr()
-    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
-    assert f"train/{bad.name}" in capsys.readouterr().out
-    assert bad.read_bytes() == full
+    _extract_rebuilds(tmp_path, tiny_llama_dir, capsys, bad, full)
 
 
 def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):

@@ -83,7 +83,7 @@ def test_the_setting_reaches_every_stage_through_the_runner(tmp_path, monkeypatc
     from eagle3.__main__ import compose_config
     from eagle3.runner import run
 
-    monkeypatch.delenv("EAGLE3_ALLOW_UNTESTED_VLLM", raising=False)
+    monkeypatch.setenv("EAGLE3_ALLOW_UNTESTED_VLLM", "")  # recorded, so the test's "1" is undone after it
     run(compose_config(["stage=status", f"workspace={tmp_path}", "allow_untested_vllm=true"]))
     assert os.environ.get("EAGLE3_ALLOW_UNTESTED_VLLM") == "1"
 

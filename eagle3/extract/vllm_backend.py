@@ -56,13 +56,14 @@ def refuse_before_load(target_path, target_dtype: str, ecfg, aux_setup: str, *, 
             "with extract.enforce_eager=false vLLM has already compiled the model and captured its CUDA graphs "
             "without them: the graphs would never return the aux states. Use extract.aux_setup=load_time (the GPU "
             "default: compiled, with CUDA graphs), or extract.enforce_eager=true (eager, slower).")
-    if not cpu and ecfg.enforce_eager and uses_mla(target_path):
+    mla = not cpu and uses_mla(target_path)
+    if mla and ecfg.enforce_eager:
         from ..vllm_compat import eager_mla_verdict, installed_version
 
         why = eager_mla_verdict(installed_version())
         if why:
             raise ExtractError(f"the target {target_path} uses multi-head latent attention, and {why}")
-    if not cpu and target_dtype == "float32" and uses_mla(target_path):
+    if mla and target_dtype == "float32":
         raise ExtractError(
             f"the target {target_path} uses multi-head latent attention (kv_lora_rank), and vLLM on GPU has no MLA "
             f"attention backend for float32 (\"No valid attention backend ... use_mla=True\"; FlashMLA, FlashAttention-"

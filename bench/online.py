@@ -12,6 +12,8 @@ eagle3.online's.
     python bench/online.py --layout split --producers 2 --trainers 6   # one 8-GPU host: two producers
                                                  # (GPUs 0-1), a torchrun trainer of six processes (2-7)
     bash bench/online_sweep.sh 8                 # every split of 8 GPUs, one table row each
+    python bench/online.py --layout split --same-gpu --producer vllm   # one GPU: a vLLM producer
+                                                 # process (stage=produce's code) and the trainer share it
     python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs
 
 colocated, in one run on one device: f = the target's forward rate alone (tokens/s, one sample
@@ -22,6 +24,14 @@ running the two back to back is 1 / (1/f + 1/t), and online / ideal is the figur
 split: t = the train loop's rate on the trainer GPU alone (in-memory states), online = its rate fed
 by the producer process through the exchange directory; online / t is the figure (goal >= 0.9),
 and the peak bytes of shards on disk (sampled every 2 ms) against the window.
+
+split --same-gpu: the producer process(es) and the trainer share GPU 0, as `stage=produce` beside
+`stage=train train.online.producer=external` on one GPU does; the producer's memory is set by
+--producer-memory (extract.gpu_memory_utilization) and --producer-kv-gb (extract.kv_cache_gb).
+f = the producer's own rate (its backend writing shards, the trainer not yet started), and the
+figure is online / ideal as in the colocated layout. --producer vllm: the vllm backend (capture at
+load time, compiled, CUDA graphs) on a config-only target of the bench shape (load_format=dummy:
+random weights, which a rate does not depend on); --producer hf: the transformers backend.
 
 Prints a markdown table last; writes the numbers to $OUT/bench_online.json when OUT is set.
 Needs no hydra (the config is a namespace with TrainConfig's fields, as bench/train.py does).
@@ -199,17 +209,67 @@ def colocated(a) -> dict:
             "ideal_tokens_per_s": ideal, "ratio": online["tokens_per_s"] / ideal}
 
 
-def identity(layout) -> dict:
-    return {**layout.to_json(), "target_dtype": "bfloat16", "backend": "hf"}
+def identity(layout, backend: str = "hf") -> dict:
+    return {**layout.to_json(), "target_dtype": "bfloat16", "backend": backend}
+
+
+def vllm_extractor(a, layout, work_dir: Path):
+    """The vllm backend (as stage=produce builds it) on a config-only target of the bench shape."""
+    from eagle3.config import ExtractConfig
+    from eagle3.extract import make_extractor
+
+    target = work_dir.parent / f"{work_dir.name}.target"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=a.vocab, hidden_size=a.hidden,
+        intermediate_size=a.intermediate, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads, head_dim=a.head_dim, max_position_embeddings=max(8192, 2 * a.seq),
+        rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu", tie_word_embeddings=False,
+        torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)))
+    ecfg = ExtractConfig(backend="vllm", samples_per_shard=1, kv_cache_gb=a.producer_kv_gb,
+                         gpu_memory_utilization=a.producer_memory)
+    return make_extractor("vllm", target, layout, "bfloat16", ecfg, -(-(a.seq + 1) // 16) * 16, work_dir,
+                          load_format="dummy", skip_tokenizer_init=True)
+
+
+def producer_rate(ext, smp, layout, scratch: Path, n: int) -> float:
+    """Tokens/s of the producer's backend writing ``n`` one-sample shards (as produce() writes them)
+    into ``scratch``, after one warm-up shard."""
+    from eagle3.extract.backend import Progress
+    from eagle3.online import _one_sample_plan
+
+    def plans(idx):
+        return [_one_sample_plan("train", i, len(smp), smp.input_ids[i], smp.loss_mask[i]) for i in idx]
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    ext.run(plans([0]), scratch, Progress(len(smp.input_ids[0]), "", False))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    idx = [1 + i % (len(smp) - 1) for i in range(n)]
+    t0 = time.perf_counter()
+    tokens = sum(len(smp.input_ids[i]) for i in idx)
+    ext.run(plans(idx), scratch, Progress(tokens, "", False))
+    rate = tokens / (time.perf_counter() - t0)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return rate
 
 
 def role_producer(a) -> None:
     from eagle3.online import produce
 
-    ext = extractor(a, torch.device(a.device))
-    layout = layout_of(a)
-    produce(a.dir, {"train": samples(a)}, layout, ext, identity(layout), poll_s=0.005, progress=False,
-            part=a.part, parts=a.producers)
+    layout, smp = layout_of(a), samples(a)
+    ext = vllm_extractor(a, layout, Path(a.dir)) if a.producer == "vllm" else extractor(a, torch.device(a.device))
+    try:
+        if a.same_gpu:  # the producer's own rate, before the trainer starts (the launcher waits for it)
+            f = producer_rate(ext, smp, layout, Path(a.dir).parent / f"{Path(a.dir).name}.scratch{a.part}",
+                              a.forward_reps)
+            info = getattr(ext, "engine_info", None) or {}
+            Path(f"{a.result}.producer{a.part}").write_text(json.dumps({"forward_tokens_per_s": f,
+                                                                        "engine": info}, default=str))
+        produce(a.dir, {"train": smp}, layout, ext, identity(layout, a.producer), poll_s=0.005, progress=False,
+                part=a.part, parts=a.producers)
+    finally:
+        ext.close()
 
 
 def role_trainer(a) -> None:
@@ -227,7 +287,7 @@ def role_trainer(a) -> None:
     shared = (lambda kind: Path(a.dir).parent / f"{Path(a.dir).name}.{kind}") if world > 1 else (lambda kind: None)
     t = run_train(a, MemoryStore(items, a.samples, layout), "train only", shared("train-only"))
     ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)
-    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout), rank=rank, world_size=world)
+    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout, a.producer), rank=rank, world_size=world)
     store = OnlineHiddenStates("train", smp, layout, src)
     online = run_train(a, store, "online (producer processes)", shared("online"))
     store.close(finished=True)
@@ -246,14 +306,26 @@ def split(a) -> dict:
         shutil.rmtree(old, ignore_errors=True)
     d.mkdir(parents=True)
     result = d.parent / f"{d.name}.result.json"
+    for stale in [result, *d.parent.glob(f"{result.name}.producer*")]:
+        stale.unlink(missing_ok=True)
     script = [__file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)]
     gpu = a.device != "cpu"
     procs = []
     for part in range(P):
-        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(part)} if gpu else {}))
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": "0" if a.same_gpu else str(part)} if gpu else {}))
         procs.append(subprocess.Popen([sys.executable, *script, "--role", "producer", "--part", str(part),
                                        "--device", "cuda:0" if gpu else "cpu"], env=env))
-    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(str(P + t) for t in range(T))} if gpu else {}))
+    producers = {}
+    if a.same_gpu:  # each producer measures its own rate and holds its memory before the trainer starts
+        for part in range(P):
+            path = Path(f"{result}.producer{part}")
+            while not path.exists():
+                if procs[part].poll() is not None:
+                    sys.exit(f"bench/online.py: producer {part} exited ({procs[part].returncode}) before it was ready")
+                time.sleep(0.2)
+            producers[part] = json.loads(path.read_text())
+    gpus = ",".join("0" if a.same_gpu else str(P + t) for t in range(T))
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpu else {}))
     launch = [sys.executable] if T == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                f"--nproc_per_node={T}"]
     procs.append(subprocess.Popen([*launch, *script, "--role", "trainer",
@@ -277,8 +349,15 @@ def split(a) -> dict:
         sys.exit(f"bench/online.py --layout split: a role failed (exit codes: trainer, then producers {P - 1}..0: "
                  f"{rcs})")
     r = json.loads(result.read_text())
-    return {"layout": "split", **r, "ratio": r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"],
-            "producers": P, "trainers": T, "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes * T}
+    out = {"layout": "split", **r, "ratio": r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"],
+           "producers": P, "trainers": T, "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes * T,
+           "producer": a.producer, "same_gpu": a.same_gpu}
+    if a.same_gpu:
+        f = sum(v["forward_tokens_per_s"] for v in producers.values())
+        out.update(forward_tokens_per_s=f, producer_engines={k: v["engine"] for k, v in producers.items()},
+                   ideal_tokens_per_s=1 / (1 / f + 1 / r["train_only"]["tokens_per_s"]))
+        out["ratio"] = r["online"]["tokens_per_s"] / out["ideal_tokens_per_s"]
+    return out
 
 
 def table(r: dict, a) -> str:
@@ -292,6 +371,16 @@ def table(r: dict, a) -> str:
                   f"| ideal back to back 1/(1/f+1/t) | {r['ideal_tokens_per_s']:.0f} |",
                   f"| online, colocated | {r['online']['tokens_per_s']:.0f} |",
                   f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |"]
+    elif r.get("same_gpu"):
+        P = r.get("producers", 1)
+        lines[0] = f"online training, {P} {r['producer']} producer process(es) and the trainer on one GPU ({shape})"
+        lines += [f"| producer alone, {r['producer']} backend writing shards (f) | {r['forward_tokens_per_s']:.0f} |",
+                  f"| train loop alone, producer idle beside it (t) | {r['train_only']['tokens_per_s']:.0f} |",
+                  f"| ideal back to back 1/(1/f+1/t) | {r['ideal_tokens_per_s']:.0f} |",
+                  f"| online, producer process beside the trainer | {r['online']['tokens_per_s']:.0f} |",
+                  f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |",
+                  f"| peak shard bytes on disk / window | {r['peak_disk_bytes'] / 2 ** 20:.1f} / "
+                  f"{r['window_bytes'] / 2 ** 20:.1f} MiB |"]
     else:
         P, T = r.get("producers", 1), r.get("trainers", 1)
         lines += [f"| train loop alone, {T} trainer GPU{'s' if T > 1 else ''} (t) | "
@@ -320,6 +409,11 @@ def main(argv=None):
     p.add_argument("--producers", type=int, default=1, help="split: producer processes, one GPU each (GPUs 0..P-1)")
     p.add_argument("--trainers", type=int, default=1,
                    help="split: training processes, one GPU each (the next T GPUs; a torchrun job when T > 1)")
+    p.add_argument("--producer", choices=("hf", "vllm"), default="hf", help="split: the producers' backend")
+    p.add_argument("--same-gpu", action="store_true", help="split: the producers and the trainer share GPU 0")
+    p.add_argument("--producer-memory", type=float, default=0.4,
+                   help="vllm producer: extract.gpu_memory_utilization (its share of the GPU's memory at start)")
+    p.add_argument("--producer-kv-gb", type=float, default=4.0, help="vllm producer: extract.kv_cache_gb")
     p.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--role", default="", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -333,14 +427,17 @@ def main(argv=None):
         return role_trainer(a)
     if not a.tiny and a.device == "cpu":
         sys.exit("bench/online.py times 8B-shaped work on a GPU; on a CPU run it with --tiny")
-    need = a.producers + a.trainers
+    need = 1 if a.same_gpu else a.producers + a.trainers
+    if a.same_gpu and (a.layout != "split" or a.trainers != 1):
+        sys.exit("--same-gpu is a --layout split of one trainer process")
     if a.layout == "split" and a.device != "cpu" and torch.cuda.device_count() < need:
         sys.exit(f"--layout split with {a.producers} producer(s) and {a.trainers} trainer(s) needs {need} GPUs "
                  f"(this machine shows {torch.cuda.device_count()})")
     r = colocated(a) if a.layout == "colocated" else split(a)
     r["args"] = vars(a)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"bench_online_{r['layout']}.json").write_text(json.dumps(r, indent=2))
+        name = f"{r['layout']}_same_gpu_{a.producer}" if a.same_gpu else r["layout"]
+        Path(os.environ["OUT"], f"bench_online_{name}.json").write_text(json.dumps(r, indent=2, default=str))
     print(table(r, a))
 
 

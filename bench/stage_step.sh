@@ -12,12 +12,14 @@ step() {
     if (( rc != 0 )); then exit "$rc"; fi
 }
 
-# `smollm2_large_gpu_setup`: what every experiment=smollm2_large script for a GPU machine without vLLM
-# starts with, from its GGUF, BUDGET (seconds), WS and OUT: $OUT made, $deadline set, and ${common[@]},
-# the overrides each of its stages runs with (regeneration and extraction through transformers).
+# `smollm2_large_gpu_setup`: what every experiment=smollm2_large script for a GPU machine starts with,
+# from its GGUF, BUDGET (seconds), WS, OUT and BACKEND: $OUT made, $deadline set, and ${common[@]}, the
+# overrides each of its stages runs with: regeneration and extraction through transformers
+# (BACKEND=hf, the default: a GPU machine without vLLM) or through GPU vLLM (BACKEND=vllm).
 smollm2_large_gpu_setup() {
     mkdir -p "$OUT"
     deadline=$(( $(date +%s) + BUDGET ))
-    common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" prepare.regen.backend=hf extract.backend=hf
-            logger=jsonl progress=false)
+    local backend=${BACKEND:-hf}
+    common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" "prepare.regen.backend=$backend"
+            "extract.backend=$backend" logger=jsonl progress=false)
 }

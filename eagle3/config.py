@@ -606,8 +606,13 @@ class ExportConfig:
     evaluator's for the trained draft before verification fails."""
     device: str = "auto"
     """Offline evaluator (HF target): auto | cpu | cuda."""
+    tie_margin: float = 0.0
+    """Lossless check: a greedy output of the served draft may part from plain decoding only where the
+    target's two best tokens lie within this many logits (batched verification rounds differently on
+    a GPU); 0 = by the served dtype: 0.05 for float32, 0.5 for bfloat16/float16."""
 
-    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts")
+    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts",
+                    "tie_margin")
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))
@@ -626,6 +631,8 @@ class ExportConfig:
             raise ValueError(f"export.eval_temperatures has duplicates: {list(self.eval_temperatures)}")
         if not 0 < self.verify_tolerance <= 1:
             raise ValueError(f"export.verify_tolerance must be in (0, 1], got {self.verify_tolerance}")
+        if self.tie_margin < 0:
+            raise ValueError(f"export.tie_margin must be >= 0 logits (0 = by the served dtype), got {self.tie_margin}")
 
 
 @dataclass

@@ -127,7 +127,7 @@ def _write_and_verify(cfg, manifest, job, target, ckpt, inputs, prep, dtype, mod
                 kv_cache_gb=ecfg.kv_cache_gb, gpu_memory_utilization=ecfg.gpu_memory_utilization,
                 tolerance=ecfg.verify_tolerance, device=ecfg.device,
                 progress=cfg.progress, categories=categories, temperatures=ecfg.eval_temperatures,
-                seed=ecfg.eval_seed))
+                seed=ecfg.eval_seed, tie_margin=ecfg.tie_margin))
         except Exception as e:  # vLLM's "KV cache does not fit" names its own flags: name ours
             if (named := translate(e, "export.kv_cache_gb", ecfg.kv_cache_gb)) is not None:
                 raise named from e

@@ -250,7 +250,7 @@ class ExtractConfig:
     fp8: float8 e4m3 values with one float32 scale per token and layer (eagle3.fp8), about half the
     bytes of bfloat16 ((n_aux + 1) x (H + 4) per token); quantised on the device before the copy to
     the host, for any target dtype; the train stage dequantises on its device inside the step.
-    Measured: drafts trained from fp8 and bf16 stores served within 1% (bench/fp8_store.md)."""
+    Measured: drafts trained from fp8 and bf16 stores served within 1% (bench/results/fp8_store_h200_202611.md)."""
     samples_per_shard: int = 256
     """Samples per store shard file (the unit of atomic writes, resume and scale-out)."""
     tensor_parallel_size: int = 1

@@ -47,7 +47,7 @@ def test_experiment_preset_sets_name(compose):
 
 
 def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(compose):
-    """The preset took EAGLE-3.1 (bench/draft31.md); the schema's default draft stays EAGLE-3."""
+    """The preset took EAGLE-3.1 (bench/results/draft31_h200_202611.md); the schema's default draft stays EAGLE-3."""
     m = compose("experiment=smollm2_large").train.model
     assert (m.norm_before_fc, m.fc_norm, m.norm_output) == (True, True, True)
     d = compose().train.model

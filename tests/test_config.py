@@ -59,8 +59,8 @@ def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(c
 
 
 def test_presets_train_with_muon_at_their_measured_step_the_schema_with_adamw(compose):
-    """The embedded default and smollm2_large took Muon at muon_lr 2e-3 (README, "EAGLE-3.1 drafts and
-    the optimizer"); the schema keeps AdamW, and an explicit muon_lr enters the train hash."""
+    """The embedded default and smollm2_large took Muon at muon_lr 2e-3 (docs/configuration.md,
+    "EAGLE-3.1 drafts and the optimizer"); the schema keeps AdamW, and an explicit muon_lr enters the train hash."""
     from eagle3.config import TrainConfig
     from eagle3.hashing import semantic_dict
     for preset in ((), ("experiment=smollm2_large",)):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 18, item 0 (GPU half) on experiment=smollm2_large: eagle3's arms (bench/draft31_gpu.sh) and
+# The peer comparison on experiment=smollm2_large: eagle3's arms (bench/draft31_gpu.sh) and
 # speculators' arms (bench/peer_speculators_gpu.sh) trained side by side on one GPU, each in its own
-# process, from one prepare run and one extract run. Session 9 on one H200: four arms (two eagle3,
-# two speculators) trained and evaluated 523 s after they started, where eagle3's arm alone had
-# taken 253 s to train and 80 s to evaluate (session 8; bench/draft31.md).
+# process, from one prepare run and one extract run. On one H200 four arms (two eagle3, two
+# speculators) trained and evaluated 523 s after they started, where eagle3's arm alone takes 253 s
+# to train and 80 s to evaluate (bench/results/draft31_h200_202611.md).
 #
 # prepare and extract run once in WS; then each arm gets a hard-linked copy of WS (cp -al: the store
 # is shared, not copied; the arms only read it, and the manifest is written to a new name and renamed,
@@ -18,11 +18,11 @@
 # Usage: bash bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"
 #   E3_ARMS: bench/draft31_gpu.sh arms (NAME:SEED[:OPTION=VALUE,...]), one process each;
 #   SPEC_ARMS: bench/peer_speculators_gpu.sh arms (NAME:SEED[:FLAG=VALUE,...]), one process each.
-#   Session 9's runs: "e31m2:0 e31m2:1 e31a:0:train.optimizer=adamw e31a:1:train.optimizer=adamw"
-#   and "spec:0 spec:1 speclr2e-3:0:lr=2e-3 speclr2e-3:1:lr=2e-3" (bench/draft31.md).
+#   The measured runs: "e31m2:0 e31m2:1 e31a:0:train.optimizer=adamw e31a:1:train.optimizer=adamw"
+#   and "spec:0 spec:1 speclr2e-3:0:lr=2e-3 speclr2e-3:1:lr=2e-3" (bench/results/draft31_h200_202611.md).
 # Environment: WS (default /tmp/e3d31), OUT (default $WS.arms: one folder per arm, results.jsonl),
 #   ARM_BUDGET (seconds each arm may run, default 1500), SPEC_TRAIN_OPTS (default "--loss eager":
-#   flex attention with the eager loss, the pair that runs under torch 2.11; bench/peer_speculators.md).
+#   flex attention with the eager loss, the pair that runs under torch 2.11; bench/results/peer_speculators_cpu_202611.md).
 set -uo pipefail
 GGUF=${1:?usage: bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"}
 BUDGET=${2:-1500}

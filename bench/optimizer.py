@@ -8,7 +8,7 @@ The step is bench/train.py's ``train_step`` (what the train loop runs), with the
 builds (eagle3.train.optim.build_optimizer): fused AdamW with the clip folded into it, or Muon on the
 2-D weights of the hidden path + fused AdamW on lm_head and the norms (clip_grad_norm_ then, as the
 loop does for anything but fused AdamW alone). Times: median over ``--steps`` after ``--warmup``.
-Findings: bench/train.md ("Muon on CPU").
+Findings: bench/results/train_h200_202611.md ("Muon on CPU").
 """
 from __future__ import annotations
 

@@ -588,7 +588,7 @@ def main():
                     help="where speculators trains (auto: cuda when this python sees one)")
     ap.add_argument("--spec-python", default=None,
                     help="python that runs speculators (default: /work/scratch/specvenv/bin/python on cpu, this "
-                         "python on cuda; bench/peer_speculators.md: how the venv was made)")
+                         "python on cuda; bench/results/peer_speculators_cpu_202611.md: how the venv was made)")
     ap.add_argument("--spec-path", default="",
                     help="PYTHONPATH of the trainer (e.g. /tmp/specsite:/tmp/site on the GPU machine)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of a CPU run")

@@ -18,7 +18,7 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
     python bench/train.py --variants flex_compiled --loop auto,auto+muon
         # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW
 
-Measurements and what made the difference: bench/train.md.
+Measurements and what made the difference: bench/results/train_h200_202611.md.
 
 Prints a table last; writes raw numbers to $OUT/bench_train.json when OUT is set. No hydra needed.
 """

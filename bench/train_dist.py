@@ -21,7 +21,7 @@ Two parts, each printed as a table:
     python3 bench/train_dist.py --parts check --modes fsdp
     python3 bench/train_dist.py --cpu --parts check --modes ddp --gpus 2   # gloo smoke test, no GPU
 
-Raw numbers go to $OUT/bench_train_dist.json when OUT is set. Measurements: bench/train.md.
+Raw numbers go to $OUT/bench_train_dist.json when OUT is set. Measurements: bench/results/train_h200_202611.md.
 """
 from __future__ import annotations
 

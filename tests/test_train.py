@@ -631,7 +631,7 @@ def test_accelerate_launch_trains_the_one_process_model(tmp_path):
     """`accelerate launch --multi_gpu` as users start the loop (here gloo processes, with
     ACCELERATE_USE_CPU): bench/train_dist.py's check trains one process with batch 2 and two with
     batch 1 each, deletes the second run's last checkpoint and draft and resumes it; all must agree. On GPUs
-    the same script checks FSDP2 (bench/train.md)."""
+    the same script checks FSDP2 (bench/results/train_h200_202611.md)."""
     out = tmp_path / "out"
     out.mkdir()
     r = subprocess.run([sys.executable, str(REPO / "bench" / "train_dist.py"), "--cpu", "--parts", "check",

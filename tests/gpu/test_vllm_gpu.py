@@ -1,6 +1,6 @@
 """The GPU check: eagle3's vLLM paths on a CUDA GPU with the real GPU vLLM, against transformers.
 
-Skipped without a CUDA device or without vLLM (CI has neither). ``bash bench/gpu_check.sh`` runs it
+Skipped without a CUDA device or without vLLM (CI has neither). ``python3 bench/gpu_check.py`` runs it
 on a GPU host (one pytest process per target family, side by side on one GPU) and prints the table
 of what each run used and measured; every test appends its figures to ``$GPU_CHECK_OUT/rows.jsonl``.
 

@@ -7,12 +7,20 @@ import os
 
 import pytest
 import torch
-from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from eagle3.config import TrainConfig
 from eagle3.train.muon import FastMuon, gram_newton_schulz, newton_schulz, normalised, ns_flops, orthogonalise, use_gram
 
 COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def torch_ns(G, coeffs, steps, eps):
+    """torch's private per-matrix NS (some versions take use_addmm too: their default, False)."""
+    import inspect
+
+    extra = (False,) if "use_addmm" in inspect.signature(_zeropower_via_newtonschulz).parameters else ()
+    return _zeropower_via_newtonschulz(G, coeffs, steps, eps, *extra)
 
 
 def ns_float64(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -61,14 +69,15 @@ def test_flop_counts_and_the_choice_of_form():
     assert ns_flops(4096, 14336, 5, True) / ns_flops(4096, 14336, 5, False) == pytest.approx(0.70)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the Gram form's on CUDA, on CPU
 @pytest.mark.parametrize("m,n", SHAPES)
-def test_orthogonalisation_equals_torchs_within_its_own_bf16_error(m, n):
+def test_orthogonalisation_equals_torchs_within_its_own_bf16_error(m, n, dtype):
     """The Gram form's result is as close to torch's as torch's bf16 result is to the float64
     iteration, and at least as close to float64 as torch's; the batched standard form is torch's."""
     gen = torch.Generator().manual_seed(m * 1000 + n)
     for name, G in spectra(m, n, gen):
         ref, t = ns_float64(G), torch_ns(G, COEFFS, 5, 1e-7)
-        (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="always")
+        (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="always", dtype=dtype)
         (s,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="never")
         assert g.shape == G.shape and g.dtype == torch.bfloat16
         e_torch = rel(t, ref, ref)
@@ -85,7 +94,8 @@ def test_naive_bf16_gram_drifts_and_the_chosen_form_does_not():
     X = normalised(G.bfloat16()[None], 1e-7)
     naive = gram_newton_schulz(X, COEFFS, 5, dtype=torch.bfloat16, restart=99)[0]
     assert rel(naive, ref, ref) > 1.0
-    assert rel(gram_newton_schulz(X, COEFFS, 5)[0], ref, ref) < 1.05 * rel(newton_schulz(X, COEFFS, 5)[0], ref, ref)
+    for dtype in (torch.float16, torch.float32):
+        assert rel(gram_newton_schulz(X, COEFFS, 5, dtype)[0], ref, ref) < 1.05 * rel(newton_schulz(X, COEFFS, 5)[0], ref, ref)
 
 
 def test_batching_groups_same_shapes_and_keeps_each_result():
@@ -130,7 +140,9 @@ def test_fifty_steps_equal_torch_muon(adjust_lr_fn, nesterov):
     ref, fast, same = _params(shapes, 0), _params(shapes, 0), _params(shapes, 0)
     exact = [torch.nn.Parameter(p.detach().double()) for p in _params(shapes, 0)]
     bufs = [torch.zeros_like(p) for p in exact]
-    o_ref, o_fast, o_same = torch.optim.Muon(ref, **kw), FastMuon(fast, **kw), FastMuon(same, gram="never", **kw)
+    # float16: the Gram form's dtype on CUDA (float32, CPU's, is the loop tests')
+    o_ref, o_fast = torch.optim.Muon(ref, **kw), FastMuon(fast, gram_dtype=torch.float16, **kw)
+    o_same = FastMuon(same, gram="never", **kw)
     gen = torch.Generator().manual_seed(1)
     for i in range(steps):
         for a, b, c, e in zip(ref, fast, same, exact):

@@ -16,7 +16,8 @@ the one of fewer FLOPs (:func:`ns_flops`):
   blows up (measured: bf16 Gram NS with no precaution is off by 1.4x-500x of the result on
   ill-conditioned inputs). As Dao et al.'s Gram Newton-Schulz (tridao.me/blog/2026/gram-newton-schulz)
   this restarts once, after iteration 2 (``X_2 = Q X_0``, ``R = X_2 X_2^T``, ``Q = I``), and runs in
-  float16 (bf16's range is not needed once X is normalised, fp16's 3 more mantissa bits are):
+  float16 on CUDA (bf16's range is not needed once X is normalised, fp16's 3 more mantissa bits
+  are; float32 on CPU, which has no fast fp16 GEMM):
   ``8 m^2 n + 28 m^3`` FLOPs for 5 iterations against ``20 m^2 n + 10 m^3``, fewer once n > 1.5 m
   (the 8B draft's 4096 x 14336 MLP matrices: 0.70 x; its 4096 x 12288 fc 0.74 x, q 0.88 x, k/v 0.54 x).
   Scalings keep fp16 away from its subnormals and its overflow: X is scaled by a power of two
@@ -104,18 +105,25 @@ def _full_fp16_accumulation(cuda: bool):
         flag.allow_fp16_reduced_precision_reduction = old
 
 
+def gram_dtype(device: torch.device) -> torch.dtype:
+    """float16 on CUDA (tensor cores at bf16's rate); float32 elsewhere (CPUs have no fast fp16 GEMM)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
 def gram_newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int,
-                       dtype: torch.dtype = torch.float16, restart: int = RESTART) -> Tensor:
+                       dtype: torch.dtype | None = None, restart: int = RESTART) -> Tensor:
     """The iterate of :func:`newton_schulz` (equal in exact arithmetic) on a (B, m, n) stack of
-    normalised matrices (m <= n), through m x m matrices; returns bf16 like it."""
+    normalised matrices (m <= n), through m x m matrices, in ``dtype`` (default :func:`gram_dtype`);
+    returns bf16 like it."""
     a, b, c = coeffs
+    dtype = dtype or gram_dtype(X.device)
     m, n = X.shape[-2:]
     # X_s = s X with s a power of two near sqrt(m n) / 64: its entries ~ 1/64 in RMS, max <= s
     s = 2.0 ** math.floor(math.log2(max(1.0, math.sqrt(m * n) / 64)))
     gamma = min(math.sqrt(m), 64.0)  # R_hat = gamma R: R's eigenvalues are <= ~1.44 (a NS iterate's s.v. <= 1.2)
     bh, ch = b / gamma, c / gamma ** 2  # P = a I + b R + c R^2 = a I + bh R_hat + ch R_hat^2
     with _full_fp16_accumulation(X.is_cuda):
-        Xs = (X.float() * s).to(dtype)
+        Xs = (X * s).to(dtype)  # a power of two: exact in bf16, before fp16 could flush small entries
         empty = Xs.new_empty(X.shape[0], m, m)
 
         def gram(Y):  # gamma (Y / s)(Y / s)^T, scaled in the GEMM's float32 epilogue
@@ -135,10 +143,11 @@ def gram_newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int
     return out.to(torch.bfloat16).mul_(1.0 / s)
 
 
-def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str = "auto") -> list[Tensor]:
+def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str = "auto",
+                  dtype: torch.dtype | None = None) -> list[Tensor]:
     """torch's ``_zeropower_via_newtonschulz`` of each matrix (bf16, in the matrix's own orientation),
     same-shape matrices batched; ``gram``: auto (the Gram form where it takes fewer FLOPs) | always
-    | never."""
+    | never; ``dtype``: the Gram form's (default :func:`gram_dtype`)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, g in enumerate(mats):
         groups[(tuple(g.shape), g.device)].append(i)
@@ -151,7 +160,7 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
         X = normalised(X, eps)
         m, n = X.shape[-2:]
         if gram == "always" or (gram == "auto" and use_gram(m, n, steps)):
-            X = gram_newton_schulz(X, coeffs, steps)
+            X = gram_newton_schulz(X, coeffs, steps, dtype)
         else:
             X = newton_schulz(X, coeffs, steps)
         if tall:
@@ -174,13 +183,14 @@ def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
 class FastMuon(torch.optim.Muon):
     """``torch.optim.Muon`` with :func:`orthogonalise` (the Gram form where it takes fewer FLOPs,
     same-shape matrices batched) and foreach momentum/update ops. The same arguments, groups,
-    state and state_dict; ``gram``: auto | always | never (never: torch's iteration, batched)."""
+    state and state_dict; ``gram``: auto | always | never (never: torch's iteration, batched);
+    ``gram_dtype``: the Gram form's (default float16 on CUDA, float32 elsewhere)."""
 
-    def __init__(self, params, *args, gram: str = "auto", **kwargs):
+    def __init__(self, params, *args, gram: str = "auto", gram_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(params, *args, **kwargs)
         if gram not in ("auto", "always", "never"):
             raise ValueError(f"gram must be auto, always or never, got {gram!r}")
-        self.gram = gram
+        self.gram, self.gram_dtype = gram, gram_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,7 +202,17 @@ class FastMuon(torch.optim.Muon):
             params: list[Tensor] = []
             grads: list[Tensor] = []
             bufs: list[Tensor] = []
-            self._init_group(group, params, grads, bufs)
+            for p in group["params"]:  # torch's Muon._init_group (kept here: its signature is private)
+                if p.grad is None:
+                    continue
+                if torch.is_complex(p) or p.grad.is_sparse:
+                    raise RuntimeError("Muon does not support complex parameters or sparse gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                bufs.append(state["momentum_buffer"])
             if not params:
                 continue
             lr = group["lr"]
@@ -200,7 +220,8 @@ class FastMuon(torch.optim.Muon):
             momentum, wd = group["momentum"], group["weight_decay"]
             torch._foreach_lerp_(bufs, grads, 1 - momentum)  # buf.lerp_(grad, 1 - momentum)
             updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            ortho = orthogonalise(updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.gram)
+            ortho = orthogonalise(updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.gram,
+                                  self.gram_dtype)
             del updates
             torch._foreach_mul_(params, 1 - lr * wd)  # param.mul_(1 - lr * weight_decay)
             by_lr: dict[float, list[int]] = defaultdict(list)  # param.add_(update, alpha=-adjusted_lr)

@@ -148,25 +148,20 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
     """torch's ``_zeropower_via_newtonschulz`` of each matrix (bf16, in the matrix's own orientation),
     same-shape matrices batched; ``gram``: auto (the Gram form where it takes fewer FLOPs) | always
     | never; ``dtype``: the Gram form's (default :func:`gram_dtype`)."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
+    groups: dict[tuple, list[int]] = defaultdict(list)  # by (m, n) after the transpose: gate/up with down
     for i, g in enumerate(mats):
-        groups[(tuple(g.shape), g.device)].append(i)
+        groups[(min(g.shape), max(g.shape), g.device)].append(i)
     out: list = [None] * len(mats)
-    for (shape, _), idx in groups.items():
-        tall = shape[0] > shape[1]
-        X = torch.stack([mats[i].bfloat16() for i in idx])
-        if tall:
-            X = X.mT
+    for (m, n, _), idx in groups.items():
+        tall = [mats[i].shape[0] > mats[i].shape[1] for i in idx]
+        X = torch.stack([(mats[i].mT if t else mats[i]).bfloat16() for i, t in zip(idx, tall)])
         X = normalised(X, eps)
-        m, n = X.shape[-2:]
         if gram == "always" or (gram == "auto" and use_gram(m, n, steps)):
             X = gram_newton_schulz(X, coeffs, steps, dtype)
         else:
             X = newton_schulz(X, coeffs, steps)
-        if tall:
-            X = X.mT
-        for j, i in enumerate(idx):
-            out[i] = X[j]
+        for j, (i, t) in enumerate(zip(idx, tall)):
+            out[i] = X[j].mT if t else X[j]
     return out
 
 

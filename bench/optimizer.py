@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised, ns_flops, use_gram  # noqa: E402
 from eagle3.train.optim import build_optimizer, split_for_muon  # noqa: E402
@@ -40,6 +39,17 @@ SHAPES = {  # name: (hidden, heads, kv heads, head dim, intermediate, draft voca
     "8b": (4096, 32, 8, 128, 14336, 32000),
     "small": (256, 4, 2, 64, 896, 1024),  # the 8B draft's aspect ratios (MLP 3.5, fc 3, q 2, k/v 8)
 }
+
+
+def TrainConfig(**overrides):
+    """eagle3.config.TrainConfig's optimizer fields and defaults (that module needs hydra, which the
+    GPU box lacks), as the train loop reads them; ``overrides`` replace any field."""
+    from types import SimpleNamespace
+
+    fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
+                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast")
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
 
 
 def torch_ns(G):

@@ -5,8 +5,9 @@ into the fused AdamW kernel.
 Muon orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes only 2-D parameters.
 ``train.muon_impl``: fast (:class:`eagle3.train.muon.FastMuon`: torch's update, a Gram-form
 Newton-Schulz on wide matrices, same-shape matrices batched) or torch (``torch.optim.Muon``); both
-keep the same state, so a checkpoint of one resumes with the other. :func:`split_for_muon` gives it the 2-D weights of the hidden path and leaves
-lm_head (an output head, as speculators and Keller Jordan's Muon leave it) and the norms to AdamW.
+keep the same state, so a checkpoint of one resumes with the other. :func:`split_for_muon` gives
+it the 2-D weights of the hidden path and leaves lm_head (an output head, as speculators and Keller
+Jordan's Muon leave it) and the norms to AdamW.
 :class:`MuonWithAdamW` is the two as one ``torch.optim.Optimizer`` (the same group dicts, one state),
 so the loop, Accelerate's prepare/save_state/load_state and the LR schedule see one optimizer.
 Muon's update is per parameter, on the whole matrix: with DDP every rank holds the whole all-reduced

@@ -1,73 +1,288 @@
-"""CPU cost of ``train.optimizer=muon`` against AdamW: one train step (target head, TTT forward and
-backward, clipping, the optimizer step) and the optimizer step alone, float32, at a tiny shape.
+"""One optimizer step of the draft: fused AdamW, torch's Muon + AdamW, and FastMuon + AdamW
+(``train.optimizer=muon``, ``train.muon_impl=torch|fast``, eagle3/train/optim.py and
+eagle3/train/muon.py), and the Newton-Schulz orthogonalisation alone per matrix shape.
 
-    python bench/optimizer.py                            # H 256, MLP 768, vocab 4096->1024, TTT 3, 1x256
-    python bench/optimizer.py --hidden 512 --intermediate 1536 --seq 512
+    python bench/optimizer.py                 # CUDA: the 8B-shaped draft (H 4096, 32/8 heads, MLP 14336,
+                                              # fc 3 x 4096 -> 4096, draft vocab 32000), bf16 and fp32 params
+    python bench/optimizer.py --small         # a small shape (runs on CPU; what the CPU tests run)
+    python bench/optimizer.py --train-step    # CPU: a whole train step, AdamW vs Muon (bench/results/train_h200_202611.md)
 
-The step is bench/train.py's ``train_step`` (what the train loop runs), with the optimizer the loop
-builds (eagle3.train.optim.build_optimizer): fused AdamW with the clip folded into it, or Muon on the
-2-D weights of the hidden path + fused AdamW on lm_head and the norms (clip_grad_norm_ then, as the
-loop does for anything but fused AdamW alone). Times: median over ``--steps`` after ``--warmup``.
-Findings: bench/results/train_h200_202611.md ("Muon on CPU").
+The parameter set is the real Eagle3Draft's at that shape, with random gradients; split as the
+loop splits it (Muon on fc, q/k/v/o, gate/up/down; AdamW on lm_head and the norms). Times: CUDA
+events (perf_counter on CPU) around ``opt.step()``, median of ``--steps`` after ``--warmup``.
+FLOPs: the Newton-Schulz matmuls (eagle3.train.muon.ns_flops), standard form for torch's Muon,
+the chosen form per shape for FastMuon. Also checks, per shape, the distance of FastMuon's and
+torch's orthogonalisation from a float64 iteration on ill-conditioned inputs (``error`` columns).
+Prints a table last; writes $OUT/bench_optimizer.json when OUT is set. No hydra needed.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.train import add_shape_args, describe_shape, make_batch, make_config, make_head, train_step  # noqa: E402
-from eagle3.config import TrainConfig  # noqa: E402
-from eagle3.model.draft import Eagle3Draft  # noqa: E402
-from eagle3.train.optim import build_optimizer  # noqa: E402
-from eagle3.train.ttt import TTTModel  # noqa: E402
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
+from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised, ns_flops, use_gram  # noqa: E402
+from eagle3.train.optim import build_optimizer, split_for_muon  # noqa: E402
+
+COEFFS = (3.4445, -4.7750, 2.0315)
+SHAPES = {  # name: (hidden, heads, kv heads, head dim, intermediate, draft vocab)
+    "8b": (4096, 32, 8, 128, 14336, 32000),
+    "small": (256, 4, 2, 64, 896, 1024),  # the 8B draft's aspect ratios (MLP 3.5, fc 3, q 2, k/v 8)
+}
 
 
-def run(a, optimizer: str) -> dict:
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    cfg = make_config(a)
-    cpu = torch.device("cpu")
-    model = TTTModel(Eagle3Draft(cfg), num_steps=a.ttt, attention="sdpa")
-    head, _ = make_head(cfg, cpu, torch.float32, gen)
-    opt = build_optimizer(model, TrainConfig(optimizer=optimizer), cpu)
-    batches = [make_batch(cfg, a.batch, a.seq, cpu, torch.float32, gen) for _ in range(2)]
-    step_s, opt_s = [], []
-    for i in range(a.warmup + a.steps):  # the loop's step: clip folded into fused AdamW, else clip_grad_norm_
-        t0 = time.perf_counter()
-        train_step(model, head, batches[i % 2], opt, torch.float32, False, 0.5)
-        if i >= a.warmup:
-            step_s.append(time.perf_counter() - t0)
-    train_step(model, head, batches[0], None, torch.float32, False, 0.5)  # gradients, kept for the steps below
-    for i in range(a.warmup + a.steps):  # the optimizer step alone
-        t0 = time.perf_counter()
-        opt.step()
-        if i >= a.warmup:
-            opt_s.append(time.perf_counter() - t0)
-    return {"optimizer": optimizer, "step_ms": 1e3 * statistics.median(step_s),
-            "opt_ms": 1e3 * statistics.median(opt_s)}
+def TrainConfig(**overrides):
+    """eagle3.config.TrainConfig's optimizer fields and defaults (that module needs hydra, which the
+    GPU box lacks), as the train loop reads them; ``overrides`` replace any field."""
+    from types import SimpleNamespace
+
+    fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
+                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast")
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def torch_ns(G):
+    """torch's own per-matrix orthogonalisation (torch.optim._muon), or the same iteration if private
+    names moved."""
+    try:
+        import inspect
+
+        from torch.optim._muon import _zeropower_via_newtonschulz as ns
+        extra = (False,) if "use_addmm" in inspect.signature(ns).parameters else ()  # some versions: torch's default
+        return ns(G, COEFFS, 5, 1e-7, *extra)
+    except (ImportError, TypeError, ValueError):  # pragma: no cover
+        X = G.bfloat16()
+        X = X.T if G.shape[0] > G.shape[1] else X
+        X = newton_schulz(normalised(X[None], 1e-7), COEFFS, 5)[0]
+        return X.T if G.shape[0] > G.shape[1] else X
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, warmup: int, steps: int) -> float:
+        """Median ms of fn()."""
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(steps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+
+def make_draft(shape: str, device, dtype) -> Eagle3Draft:
+    H, nh, kv, hd, inter, dv = SHAPES[shape]
+    cfg = Eagle3DraftConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=nh, num_key_value_heads=kv,
+                            head_dim=hd, intermediate_size=inter, rms_norm_eps=1e-5, vocab_size=4 * dv,
+                            draft_vocab_size=dv, aux_layer_ids=[1, 2, 3], rope_theta=500000.0)
+    with torch.device(device):
+        model = Eagle3Draft(cfg)
+    model.to(dtype)
+    if device.type == "meta":
+        return model
+    gen = torch.Generator(device=device).manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = (torch.randn(p.shape, generator=gen, device=device) * 1e-3).to(dtype)
+    return model
+
+
+def muon_flops(model, impl: str) -> int:
+    muon, _ = split_for_muon(model.named_parameters())
+    return sum(ns_flops(*p.shape, 5, impl == "fast" and use_gram(*p.shape, 5)) for _, p in muon)
+
+
+def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
+    rows = []
+    for name, kw in (("adamw (fused)", dict(optimizer="adamw")),
+                     ("torch Muon + AdamW", dict(optimizer="muon", muon_impl="torch")),
+                     ("FastMuon + AdamW", dict(optimizer="muon", muon_impl="fast"))):
+        model = make_draft(shape, device, dtype)
+        opt = build_optimizer(model, TrainConfig(**kw), device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ms = timer(opt.step, a.warmup, a.steps)
+        flops = muon_flops(model, kw.get("muon_impl", "")) if kw["optimizer"] == "muon" else 0
+        rows.append({"what": "step", "variant": name, "params": str(dtype).removeprefix("torch."), "ms": ms,
+                     "ns_tflop": flops / 1e12, "tflops": flops / ms / 1e9 if flops else None,
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None})
+        print(json.dumps(rows[-1]), flush=True)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ill_conditioned(m, n, device, gen):
+    """A gradient-like m x n matrix: columns of a random product scaled by 1/i (power-law spectrum)."""
+    k = min(m, n)
+    A = torch.randn(m, k, generator=gen, device=device) * torch.arange(1, k + 1, device=device).float() ** -1.0
+    return A @ torch.randn(k, n, generator=gen, device=device) / n ** 0.5
+
+
+def ns_float64(G):
+    X = G.bfloat16().double()
+    X = X.T if G.shape[0] > G.shape[1] else X
+    X = X / X.norm()
+    a, b, c = COEFFS
+    for _ in range(5):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+def bench_ns(a, shape, device, timer) -> list[dict]:
+    """Per shape group of the draft's Muon matrices (m x n after the transpose, and how many):
+    torch's per-matrix NS, the batched standard form and the batched Gram form."""
+    model = make_draft(shape, torch.device("meta"), torch.bfloat16)  # shapes only
+    groups = defaultdict(list)
+    for n_, p in split_for_muon(model.named_parameters())[0]:
+        groups[(min(p.shape), max(p.shape))].append(n_.split(".")[-2])
+    gen = torch.Generator(device=device).manual_seed(1)
+    rows = []
+    for (m, n), names in groups.items():
+        B = len(names)
+        Gs = [torch.randn(m, n, generator=gen, device=device) for _ in range(B)]
+        X = normalised(torch.stack([g.bfloat16() for g in Gs]), 1e-7)
+        t_torch = timer(lambda: [torch_ns(g) for g in Gs], a.warmup, a.steps)
+        t_std = timer(lambda: newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
+        t_gram = timer(lambda: gram_newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
+        # error against the float64 iteration on an ill-conditioned input (one matrix of the group)
+        G = ill_conditioned(m, n, device, gen)
+        ref = ns_float64(G)
+        xg = normalised(G.bfloat16()[None], 1e-7)
+
+        def err(Y):
+            return ((Y.double() - ref).norm() / ref.norm()).item()
+
+        e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5)[0])
+        f_std, f_gram = B * ns_flops(m, n, 5, False), B * ns_flops(m, n, 5, True)
+        rows.append({"what": "ns", "shape": f"{B} x {m}x{n}", "matrices": ",".join(names),
+                     "torch_ms": t_torch, "std_batched_ms": t_std, "gram_ms": t_gram,
+                     "std_tflop": f_std / 1e12, "gram_tflop": f_gram / 1e12,
+                     "std_tflops": f_std / t_std / 1e9, "gram_tflops": f_gram / t_gram / 1e9,
+                     "fast_uses": "gram" if use_gram(m, n, 5) else "standard",
+                     "err_torch_vs_f64": e_torch, "err_gram_vs_f64": e_gram,
+                     "gram_vs_torch": ((gram_newton_schulz(xg, COEFFS, 5)[0].double() - torch_ns(G).double()).norm()
+                                       / ref.norm()).item()})
+        print(json.dumps(rows[-1]), flush=True)
+        del Gs, X, G, ref
+    return rows
+
+
+def train_step_cpu(argv) -> None:
+    """The former CPU comparison: a whole train step (bench/train.py's train_step) + the step alone."""
+    from bench.train import add_shape_args, describe_shape, make_batch, make_config, make_head, train_step
+    from eagle3.train.ttt import TTTModel
+
+    p = argparse.ArgumentParser()
     add_shape_args(p)
     p.set_defaults(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=4096, draft_vocab=1024,
                    ttt=3, seq=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--train-step", action="store_true")
     a = p.parse_args(argv)
-    rows = [run(a, o) for o in ("adamw", "muon")]
+    cpu = torch.device("cpu")
+    rows = []
+    for optimizer, impl in (("adamw", "fast"), ("muon", "torch"), ("muon", "fast")):
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(0)
+        cfg = make_config(a)
+        model = TTTModel(Eagle3Draft(cfg), num_steps=a.ttt, attention="sdpa")
+        head, _ = make_head(cfg, cpu, torch.float32, gen)
+        opt = build_optimizer(model, TrainConfig(optimizer=optimizer, muon_impl=impl), cpu)
+        batches = [make_batch(cfg, a.batch, a.seq, cpu, torch.float32, gen) for _ in range(2)]
+        step_s = []
+        for i in range(a.warmup + a.steps):
+            t0 = time.perf_counter()
+            train_step(model, head, batches[i % 2], opt, torch.float32, False, 0.5)
+            if i >= a.warmup:
+                step_s.append(time.perf_counter() - t0)
+        train_step(model, head, batches[0], None, torch.float32, False, 0.5)
+        opt_ms = Timer(cpu)(opt.step, a.warmup, a.steps)
+        rows.append((optimizer if optimizer == "adamw" else f"muon/{impl}", 1e3 * statistics.median(step_s), opt_ms))
     print(f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}: {describe_shape(a)} tokens, float32")
-    print(f"{'optimizer':<10}{'step ms':>10}{'optimizer ms':>14}{'step vs adamw':>15}")
-    for r in rows:
-        print(f"{r['optimizer']:<10}{r['step_ms']:>10.1f}{r['opt_ms']:>14.2f}"
-              f"{r['step_ms'] / rows[0]['step_ms'] - 1:>+15.1%}")
+    print(f"{'optimizer':<12}{'step ms':>10}{'optimizer ms':>14}{'step vs adamw':>15}")
+    for name, s, o in rows:
+        print(f"{name:<12}{s:>10.1f}{o:>14.2f}{s / rows[0][1] - 1:>+15.1%}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--train-step" in argv:
+        return train_step_cpu(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="the small shape (CPU-sized) instead of the 8B draft's")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtypes", default=None, help="parameter dtypes, comma-separated (default: bfloat16,float32 "
+                                                 "on CUDA -- bf16 params and the loop's fp32 master weights -- "
+                                                 "float32 on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed repeats (default 10 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--train-step", action="store_true", help="a whole CPU train step instead (see above)")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    shape = "small" if a.small else "8b"
+    if shape == "8b" and device.type != "cuda":
+        sys.exit("the 8B-shaped step needs CUDA: run with --small on CPU")
+    a.steps = a.steps or (10 if device.type == "cuda" else 5)
+    dtypes = [getattr(torch, d) for d in (a.dtypes or ("bfloat16,float32" if device.type == "cuda" else "float32")).split(",")]
+    timer = Timer(device)
+    t0 = time.perf_counter()
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+           "torch": torch.__version__, "shape": shape, "dims": SHAPES[shape], "args": vars(a)}
+    if device.type == "cuda":
+        out["tf32"] = torch.backends.cuda.matmul.allow_tf32
+    out["steps"] = [r for d in dtypes for r in bench_steps(a, shape, device, d, timer)]
+    out["ns"] = bench_ns(a, shape, device, timer)
+    out["wall_s"] = time.perf_counter() - t0
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "bench_optimizer.json").write_text(json.dumps(out, indent=1))
+
+    print(f"\n{out['device']}, torch {torch.__version__}, draft shape {shape} {SHAPES[shape]}; "
+          f"median of {a.steps} after {a.warmup} warm-up; {out['wall_s']:.0f} s")
+    print("Newton-Schulz alone, per shape group (m x n after the transpose):")
+    print(f"{'group':<18}{'matrices':<28}{'torch ms':>9}{'std bmm ms':>11}{'gram ms':>9}{'std TFLOP':>10}"
+          f"{'gram TFLOP':>11}{'std TF/s':>9}{'gram TF/s':>10}{'fast':>9}{'err torch':>10}{'err gram':>9}{'gram-torch':>11}")
+    for r in out["ns"]:
+        print(f"{r['shape']:<18}{r['matrices']:<28}{r['torch_ms']:>9.2f}{r['std_batched_ms']:>11.2f}{r['gram_ms']:>9.2f}"
+              f"{r['std_tflop']:>10.3f}{r['gram_tflop']:>11.3f}{r['std_tflops']:>9.0f}{r['gram_tflops']:>10.0f}"
+              f"{r['fast_uses']:>9}{r['err_torch_vs_f64']:>10.2e}{r['err_gram_vs_f64']:>9.2e}{r['gram_vs_torch']:>11.2e}")
+    tot = {k: sum(r[k] for r in out["ns"]) for k in ("torch_ms", "std_batched_ms", "std_tflop", "gram_tflop")}
+    fast_ms = sum(r["gram_ms"] if r["fast_uses"] == "gram" else r["std_batched_ms"] for r in out["ns"])
+    print(f"{'all':<46}{tot['torch_ms']:>9.2f}{tot['std_batched_ms']:>11.2f}{'':>9}{tot['std_tflop']:>10.3f}"
+          f"  FastMuon's choice: {fast_ms:.2f} ms")
+    print("\nOne optimizer step (all the draft's parameters, random gradients):")
+    print(f"{'variant':<22}{'params':<10}{'ms':>9}{'NS TFLOP':>10}{'NS TF/s':>9}{'peak GiB':>10}")
+    for r in out["steps"]:
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
+        pk = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        print(f"{r['variant']:<22}{r['params']:<10}{r['ms']:>9.2f}{r['ns_tflop']:>10.3f}{tf:>9}{pk:>10}")
 
 
 if __name__ == "__main__":

@@ -505,6 +505,10 @@ class TrainConfig:
     muon_adjust_lr_fn: str = "match_rms_adamw"
     """match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), an update RMS like AdamW's (speculators'
     choice) | original: lr x sqrt(max(1, rows / cols)) (torch's default)."""
+    muon_impl: str = "fast"
+    """fast: eagle3.train.muon.FastMuon, torch's Muon update in fewer FLOPs (a Gram-form
+    Newton-Schulz on wide matrices, same-shape matrices batched; equal to torch's within its bf16
+    rounding, tests/test_optim_muon.py) | torch: ``torch.optim.Muon`` itself. Speed only: not hashed."""
 
     hidden_states: str = "store"
     """Where the target's hidden states come from: store (the extract stage's complete store) |
@@ -516,7 +520,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online")
+                    "hidden_states", "online", "muon_impl")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 
@@ -550,6 +554,7 @@ class TrainConfig:
         _check_positive("train.muon_weight_decay", self.muon_weight_decay, allow_zero=True)
         _check_positive("train.muon_ns_steps", self.muon_ns_steps)
         _check_choice("train.muon_adjust_lr_fn", self.muon_adjust_lr_fn, ("match_rms_adamw", "original"))
+        _check_choice("train.muon_impl", self.muon_impl, ("fast", "torch"))
 
 
 @dataclass

@@ -667,17 +667,20 @@ def test_step_metrics_log_under_the_keys_dashboards_read():
 
 # -- Muon ------------------------------------------------------------------------------------------
 
-def test_muon_with_adamw_steps_as_the_two_optimizers_and_restores_exactly():
+@pytest.mark.parametrize("impl", ["fast", "torch"])
+def test_muon_with_adamw_steps_as_the_two_optimizers_and_restores_exactly(impl):
     """train.optimizer=muon: Muon on the hidden path's 2-D weights, AdamW on lm_head and the norms;
-    one optimizer whose steps equal torch's Muon and AdamW stepped side by side, both scaled by the
-    LR schedule, and whose state_dict resumes bit for bit."""
+    one optimizer whose steps equal the Muon (train.muon_impl: FastMuon or torch's) and AdamW
+    stepped side by side, both scaled by the LR schedule, and whose state_dict resumes bit for bit."""
     import copy
 
+    from eagle3.train.muon import FastMuon
     from eagle3.train.optim import MuonWithAdamW, build_optimizer, lr_schedule, split_for_muon
 
     cfg = _small_cfg()
     cfg.fc_norm = True
-    tcfg = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=2e-2, weight_decay=0.01, warmup_steps=2, max_steps=8)
+    tcfg = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=2e-2, weight_decay=0.01, warmup_steps=2, max_steps=8,
+                       muon_impl=impl)
     muon, rest = split_for_muon(Eagle3Draft(cfg).named_parameters())
     assert {n for n, _ in muon} == {"fc.weight"} | {f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"} | {
         f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
@@ -697,8 +700,9 @@ def test_muon_with_adamw_steps_as_the_two_optimizers_and_restores_exactly():
     assert isinstance(opt, MuonWithAdamW)
     sched = lr_schedule(opt, tcfg, 8)
     names = dict(b.named_parameters())
-    ref_m = torch.optim.Muon([names[n] for n, _ in muon], lr=2e-2, weight_decay=0.1, momentum=0.95,
-                             adjust_lr_fn="match_rms_adamw")
+    ref_m = (FastMuon if impl == "fast" else torch.optim.Muon)(
+        [names[n] for n, _ in muon], lr=2e-2, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    assert type(opt.muon) is type(ref_m)
     ref_a = torch.optim.AdamW([names[n] for n, _ in rest], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
     ref_s = [lr_schedule(o, tcfg, 8) for o in (ref_m, ref_a)]
     for i in range(4):
@@ -752,6 +756,25 @@ def test_muon_resume_logs_the_same_losses(store_dir, target_dir, tmp_path):
     assert json.loads((cut / "metrics.jsonl").read_text().splitlines()[0])["kept_by_the_resume"]
     assert _losses(cut) == _losses(whole) and len(_losses(whole)) == 20
     assert len({x for _, x, _ in _losses(whole)}) > 10  # the model did change
+
+
+def test_fast_muon_trains_the_loss_curve_of_torchs_muon(store_dir, target_dir, tmp_path):
+    """The train loop with train.muon_impl=fast (FastMuon) logs the losses of torch's Muon within
+    bf16 rounding of the update: a short run, fc and the MLP on the Gram form, the rest standard."""
+    from eagle3.train.loop import train
+
+    runs = {}
+    for impl in ("torch", "fast"):
+        tcfg = TrainConfig(optimizer="muon", muon_impl=impl, ttt_steps=2, max_steps=20, lr=1e-3, muon_lr=2e-2,
+                           warmup_steps=3, batch_size=2, max_seq_len=128, log_every=1, save_every=100,
+                           eval_every=100)
+        train(tcfg, make_inputs(store_dir, target_dir, eval_split=None), tmp_path / impl, progress=False)
+        runs[impl] = _losses(tmp_path / impl)
+    lt, lf = ([x for _, x, _ in runs[k]] for k in ("torch", "fast"))
+    assert len(lt) == len(lf) == 20 and lt[0] == lf[0]  # the first step's loss precedes any update
+    assert lt[-1] < 0.9 * lt[0]  # it learned something
+    print("loss torch", lt[0], lt[-1], "max |fast/torch - 1|", max(abs(a / b - 1) for a, b in zip(lf, lt)))
+    assert np.allclose(lf, lt, rtol=2e-3), max(abs(a / b - 1) for a, b in zip(lf, lt))
 
 
 def test_muon_is_refused_under_fsdp():

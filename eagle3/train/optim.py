@@ -2,9 +2,12 @@
 the learning-rate schedule (linear warmup, then cosine decay), and gradient-norm clipping folded
 into the fused AdamW kernel.
 
-Muon (``torch.optim.Muon``) orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes
-only 2-D parameters. :func:`split_for_muon` gives it the 2-D weights of the hidden path and leaves
-lm_head (an output head, as speculators and Keller Jordan's Muon leave it) and the norms to AdamW.
+Muon orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes only 2-D parameters.
+``train.muon_impl``: fast (:class:`eagle3.train.muon.FastMuon`: torch's update, a Gram-form
+Newton-Schulz on wide matrices, same-shape matrices batched) or torch (``torch.optim.Muon``); both
+keep the same state, so a checkpoint of one resumes with the other. :func:`split_for_muon` gives
+it the 2-D weights of the hidden path and leaves lm_head (an output head, as speculators and Keller
+Jordan's Muon leave it) and the norms to AdamW.
 :class:`MuonWithAdamW` is the two as one ``torch.optim.Optimizer`` (the same group dicts, one state),
 so the loop, Accelerate's prepare/save_state/load_state and the LR schedule see one optimizer.
 Muon's update is per parameter, on the whole matrix: with DDP every rank holds the whole all-reduced
@@ -22,6 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .muon import FastMuon
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -57,9 +62,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool):
         if not muon_params:
             raise ValueError("train.optimizer=muon: the draft has no 2-D weight for Muon")
-        self.muon = torch.optim.Muon([p for _, p in muon_params], lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay,
-                                     momentum=tcfg.muon_momentum, ns_steps=tcfg.muon_ns_steps,
-                                     adjust_lr_fn=tcfg.muon_adjust_lr_fn)
+        impl = getattr(tcfg, "muon_impl", "fast")
+        if impl not in ("fast", "torch"):
+            raise ValueError(f"train.muon_impl must be fast or torch, got {impl!r}")
+        cls = FastMuon if impl == "fast" else torch.optim.Muon
+        self.muon = cls([p for _, p in muon_params], lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay,
+                        momentum=tcfg.muon_momentum, ns_steps=tcfg.muon_ns_steps, adjust_lr_fn=tcfg.muon_adjust_lr_fn)
         self.adamw = torch.optim.AdamW([p for _, p in adamw_params], lr=tcfg.lr, betas=tuple(tcfg.betas),
                                        weight_decay=tcfg.weight_decay, fused=fused)
         self.muon_names = [n for n, _ in muon_params]

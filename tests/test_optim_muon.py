@@ -1,0 +1,330 @@
+"""eagle3.train.muon.FastMuon against torch.optim.Muon: the orthogonalisation, many steps, the
+state dict, and DDP (2 gloo ranks on CPU) against one process."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from eagle3.config import TrainConfig
+from eagle3.train.muon import FastMuon, gram_newton_schulz, newton_schulz, normalised, ns_flops, orthogonalise, use_gram
+
+COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def torch_ns(G, coeffs, steps, eps):
+    """torch's private per-matrix NS (some versions take use_addmm too: their default, False)."""
+    import inspect
+
+    extra = (False,) if "use_addmm" in inspect.signature(_zeropower_via_newtonschulz).parameters else ()
+    return _zeropower_via_newtonschulz(G, coeffs, steps, eps, *extra)
+
+
+def ns_float64(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The iteration in exact-ish arithmetic (float64, from the bf16-rounded input torch starts from)."""
+    a, b, c = COEFFS
+    X = G.bfloat16().double()
+    tall = X.shape[0] > X.shape[1]
+    X = X.T if tall else X
+    X = X / X.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def spectra(m: int, n: int, gen: torch.Generator):
+    """Gaussian, power-law (1/i, 1/i^2) and low-rank + noise m x n matrices: the conditioning that
+    makes a naive half-precision Gram iteration diverge."""
+    k = min(m, n)
+    yield "gauss", torch.randn(m, n, generator=gen)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=gen))
+    for p in (1.0, 2.0):
+        yield f"pow{p:g}", (U * torch.arange(1, k + 1).float() ** -p) @ V.T
+    yield "lowrank", 10 * torch.randn(m, 8, generator=gen) @ torch.randn(8, n, generator=gen) \
+        + 0.1 * torch.randn(m, n, generator=gen)
+
+
+def rel(x, y, ref) -> float:
+    return ((x.double() - y.double()).norm() / ref.double().norm()).item()
+
+
+# shapes (rows, cols): the 8B draft's aspect ratios scaled down (q 1:2, fc 1:3, MLP 1:3.5 tall and
+# wide, k/v 1:8), square (o), and odd sizes
+SHAPES = [(128, 256), (128, 384), (448, 128), (128, 448), (32, 256), (128, 128), (96, 200)]
+
+
+def test_flop_counts_and_the_choice_of_form():
+    # standard: 5 (4 m^2 n + 2 m^3); Gram with the restart at 2: 8 m^2 n + 28 m^3
+    for m, n in [(4096, 14336), (4096, 12288), (4096, 8192), (1024, 8192), (4096, 4096)]:
+        assert ns_flops(m, n, 5, False) == 5 * (4 * m * m * n + 2 * m ** 3)
+        assert ns_flops(m, n, 5, True) == 8 * m * m * n + 28 * m ** 3
+        assert ns_flops(n, m, 5, True) == ns_flops(m, n, 5, True)
+    assert use_gram(4096, 14336, 5) and use_gram(14336, 4096, 5) and use_gram(4096, 8192, 5)
+    assert not use_gram(4096, 4096, 5) and not use_gram(100, 140, 5)
+    assert ns_flops(4096, 14336, 5, True) / ns_flops(4096, 14336, 5, False) == pytest.approx(0.70)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the Gram form's on CUDA, on CPU
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_orthogonalisation_equals_torchs_within_its_own_bf16_error(m, n, dtype):
+    """The Gram form's result is as close to torch's as torch's bf16 result is to the float64
+    iteration, and at least as close to float64 as torch's; the batched standard form is torch's."""
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    for name, G in spectra(m, n, gen):
+        ref, t = ns_float64(G), torch_ns(G, COEFFS, 5, 1e-7)
+        (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="always", dtype=dtype)
+        (s,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="never")
+        assert g.shape == G.shape and g.dtype == torch.bfloat16
+        e_torch = rel(t, ref, ref)
+        assert rel(s, t, ref) < 1e-3, name  # the same bf16 iteration (bitwise on CPU)
+        assert rel(g, ref, ref) < 1.05 * e_torch + 1e-3, (name, rel(g, ref, ref), e_torch)
+        assert rel(g, t, ref) < 1.05 * e_torch + 1e-3, (name, rel(g, t, ref), e_torch)
+
+
+def test_naive_bf16_gram_drifts_and_the_chosen_form_does_not():
+    """Why float16 and the restart: without them the Gram iterate diverges on an ill-conditioned input."""
+    gen = torch.Generator().manual_seed(0)
+    G = dict(spectra(128, 448, gen))["pow2"]
+    ref = ns_float64(G)
+    X = normalised(G.bfloat16()[None], 1e-7)
+    naive = gram_newton_schulz(X, COEFFS, 5, dtype=torch.bfloat16, restart=99)[0]
+    assert rel(naive, ref, ref) > 1.0
+    for dtype in (torch.float16, torch.float32):
+        assert rel(gram_newton_schulz(X, COEFFS, 5, dtype)[0], ref, ref) < 1.05 * rel(newton_schulz(X, COEFFS, 5)[0], ref, ref)
+
+
+def test_batching_groups_same_shapes_and_keeps_each_result():
+    gen = torch.Generator().manual_seed(1)
+    mats = [torch.randn(s, generator=gen) for s in [(64, 224), (224, 64), (64, 224), (64, 64), (224, 64)]]
+    for gram in ("always", "never"):
+        together = orthogonalise(mats, COEFFS, 5, 1e-7, gram=gram)
+        alone = [orthogonalise([g], COEFFS, 5, 1e-7, gram=gram)[0] for g in mats]
+        for x, y in zip(together, alone):
+            assert x.shape == y.shape and torch.allclose(x.float(), y.float(), atol=2e-3)
+
+
+def muon64_step(params, bufs, lr, wd, momentum, nesterov, adjust_lr_fn):
+    """torch's Muon step in float64 throughout (the iteration without its bf16 rounding)."""
+    for p, buf in zip(params, bufs):
+        g = p.grad.double()
+        buf.lerp_(g, 1 - momentum)
+        u = g.lerp(buf, momentum) if nesterov else buf
+        a, b, c = COEFFS
+        X = u.T if u.shape[0] > u.shape[1] else u
+        X = X / X.norm().clamp(min=1e-7)
+        for _ in range(5):
+            A = X @ X.T
+            X = a * X + (b * A + c * A @ A) @ X
+        X = X.T if u.shape[0] > u.shape[1] else X
+        p.data.mul_(1 - lr * wd).add_(X, alpha=-torch.optim._muon._adjust_lr(lr, adjust_lr_fn, p.shape))
+
+
+def _params(shapes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(0.05 * torch.randn(s, generator=gen)) for s in shapes]
+
+
+@pytest.mark.parametrize("adjust_lr_fn,nesterov", [("match_rms_adamw", True), ("original", True), (None, False)])
+def test_fifty_steps_equal_torch_muon(adjust_lr_fn, nesterov):
+    """FastMuon and torch.optim.Muon from the same parameters, fed the same gradients for 50 steps
+    (weight decay, momentum, the lr adjustment, a changed lr mid-way): the parameters stay within a
+    few bf16 roundings of the update; gram=never equals torch's to float32 rounding."""
+    shapes = SHAPES + [(128, 256)]  # two of one shape: a batch
+    lr, steps = 2e-2, 50
+    kw = dict(lr=lr, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    ref, fast, same = _params(shapes, 0), _params(shapes, 0), _params(shapes, 0)
+    exact = [torch.nn.Parameter(p.detach().double()) for p in _params(shapes, 0)]
+    bufs = [torch.zeros_like(p) for p in exact]
+    # float16: the Gram form's dtype on CUDA (float32, CPU's, is the loop tests')
+    o_ref, o_fast = torch.optim.Muon(ref, **kw), FastMuon(fast, gram_dtype=torch.float16, **kw)
+    o_same = FastMuon(same, gram="never", **kw)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        for a, b, c, e in zip(ref, fast, same, exact):
+            # a gradient of uneven columns plus a pull towards the parameter (its decay): ill-conditioned
+            g = torch.randn(a.shape, generator=gen) * torch.rand(1, a.shape[1], generator=gen) ** 4 + a.detach()
+            a.grad, b.grad, c.grad, e.grad = g.clone(), g.clone(), g.clone(), g.double()
+        if i == 25:
+            for o in (o_ref, o_fast, o_same):
+                o.param_groups[0]["lr"] = lr / 2
+        for o in (o_ref, o_fast, o_same):
+            o.step()
+        muon64_step(exact, bufs, lr if i < 25 else lr / 2, 0.1, 0.95, nesterov, adjust_lr_fn)
+    for a, b, c, e in zip(ref, fast, same, exact):
+        # closer to the float64 Muon than torch's own bf16 Muon is, up to a margin
+        e_torch, e_fast = (a.double() - e).norm().item(), (b.double() - e).norm().item()
+        print(tuple(a.shape), f"torch-float64 {e_torch:.3e}  fast-float64 {e_fast:.3e}  fast-torch {(a - b).norm().item():.3e}")
+        assert e_fast < 1.1 * e_torch, (a.shape, e_fast, e_torch)
+        alr = torch.optim._muon._adjust_lr(lr, adjust_lr_fn, a.shape)
+        moved = (a.detach() - 0.05 * 0).norm()
+        # each step's update has RMS ~ alr / sqrt(max dim) x O(1); the two differ by ~1% of it per step
+        # (torch's bf16 rounding), not accumulating coherently: allow 3% of the whole path's size
+        path = steps * alr * (min(a.shape) / a.numel()) ** 0.5 * a.numel() ** 0.5
+        assert (a - b).norm() < 0.03 * path, (a.shape, (a - b).norm().item(), path, moved.item())
+        assert torch.allclose(a, c, atol=1e-6, rtol=0), a.shape
+    assert o_fast.state_dict()["state"].keys() == o_ref.state_dict()["state"].keys()
+
+
+def test_state_dict_is_torch_muons_and_round_trips():
+    """The same groups and state as torch's Muon: either loads the other's state dict, and a
+    FastMuon restored from its own continues exactly as the uninterrupted one."""
+    shapes = [(64, 224), (64, 64)]
+    a, b = _params(shapes, 0), _params(shapes, 0)
+    oa, ob = FastMuon(a, lr=1e-2), torch.optim.Muon(b, lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(8)]
+
+    def step(params, opt, i):
+        for p, g in zip(params, grads[i]):
+            p.grad = g.clone()
+        opt.step()
+
+    for i in range(4):
+        step(a, oa, i)
+        step(b, ob, i)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert [set(v) for v in sa["state"].values()] == [{"momentum_buffer"}] * 2
+    # torch's Muon resumes from FastMuon's checkpoint and vice versa
+    c = [p.detach().clone().requires_grad_() for p in a]
+    oc = torch.optim.Muon(c, lr=1e-2)
+    oc.load_state_dict(copy.deepcopy(sa))
+    d = [p.detach().clone().requires_grad_() for p in b]
+    od = FastMuon(d, lr=1e-2)
+    od.load_state_dict(copy.deepcopy(sb))
+    assert all(torch.equal(od.state[p]["momentum_buffer"], ob.state[q]["momentum_buffer"]) for p, q in zip(d, b))
+    # a FastMuon restored from its own state dict continues bit for bit
+    e = [p.detach().clone().requires_grad_() for p in a]
+    oe = FastMuon(e, lr=1e-2)
+    oe.load_state_dict(copy.deepcopy(sa))
+    for i in range(4, 8):
+        step(a, oa, i)
+        step(e, oe, i)
+        step(c, oc, i)
+    assert all(torch.equal(x, y) for x, y in zip(a, e))
+    assert all(torch.allclose(x, y, atol=1e-3) for x, y in zip(a, c))
+
+
+def test_muon_with_adamw_uses_the_configured_implementation():
+    from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+    from eagle3.train.optim import build_optimizer
+
+    cfg = Eagle3DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=32, intermediate_size=128, rms_norm_eps=1e-6, vocab_size=120,
+                            draft_vocab_size=60, aux_layer_ids=[1, 2, 3], rope_theta=10000.0)
+    model = Eagle3Draft(cfg)
+    fast = build_optimizer(model, TrainConfig(optimizer="muon"), torch.device("cpu"))
+    assert type(fast.muon) is FastMuon
+    plain = build_optimizer(model, TrainConfig(optimizer="muon", muon_impl="torch"), torch.device("cpu"))
+    assert type(plain.muon) is torch.optim.Muon
+    with pytest.raises(ValueError, match="train.muon_impl"):
+        TrainConfig(optimizer="muon", muon_impl="nope")
+    # the key is speed only: not in the train hash
+    from eagle3.hashing import semantic_dict
+
+    assert "muon_impl" not in semantic_dict(TrainConfig(optimizer="muon", muon_impl="torch"))
+    assert semantic_dict(TrainConfig(optimizer="muon", muon_impl="torch")) == semantic_dict(TrainConfig(optimizer="muon"))
+
+
+# -- DDP: two gloo ranks, each half the batch, against one process on the whole batch -----------------
+
+D_IN, D_HID, D_OUT, BATCH, STEPS = 48, 160, 40, 16, 6
+
+
+def _ddp_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID, bias=False), torch.nn.SiLU(),
+                               torch.nn.Linear(D_HID, D_HID), torch.nn.SiLU(),
+                               torch.nn.Linear(D_HID, D_OUT, bias=False))
+
+
+def _ddp_data():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, D_IN, generator=gen), torch.randn(BATCH, D_OUT, generator=gen)) for _ in range(STEPS)]
+
+
+def _muon_adamw(model, impl: str):
+    from eagle3.train.optim import MuonWithAdamW, split_for_muon
+
+    muon, rest = split_for_muon(model.named_parameters())
+    tcfg = TrainConfig(optimizer="muon", muon_lr=2e-2, lr=1e-3, muon_impl=impl)
+    return MuonWithAdamW(muon, rest, tcfg, fused=False)
+
+
+def _train(model, opt, data, rows=slice(None)):
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _ddp_worker(rank: int, world: int, port: int, impl: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = DDP(_ddp_model())
+        opt = _muon_adamw(model.module, impl)
+        half = BATCH // world
+        _train(model, opt, _ddp_data(), slice(rank * half, (rank + 1) * half))
+        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["fast", "torch"])
+def test_muon_under_ddp_gives_the_one_process_update(impl, tmp_path):
+    """DDP all-reduces (averages) the gradients, so every rank orthogonalises the whole gradient of
+    every matrix: both ranks end identical, and equal to one process on the whole batch up to the
+    bf16 rounding of gradients that differ in float32 summation order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ddp")
+    mp.spawn(_ddp_worker, args=(2, port, impl, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    one = _ddp_model()
+    _train(one, _muon_adamw(one, impl), _ddp_data())
+    init = _ddp_model().state_dict()
+    for k, v in one.state_dict().items():
+        assert torch.equal(ranks[0][k], ranks[1][k]), k  # the ranks agree exactly
+        moved = (v - init[k]).norm()
+        assert moved > 0, k
+        # bf16 rounding flips after a different float32 summation: ~1% of a step's update, compounding
+        # over the steps through the gradients (torch's Muon itself: 0.4-4.4% of the distance moved)
+        assert (ranks[0][k] - v).norm() < 0.08 * moved, (k, (ranks[0][k] - v).norm().item(), moved.item())
+
+
+def test_muon_is_still_refused_under_fsdp():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from eagle3.train.optim import check_optimizer_distribution
+
+    with pytest.raises(ValueError, match="not supported with FSDP"):
+        check_optimizer_distribution(SimpleNamespace(distributed_type=DistributedType.FSDP),
+                                     TrainConfig(optimizer="muon", muon_impl="fast"))
+
+
+if os.environ.get("EAGLE3_MUON_TEST_CUDA") and torch.cuda.is_available():  # pragma: no cover - GPU only
+    def test_cuda_gram_equals_torch():
+        gen = torch.Generator().manual_seed(0)
+        for m, n in [(1024, 3584), (512, 4096)]:
+            for name, G in spectra(m, n, gen):
+                G = G.cuda()
+                ref, t = ns_float64(G), torch_ns(G, COEFFS, 5, 1e-7)
+                (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="always")
+                assert rel(g, ref, ref) < 1.05 * rel(t, ref, ref) + 1e-3, name

@@ -15,8 +15,9 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
         # what folding the clip into AdamW and compiling the target head gain
     python bench/train.py --variants flex_compiled,flex_compiled+fp8 --loop auto,auto+fp8
         # the step fed from an fp8 store's values + scales (dequantised in the step) vs bf16
-    python bench/train.py --variants flex_compiled --loop auto,auto+muon
-        # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW
+    python bench/train.py --variants flex_compiled --loop auto,auto+muon,auto+muontorch
+        # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW;
+        # +muon: FastMuon (train.muon_impl=fast), +muontorch: torch.optim.Muon
 
 Measurements and what made the difference: bench/results/train_h200_202611.md.
 
@@ -297,10 +298,13 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     from eagle3.train.loop import train
 
-    # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon
+    # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon (FastMuon,
+    # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
-    tcfg = loop_config(a, mode, optimizer="muon" if "muon" in opts else "adamw")
+    muon = "muon" in opts or "muontorch" in opts
+    tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw",
+                       muon_impl="torch" if "muontorch" in opts else "fast")
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)

@@ -289,6 +289,9 @@ class ExportFacts(Facts):
     by_temperature: Optional[dict] = None
     eval_temperatures: Optional[list] = None
     sampling_seed: Optional[int] = None
+    # divergences from plain greedy decoding that passed as near-ties (export.tie_margin), per engine
+    tie_margin: Optional[float] = None
+    near_ties: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)

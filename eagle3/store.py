@@ -366,6 +366,25 @@ def shard_item(tensor, a: int, b: int, i: int, is_fp8: bool, fp8: str, shard: Pa
     return item
 
 
+
+def one_sample_shard(split: str, i: int, num: int, ids, mask) -> ShardPlan:
+    """Sample ``i`` of ``num`` alone in shard ``i`` (the online exchange's and cache's shards)."""
+    return ShardPlan(split, i, num, i, [list(ids)], [list(mask)])
+
+
+def read_shard_item(path: Path, layout: StoreLayout, fp8: str = "raw") -> dict:
+    """A one-sample shard file of ``layout`` -> a store item (:func:`shard_item`, as HiddenStates
+    gives it, scales checked), fully in memory (the file may be deleted right after)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # one copy out of the page cache per tensor
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [n for n in ("aux_scales", "last_scales") if layout.is_fp8 and n not in t]
+    if missing:
+        raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised")
+    return shard_item(t.__getitem__, 0, int(t["input_ids"].shape[0]), int(t["sample_index"][0]), layout.is_fp8,
+                      fp8, path)
+
 class HiddenStates(Sequence):
     """One split of a store as a sequence of samples; item i is a dict of CPU tensors:
 

@@ -77,9 +77,9 @@ def run(cfg, manifest):
     from eagle3.extract import DatasetSamples, extract_store
     from eagle3.extract.checks import check_store, refuse_known_bad
     from eagle3.extract.layout import check_tokenizer, derive_store_layout
+    from eagle3.extract.reuse import extract_identity, fill_from_caches, reusable_caches
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
-    from eagle3.online import extract_identity, fill_from_caches, reusable_caches
     from eagle3.target import resolve
 
     ecfg = cfg.extract

@@ -1,4 +1,4 @@
-"""train.hidden_states=online (eagle3/online.py): the draft trained while the target produces its
+"""train.hidden_states=online (eagle3/online/): the draft trained while the target produces its
 states equals the draft trained offline on a store of the same samples; disk stays bounded; faults
 and bad inputs end in one clear error.
 
@@ -686,8 +686,7 @@ def test_an_fp8_shard_with_bad_or_missing_scales_is_refused_naming_it(tmp_path, 
     from safetensors.torch import save_file
 
     from eagle3.fp8 import quantize
-    from eagle3.online import read_shard_item
-    from eagle3.store import StoreError, StoreLayout
+    from eagle3.store import StoreError, StoreLayout, read_shard_item
 
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=8, dtype="fp8")
     T = 5

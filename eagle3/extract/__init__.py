@@ -10,7 +10,8 @@ Backends (``extract.backend``, registered in ``backend.BACKENDS``, all implement
 extract_hidden_states + hidden-states connector), ``hf`` (transformers reference). Each supplies
 what a shard's samples produce; the shard loop is ``writer.write_shards``. The checks of a finished
 store (target agreement, the parity sample) and the refusals before an engine starts are in
-``checks``.
+``checks``; the training samples an online run's cache already holds are copied, not computed, by
+``reuse``.
 """
 from __future__ import annotations
 

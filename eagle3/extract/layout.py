@@ -1,6 +1,6 @@
 """The store's layout, derived once: which layers, which dtypes, which splits, how long a sample.
 
-The extract stage, online training (``eagle3.online.OnlineRun``, the trainer and ``stage=produce``)
+The extract stage, online training (``eagle3.online.run.OnlineRun``, the trainer and ``stage=produce``)
 and ``stage=plan`` all call :func:`derive_store_layout`, so for one config they write, stream or size
 the same store and refuse the same inputs with the same message. What it does NOT do: load a
 dataset or a model, or refuse an engine/target combination (``checks.refuse_known_bad``, which the

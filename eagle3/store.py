@@ -435,6 +435,12 @@ class HiddenStates(Sequence):
         self._offsets: dict = {}
         self._pid = os.getpid()
 
+    # eagle3.train.source.HiddenStateSource: items are read into host memory, in any order
+    on_device = False
+
+    def expect(self, micro_batches) -> None:
+        pass
+
     # facts
     @property
     def layer_ids(self) -> tuple:

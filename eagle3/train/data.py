@@ -16,6 +16,8 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from .source import HiddenStateSource
+
 
 @dataclass
 class EpochPlan:
@@ -164,8 +166,8 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin:
 class MicroBatches(torch.utils.data.Dataset):
     """Item k = the collated k-th micro-batch of a list of micro-batches (rows of sample ids)."""
 
-    def __init__(self, store, micro_batches: List[List[List[int]]], max_len: int, pad_to_multiple: int = 1,
-                 pin: bool = False):
+    def __init__(self, store: HiddenStateSource, micro_batches: List[List[List[int]]], max_len: int,
+                 pad_to_multiple: int = 1, pin: bool = False):
         self.store = store
         self.micro_batches = micro_batches
         self.max_len = max_len

@@ -123,7 +123,7 @@ def run(cfg, manifest):
                 print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
                       f"({', '.join(map(str, caches))}), the target not run for them")
         return extract_store(job.out_dir, splits, layout, backend=ecfg.backend, target_path=target.path,
-                             target_dtype=target_dtype, ecfg=ecfg, num_processes=num_processes,
+                             target_dtype=target_dtype, extract_cfg=ecfg, num_processes=num_processes,
                              process_index=process_index, progress=cfg.progress)
 
     regen = prep.facts.regen or {}

@@ -349,7 +349,7 @@ def stores(tiny_target, tmp_path_factory):
         d = tmp_path_factory.mktemp(dtype)
         layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype=dtype)
         res = extract_store(d, splits, layout, backend="hf", target_path=tiny_target, target_dtype="float32",
-                            ecfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+                            extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
         assert res.complete
         out[dtype] = d
     return out

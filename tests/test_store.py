@@ -329,7 +329,7 @@ def test_store_shards_take_the_umask(tmp_path):
     try:
         res = extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7, 8], [9, 10]])}, layout, backend="hf",
                             target_path=target, target_dtype="float32",
-                            ecfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
+                            extract_cfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
     finally:
         os.umask(old)
     assert res.complete

@@ -320,7 +320,7 @@ def store_dir(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("store")
     layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="float32")
     res = extract_store(out, splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                        ecfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+                        extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
     assert res.complete
     return out
 

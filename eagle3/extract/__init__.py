@@ -84,7 +84,7 @@ class ExtractResult:
 
 
 def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str, target_path, target_dtype: str,
-                  ecfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
+                  extract_cfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
                   extractor=None, **backend_kwargs) -> ExtractResult:
     """Write the shards of ``splits`` ({name: Samples}) assigned to this process; finalize if all exist.
 
@@ -94,7 +94,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
 
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    sps = ecfg.samples_per_shard
+    sps = extract_cfg.samples_per_shard
     todo: list[tuple] = []
     for split, samples in splits.items():
         ranges = shard_ranges(len(samples), sps)
@@ -121,7 +121,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
 
         own = extractor is None
         if own:
-            extractor = make_extractor(backend, target_path, layout, target_dtype, ecfg,
+            extractor = make_extractor(backend, target_path, layout, target_dtype, extract_cfg,
                                        max_model_len(s.lengths for s in splits.values()),
                                        store_dir, **backend_kwargs)
         bar = Progress(total, f"extract ({backend})", progress)

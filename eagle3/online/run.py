@@ -25,30 +25,30 @@ class OnlineRun:
         from ..hashing import semantic_dict
         from ..target import resolve
 
-        tcfg, ecfg, ocfg = cfg.train, cfg.extract, cfg.train.online
+        tcfg, extract_cfg, ocfg = cfg.train, cfg.extract, cfg.train.online
         self.cfg, self.ocfg = cfg, ocfg
         self.target = target = resolve(cfg.target, cfg.workspace)
         self.upstream = manifest.consume_upstream("train", target.identity(), only=("prepare",))
         self.prep = prep = self.upstream["prepare"]
         check_tokenizer(prep, target)
-        if ocfg.producer == "colocated" and ecfg.backend != "hf":
+        if ocfg.producer == "colocated" and extract_cfg.backend != "hf":
             raise OnlineError(f"train.online.producer=colocated runs the target with the hf backend inside the "
-                              f"training process, but extract.backend={ecfg.backend}: set extract.backend=hf, or "
-                              f"train.online.producer=external to use {ecfg.backend} engines in their own processes "
-                              f"(`python -m eagle3 stage=produce`)")
+                              f"training process, but extract.backend={extract_cfg.backend}: set extract.backend=hf, "
+                              f"or train.online.producer=external to use {extract_cfg.backend} engines in their own "
+                              f"processes (`python -m eagle3 stage=produce`)")
         import datasets
 
         ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
         prepared = {s: DatasetSamples(ds[s]) for s in ds}
         # the store extract would write, from the splits it would read (and the training split, which
         # online training always reads): the same refusals as stage=extract
-        derived = derive_store_layout(ecfg, target, cfg.target.dtype, {s: v.lengths for s, v in prepared.items()},
-                                      also=("train",))
+        derived = derive_store_layout(extract_cfg, target, cfg.target.dtype,
+                                      {s: v.lengths for s, v in prepared.items()}, also=("train",))
         self.layer_ids = layer_ids = list(derived.layer_ids)
-        refuse_known_bad(target.config, ecfg.backend, layer_ids)
+        refuse_known_bad(target.config, extract_cfg.backend, layer_ids)
         self.target_dtype, self.layout, self.max_model_len = derived.target_dtype, derived.layout, derived.max_model_len
         # what the producer's numbers depend on: in the config hash, checked between the processes
-        self.identity, extract = extract_identity(self.layout, self.target_dtype, ecfg)
+        self.identity, extract = extract_identity(self.layout, self.target_dtype, extract_cfg)
         self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
         config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids, "hidden_states": "online",
                   "producer": {**self.identity, "extract": extract}}
@@ -65,13 +65,13 @@ class OnlineRun:
 
         from ..extract.backend import make_extractor
 
-        ecfg = self.cfg.extract
-        if ecfg.backend == "hf" and ecfg.device == "auto" and "LOCAL_RANK" in os.environ:
+        extract_cfg = self.cfg.extract
+        if extract_cfg.backend == "hf" and extract_cfg.device == "auto" and "LOCAL_RANK" in os.environ:
             import torch
 
             if torch.cuda.is_available():
-                ecfg = dataclasses.replace(ecfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
-        return make_extractor(ecfg.backend, self.target.path, self.layout, self.target_dtype, ecfg,
+                extract_cfg = dataclasses.replace(extract_cfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
+        return make_extractor(extract_cfg.backend, self.target.path, self.layout, self.target_dtype, extract_cfg,
                               self.max_model_len, self.dir)
 
     def stores(self, world_size: int, rank: int = 0) -> tuple:

@@ -18,12 +18,12 @@ H = 8
 
 def _store(tmp_path, n=3, length=5):
     from eagle3.extract.writer import CapturedBatch, ShardWriter
-    from eagle3.store import ShardPlan, StoreLayout, finalize_store, open_hidden_states
+    from eagle3.store import ShardSpec, StoreLayout, finalize_store, open_hidden_states
 
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=3, hidden_size=H, dtype="float32")
     ids = [list(range(length)) for _ in range(n)]
     w = ShardWriter(tmp_path, layout)
-    w.begin(ShardPlan("train", 0, 1, 0, ids, [[1] * length] * n))
+    w.begin(ShardSpec("train", 0, 1, 0, ids, [[1] * length] * n))
     for j in range(n):
         s = torch.randn(length, 3, H)
         w.write(CapturedBatch([(("train", 0), j, 0, 0, length)], list(s[:, :-1].unbind(1)), s[:, -1]))

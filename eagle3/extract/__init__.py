@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..store import ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
+from ..store import ShardSpec, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
 from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 from .layout import max_model_len
@@ -101,7 +101,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
         for k, (first, count) in enumerate(ranges):
             if not is_assigned(k, num_processes, process_index):
                 continue
-            probe = ShardPlan(split, k, len(ranges), first, [range(int(n)) for n in samples.lengths[first:first + count]],
+            probe = ShardSpec(split, k, len(ranges), first, [range(int(n)) for n in samples.lengths[first:first + count]],
                               [range(int(n)) for n in samples.lengths[first:first + count]])
             if completed_shard(store_dir / split, probe, layout) is None:
                 todo.append((split, k, len(ranges), first, count))
@@ -114,10 +114,10 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
         log.info("extract: %d shards (%d tokens) to write with backend %s%s", len(todo), total, backend,
                  f"; {skipped} complete or assigned to other processes" if skipped else "")
 
-        def plans():
+        def specs():
             for split, k, num, first, count in todo:
                 ids, mask = splits[split].get(first, first + count)
-                yield ShardPlan(split, k, num, first, list(ids), list(mask))
+                yield ShardSpec(split, k, num, first, list(ids), list(mask))
 
         own = extractor is None
         if own:
@@ -126,7 +126,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
                                        store_dir, **backend_kwargs)
         bar = Progress(total, f"extract ({backend})", progress)
         try:
-            written = extractor.run(plans(), store_dir, bar)
+            written = extractor.run(specs(), store_dir, bar)
             stats = getattr(extractor, "last_stats", None)
         finally:
             bar.close()

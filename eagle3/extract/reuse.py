@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..store import (
-    ShardPlan,
+    ShardSpec,
     StoreError,
     StoreLayout,
     completed_shard,
@@ -81,7 +81,7 @@ def fill_from_caches(store_dir: Path, samples, layout: StoreLayout, samples_per_
         if any(p is None for p in paths):
             continue
         ids, mask = samples.get(first, first + count)
-        shard = ShardPlan("train", k, len(ranges), first, list(ids), list(mask))
+        shard = ShardSpec("train", k, len(ranges), first, list(ids), list(mask))
         if completed_shard(store_dir / "train", shard, layout) is None:
             todo.append((shard, paths))
     if not todo:

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 
 from ..errors import Eagle3Error
-from ..store import ShardPlan, StoreLayout, StoreWriteError
+from ..store import ShardSpec, StoreLayout, StoreWriteError
 from .backend import Progress
 from .writer import write_shards
 
@@ -144,25 +144,25 @@ class VLLMExtractor:
                  self.capture_info["aux_layers"])
 
     # -- extraction ------------------------------------------------------------------------------
-    def _produce(self, plan: ShardPlan, progress: Progress):
+    def _produce(self, spec: ShardSpec, progress: Progress):
         """Submits a shard's samples and steps the engine until they are done. The rows are written
         by the worker (between execute_model() and sample_tokens()), so nothing is yielded but
         ``None`` per step: the shard loop polls the worker's writer in between."""
         engine = self.llm.llm_engine
-        for j, ids in enumerate(plan.input_ids):
+        for j, ids in enumerate(spec.input_ids):
             if len(ids):
-                engine.add_request(f"{plan.split}-{plan.first + j}", {"prompt_token_ids": [int(x) for x in ids]},
-                                   sampling_params((plan.split, plan.k, j)))
+                engine.add_request(f"{spec.split}-{spec.first + j}", {"prompt_token_ids": [int(x) for x in ids]},
+                                   sampling_params((spec.split, spec.k, j)))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     progress.update(len(out.prompt_token_ids))
             yield None
 
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+    def run(self, specs: list[ShardSpec], store_dir: Path, progress: Progress) -> list[dict]:
         sink = _WorkerWriter(self)
         self.start_capture(store_dir)
-        done = write_shards(sink, plans, lambda plan: self._produce(plan, progress))
+        done = write_shards(sink, specs, lambda spec: self._produce(spec, progress))
         self.last_stats = sink.stats
         return done
 
@@ -203,10 +203,10 @@ class _WorkerWriter:
             raise ExtractError(f"hidden-state capture failed in the vLLM worker: {r['error']}")
         return r.get("done", [])
 
-    def begin(self, plan: ShardPlan) -> None:
-        from .vllm_worker import plan_to_payload
+    def begin(self, spec: ShardSpec) -> None:
+        from .vllm_worker import spec_to_payload
 
-        self.ex._rpc("eagle3_begin_shard", plan_to_payload(plan))
+        self.ex._rpc("eagle3_begin_shard", spec_to_payload(spec))
 
     def write(self, batch) -> None:
         raise TypeError("the vllm backend's rows are written inside the worker, not sent from the driver")

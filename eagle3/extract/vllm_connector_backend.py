@@ -21,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..store import ShardPlan, StoreLayout
+from ..store import ShardSpec, StoreLayout
 from .backend import Progress
 from .vllm_backend import (
     EXTENSION,
@@ -106,18 +106,18 @@ class VLLMConnectorExtractor:
                 engine.step()
             time.sleep(0.001)
 
-    def _produce(self, plan: ShardPlan, progress: Progress):
+    def _produce(self, spec: ShardSpec, progress: Progress):
         import torch
         from safetensors.torch import load_file
 
         from .vllm_backend import sampling_params
 
         engine = self.llm.llm_engine
-        key = (plan.split, plan.k)
+        key = (spec.split, spec.k)
         ids_of = {}
-        for j, ids in enumerate(plan.input_ids):
+        for j, ids in enumerate(spec.input_ids):
             if len(ids):
-                rid = f"{plan.split}-{plan.first + j}"
+                rid = f"{spec.split}-{spec.first + j}"
                 ids_of[rid] = j
                 engine.add_request(rid, {"prompt_token_ids": [int(x) for x in ids]}, sampling_params())
         paths = {}
@@ -136,10 +136,10 @@ class VLLMConnectorExtractor:
             j = ids_of[rid]
             data = load_file(path)
             hs, tok = data["hidden_states"], data["token_ids"]
-            want = torch.as_tensor([int(x) for x in plan.input_ids[j]], dtype=tok.dtype)
+            want = torch.as_tensor([int(x) for x in spec.input_ids[j]], dtype=tok.dtype)
             if hs.shape[0] != len(want) or not torch.equal(tok, want):
                 raise ExtractError(f"connector file {path} holds {hs.shape[0]} tokens that do not match "
-                                   f"sample {plan.first + j} ({len(want)} tokens)")
+                                   f"sample {spec.first + j} ({len(want)} tokens)")
             if hs.shape[1] != self.layout.n_aux + 1:
                 raise ExtractError(f"connector file {path} has {hs.shape[1]} layers, expected "
                                    f"{self.layout.n_aux + 1}")
@@ -148,9 +148,9 @@ class VLLMConnectorExtractor:
             if os.path.exists(path + ".lock"):
                 os.remove(path + ".lock")
 
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+    def run(self, specs: list[ShardSpec], store_dir: Path, progress: Progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
-        done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
+        done = write_shards(writer, specs, lambda spec: self._produce(spec, progress))
         self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
         return done
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import Eagle3Error
-from ..store import ShardPlan, StoreLayout, shard_header
+from ..store import ShardSpec, StoreLayout, shard_header
 
 PLAN_FILE = "plan.json"
 CONSUMED_FILE = "consumed.json"
@@ -54,7 +54,7 @@ class OnlineError(Eagle3Error):
 
 def shard_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout) -> int:
     """Bytes on disk of sample ``i``'s one-sample shard (file + sidecar)."""
-    shard = ShardPlan(split, i, num, i, [range(int(length))], [range(int(length))])
+    shard = ShardSpec(split, i, num, i, [range(int(length))], [range(int(length))])
     return int(shard_header(shard, layout)[1]["__end__"]) + _SIDECAR_BYTES
 
 

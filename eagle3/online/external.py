@@ -168,10 +168,10 @@ class ExternalSource:
         i, N = self.order[p], len(store)
         path = self.dir / "train" / shard_name(i, N)
         self._wait(path, i, f"training sample {i} (position {p} of plan {self.plan_id[:8]})")
-        plan = one_sample_shard("train", i, N, *store.tokens(i))
-        completed_shard(self.dir / "train", plan, self.layout)  # refuses a shard of another layout
+        spec = one_sample_shard("train", i, N, *store.tokens(i))
+        completed_shard(self.dir / "train", spec, self.layout)  # refuses a shard of another layout
         item = read_shard_item(path, self.layout)
-        if item["input_ids"].tolist() != list(plan.input_ids[0]):
+        if item["input_ids"].tolist() != list(spec.input_ids[0]):
             raise OnlineError(f"{path} holds other tokens than sample {i} of the prepared dataset: the producer "
                               f"reads another prepare run; start it with the trainer's overrides")
         return item

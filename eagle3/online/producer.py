@@ -49,7 +49,7 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
     sample of the window (so together they stay within it) and removing only its own.
 
     ``splits``: {"train": samples, "eval": samples} of the prepared dataset (``lengths``, ``get``);
-    ``extractor``: a built backend (``Extractor.run(plans, dir, progress)``); ``identity``: what
+    ``extractor``: a built backend (``Extractor.run(specs, dir, progress)``); ``identity``: what
     this producer computes (the trainer checks it). ``idle_timeout_s`` > 0: give up when no plan
     appears for that long. Returns counts (samples written, plans served)."""
     from tqdm.auto import tqdm
@@ -105,13 +105,13 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                 time.sleep(poll_s)
                 continue
             for cd, N, todo in work:
-                plans = []
+                specs = []
                 for i in todo:
                     ids, mask = splits["train"].get(i, i + 1)
-                    plans.append(one_sample_shard("train", i, N, ids[0], mask[0]))
-                extractor.run(plans, cd, Progress(sum(p.num_tokens for p in plans), "", False))
-                stats["written"] += len(plans)
-                bar.update(len(plans))
+                    specs.append(one_sample_shard("train", i, N, ids[0], mask[0]))
+                extractor.run(specs, cd, Progress(sum(p.num_tokens for p in specs), "", False))
+                stats["written"] += len(specs)
+                bar.update(len(specs))
     finally:
         bar.close()
         beat.close()
@@ -137,13 +137,13 @@ def _produce_eval(d: Path, plan: dict, splits: dict, layout: StoreLayout, extrac
     if not n:
         return
     todo = [i for i in range(n) if i % parts == part and not (d / "eval" / shard_name(i, n)).exists()]
-    plans = []
+    specs = []
     for i in todo:
         ids, mask = splits["eval"].get(i, i + 1)
-        plans.append(one_sample_shard("eval", i, n, ids[0], mask[0]))
-    if plans:
-        extractor.run(plans, d, Progress(sum(p.num_tokens for p in plans), "", False))
-        stats["written"] += len(plans)
+        specs.append(one_sample_shard("eval", i, n, ids[0], mask[0]))
+    if specs:
+        extractor.run(specs, d, Progress(sum(p.num_tokens for p in specs), "", False))
+        stats["written"] += len(specs)
 
 
 def _window(d: Path, plan: dict, position: int, samples, layout: StoreLayout, part: int = 0, parts: int = 1) -> list:

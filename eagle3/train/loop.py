@@ -31,7 +31,7 @@ from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
-from .data import Epochs, MicroBatches, Prefetcher, plan_epoch, to_device
+from .data import Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
 from .source import HiddenStateSource, check_source
@@ -311,8 +311,7 @@ def _log_window(accelerator, sinks: tuple, window: Window, decay: float, flops_p
 def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
     """Loss/accuracy/acceptance on a held-out split (every row once, shared over processes)."""
     W, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    plan = plan_epoch(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False)
-    rows = plan.rows[rank::W]
+    rows = epoch_order(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False).rows[rank::W]
     total = torch.zeros(tcfg.ttt_steps, len(STAT_NAMES), dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()

@@ -41,7 +41,7 @@ def test_a_store_on_disk_is_a_source(tmp_path):
     assert store[2]["input_ids"].tolist() == list(range(5))
 
 
-class _Producer:
+class _Source:
     on_device = True
 
     def __init__(self):
@@ -66,7 +66,7 @@ def test_an_online_source_is_a_source(tmp_path):
     from eagle3.store import StoreLayout
 
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=3, hidden_size=H, dtype="float32")
-    producer = _Producer()
+    producer = _Source()
     store = OnlineHiddenStates("train", Samples([[1, 2, 3], [4, 5]]), layout, producer)
     assert isinstance(store, HiddenStateSource)
     assert store.on_device is True and list(store.lengths) == [3, 2]

@@ -26,7 +26,7 @@ whose samples a kept cache holds from it instead of running the target
 Modules, one concern each:
 
 - exchange.py: the exchange directory's files, the sizes both sides count, OnlineError
-- hidden_states.py: OnlineHiddenStates (one split as a hidden-state source) and its Producer protocol
+- hidden_states.py: OnlineHiddenStates (one split as a hidden-state source) and the OnlineSource protocol its producers implement
 - colocated.py: ColocatedSource (the target in the training process)
 - external.py: ExternalSource (shards from producer processes, the trainer's side of the exchange)
 - producer.py: produce(), the producer loop (``stage=produce``)
@@ -50,10 +50,10 @@ from .exchange import (
     shard_bytes,
 )
 from .external import ExternalSource
-from .hidden_states import OnlineHiddenStates, Producer
+from .hidden_states import OnlineHiddenStates, OnlineSource
 from .producer import produce
 from .run import OnlineRun
 
-__all__ = ["OnlineError", "OnlineRun", "OnlineHiddenStates", "Producer", "ColocatedSource", "ExternalSource",
+__all__ = ["OnlineError", "OnlineRun", "OnlineHiddenStates", "OnlineSource", "ColocatedSource", "ExternalSource",
            "produce", "shard_bytes", "cached_count", "disk_bytes", "check_writable", "finalize_cache",
            "layout_identity", "producer_file", "read_json", "PLAN_FILE", "CONSUMED_FILE", "PRODUCER_GLOB"]

@@ -1,5 +1,5 @@
 """The trainer's side: one split of the prepared dataset as a hidden-state source whose items are
-computed while training (:class:`OnlineHiddenStates`), over a :class:`Producer` that makes them:
+computed while training (:class:`OnlineHiddenStates`), over an :class:`OnlineSource` that makes them:
 in this process (eagle3/online/colocated.py) or in producer processes through the exchange
 directory (eagle3/online/external.py)."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import numpy as np
 from ..store import StoreLayout
 
 
-class Producer(Protocol):
+class OnlineSource(Protocol):
     """Where an :class:`OnlineHiddenStates` gets its items; one serves a run's every split."""
 
     on_device: bool  # items are tensors on the accelerator already
 
     def attach(self, store: "OnlineHiddenStates") -> None:
-        """``store`` (one split) will read from this producer."""
+        """``store`` (one split) will read from this source."""
 
     def expect(self, store: "OnlineHiddenStates", micro_batches: list) -> None:
         """The order ``store`` is read in from here on (micro-batches of rows of sample ids)."""
@@ -38,7 +38,7 @@ class OnlineHiddenStates(Sequence):
     :class:`~eagle3.online.external.ExternalSource`). The loop calls :meth:`expect` with its
     micro-batches first; reads must then follow that order (one process, ``train.num_workers=0``)."""
 
-    def __init__(self, split: str, samples, layout: StoreLayout, source: Producer):
+    def __init__(self, split: str, samples, layout: StoreLayout, source: OnlineSource):
         self.split, self.samples, self.layout, self.source = split, samples, layout, source
         self.lengths = np.asarray(samples.lengths, dtype=np.int64)
         source.attach(self)

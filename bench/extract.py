@@ -208,7 +208,7 @@ def main() -> None:
         shutil.rmtree(store, ignore_errors=True)
         res = []
         t = timed(lambda: res.append(extract_store(store, samples, layouts[dtype], backend=backend,
-                                                   target_path=target_dir, target_dtype=a.dtype, ecfg=ecfg,
+                                                   target_path=target_dir, target_dtype=a.dtype, extract_cfg=ecfg,
                                                    progress=False, extractor=extractor)))
         assert res[0].complete
         stored[name] = store_bytes(store) / n_tokens

@@ -132,7 +132,7 @@ def check(root: Path) -> float:
         stores[device] = root / f"check-{device}"
         shutil.rmtree(stores[device], ignore_errors=True)
         extract_store(stores[device], {"train": Samples(ids)}, layout, backend="hf", target_path=None,
-                      target_dtype="float32", ecfg=ecfg(device, 3, sps=4), progress=False, extractor=ex)
+                      target_dtype="float32", extract_cfg=ecfg(device, 3, sps=4), progress=False, extractor=ex)
         verify_store(stores[device])
     a, b = open_hidden_states(stores["cuda"]), open_hidden_states(stores["cpu"])
     for i in range(len(ids)):
@@ -444,7 +444,7 @@ def main() -> None:
             store = where / f"store-{rep}-{variants.index(spec)}"
             shutil.rmtree(store, ignore_errors=True)
             res = extract_store(store, {"train": Samples(ids)}, lay, backend="hf", target_path=None,
-                                target_dtype="bfloat16", ecfg=cfg, progress=False, extractor=ex2)
+                                target_dtype="bfloat16", extract_cfg=cfg, progress=False, extractor=ex2)
             ex2.close()
         finally:
             hb.ShardWriter = real

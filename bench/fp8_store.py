@@ -148,7 +148,7 @@ def stores_check(model, layer_ids, last_id, seqs, dtype: str) -> dict:
                              dtype=st)
         ex = HFExtractor(None, layout, dtype, cfg, model=model)
         extract_store(root / st, {"train": Samples(ids)}, layout, backend="hf", target_path=None, target_dtype=dtype,
-                      ecfg=cfg, progress=False, extractor=ex)
+                      extract_cfg=cfg, progress=False, extractor=ex)
         ex.close()
         stores[st] = HiddenStates(root / st, fp8="raw")
     same, n = True, 0

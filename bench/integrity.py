@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from eagle3.hashing import TREE_CHUNK, hash_threads, sha256_tree_files  # noqa: E402
-from eagle3.store import ShardPlan, StoreLayout, shard_header, shard_name  # noqa: E402
+from eagle3.store import ShardSpec, StoreLayout, shard_header, shard_name  # noqa: E402
 
 LAYOUT_8B = StoreLayout(layer_ids=(2, 16, 29), last_layer_id=32, hidden_size=4096, dtype="bfloat16")
 SAMPLES_PER_SHARD = 256  # at most; fewer where --gib is too small for 256 samples of SAMPLE_TOKENS
@@ -58,7 +58,7 @@ def write_store(root: Path, gib: float, shards: int) -> list:
     paths = []
     for k in range(shards):
         samples = [range(length)] * count
-        plan = ShardPlan("train", k, shards, k * count, samples, samples)
+        plan = ShardSpec("train", k, shards, k * count, samples, samples)
         header, offs = shard_header(plan, LAYOUT_8B)
         path = root / "train" / shard_name(k, shards)
         with open(path, "wb") as f:

@@ -57,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from eagle3.train.source import HiddenStateSource  # noqa: E402
+
 
 def _bench_train():
     """bench/train.py as a module: its draft config, target head and loop config helpers."""
@@ -133,7 +135,7 @@ def draft_inputs(a, store):
     return TrainInputs(store, None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
 
 
-class MemoryStore:
+class MemoryStore(HiddenStateSource):
     """``n`` samples cycling over a few items computed once (the train-only rate: no producer)."""
 
     def __init__(self, items: list, n: int, layout):

@@ -234,6 +234,7 @@ def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     target head. Seeded: every process builds the same inputs. ``fp8``: the items as an fp8 store
     read raw gives them (float8 values + float32 scales; the loop dequantises on the device)."""
     from eagle3.train.loop import TrainInputs
+    from eagle3.train.source import HiddenStateSource
 
     cfg = make_config(a)
     gen = torch.Generator().manual_seed(0)
@@ -249,7 +250,7 @@ def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
             it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"])
             it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"])
 
-    class Store:
+    class Store(HiddenStateSource):
         lengths = np.full(64, a.seq)
         layer_ids = tuple(cfg.aux_layer_ids)
 

@@ -399,7 +399,7 @@ class DraftModelConfig:
 @dataclass
 class OnlineConfig:
     """``train.online.*``: training while the target produces the hidden states
-    (``train.hidden_states=online``, eagle3/online.py). The producer's numbers come from the extract
+    (``train.hidden_states=online``, eagle3/online/). The producer's numbers come from the extract
     settings (``extract.backend``, ``layer_ids``, ``store_dtype``); nothing here changes a computed
     number, so no field is in the config hash."""
 
@@ -668,7 +668,7 @@ class Config:
     stage: str = "all"
     """prepare | extract | train | export | all (the four in order) | status (the manifest as a
     table) | eval (the offline evaluator alone) | produce (an online producer for a train run with
-    train.hidden_states=online train.online.producer=external, eagle3/online.py) | plan (disk, time
+    train.hidden_states=online train.online.producer=external, eagle3/online/) | plan (disk, time
     and GPU-hours of this config before running it: eagle3/plan.py)."""
     workspace: str = "workspace"
     """Root of every experiment's artifacts."""

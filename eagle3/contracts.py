@@ -141,7 +141,7 @@ class ExtractFacts(Facts):
     # "worst_sample", "max", "tolerance", "dtype", "reference"}, or {"skipped": why}
     parity: Optional[dict] = None
     # training samples this process took from kept online caches instead of running the target:
-    # {"samples": n, "caches": [directories]} (eagle3.online.fill_from_caches); None when none
+    # {"samples": n, "caches": [directories]} (eagle3.extract.reuse.fill_from_caches); None when none
     reused: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:

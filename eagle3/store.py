@@ -148,7 +148,7 @@ def is_assigned(k: int, num_processes: int, process_index: int) -> bool:
 
 
 @dataclass
-class ShardPlan:
+class ShardSpec:
     """One shard to write: which samples, their tokens and loss masks."""
 
     split: str
@@ -182,11 +182,11 @@ class ShardPlan:
         return int(self.offsets[-1])
 
 
-def shard_header(plan: ShardPlan, layout: StoreLayout) -> tuple[bytes, dict]:
+def shard_header(spec: ShardSpec, layout: StoreLayout) -> tuple[bytes, dict]:
     """The safetensors header of a shard and each tensor's absolute byte offset in the file.
 
     Tensor order is fixed (8-byte types first, so every tensor is aligned to its item size)."""
-    n, t = plan.num_samples, plan.num_tokens
+    n, t = spec.num_samples, spec.num_tokens
     st_dtype = _ST_DTYPES[layout.dtype][0]
     specs = [("offsets", "I64", [n + 1], 8), ("sample_index", "I64", [n], 8), ("input_ids", "I32", [t], 4),
              ("aux_hidden_states", st_dtype, [t, layout.n_aux, layout.hidden_size], layout.itemsize),
@@ -203,8 +203,8 @@ def shard_header(plan: ShardPlan, layout: StoreLayout) -> tuple[bytes, dict]:
         header[name] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + nbytes]}
         rel[name] = pos
         pos += nbytes
-    meta = dict(layout.metadata(), split=plan.split, shard=str(plan.k), num_shards=str(plan.num),
-                first_sample=str(plan.first), num_samples=str(n), num_tokens=str(t))
+    meta = dict(layout.metadata(), split=spec.split, shard=str(spec.k), num_shards=str(spec.num),
+                first_sample=str(spec.first), num_samples=str(n), num_tokens=str(t))
     header["__metadata__"] = meta
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)  # pad so the data starts 8-byte aligned
@@ -233,24 +233,24 @@ def read_shard_meta(path: Path) -> dict:
             raise StoreError(f"shard {path} has a corrupt safetensors header ({e}); {REBUILD}") from None
 
 
-def completed_shard(split_dir: Path, plan: ShardPlan, layout: StoreLayout) -> Optional[dict]:
+def completed_shard(split_dir: Path, spec: ShardSpec, layout: StoreLayout) -> Optional[dict]:
     """The record of an already complete shard (for resume), None if it must be (re)written: also
     when it is damaged (a corrupt header, the wrong size, no sidecar), which is logged.
 
     Raises StoreError if a complete shard exists but was written for another target, layer ids or
     dtype: the directory is named by the config hash, so that means files were copied in by hand."""
-    path = split_dir / plan.name
-    side = sidecar_path(split_dir, plan.name)
+    path = split_dir / spec.name
+    side = sidecar_path(split_dir, spec.name)
     if not path.exists():
         return None
-    _, offs = shard_header(plan, layout)
+    _, offs = shard_header(spec, layout)
     try:
         meta = read_shard_meta(path)
     except StoreError as e:
         log.warning("extract: %s; writing it again", e)
         return None
-    expected = dict(layout.metadata(), split=plan.split, shard=str(plan.k), num_shards=str(plan.num),
-                    first_sample=str(plan.first), num_samples=str(plan.num_samples), num_tokens=str(plan.num_tokens))
+    expected = dict(layout.metadata(), split=spec.split, shard=str(spec.k), num_shards=str(spec.num),
+                    first_sample=str(spec.first), num_samples=str(spec.num_samples), num_tokens=str(spec.num_tokens))
     diff = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
     if diff:
         raise StoreError(f"{path} exists but was written for another extraction ({diff}, as (found, expected)). "
@@ -285,10 +285,10 @@ def discard_damaged(store_dir: Path, names: list) -> list:
 
 # -- finalizing -------------------------------------------------------------------------------------
 
-def missing_shards(store_dir: Path, split_plans: dict) -> list[str]:
+def missing_shards(store_dir: Path, split_ranges: dict) -> list[str]:
     """Shard files (split/name) not yet present, given {split: [(first, count), ...]}."""
     out = []
-    for split, ranges in split_plans.items():
+    for split, ranges in split_ranges.items():
         for k in range(len(ranges)):
             name = shard_name(k, len(ranges))
             if not (store_dir / split / name).exists():
@@ -366,6 +366,25 @@ def shard_item(tensor, a: int, b: int, i: int, is_fp8: bool, fp8: str, shard: Pa
     return item
 
 
+
+def one_sample_shard(split: str, i: int, num: int, ids, mask) -> ShardSpec:
+    """Sample ``i`` of ``num`` alone in shard ``i`` (the online exchange's and cache's shards)."""
+    return ShardSpec(split, i, num, i, [list(ids)], [list(mask)])
+
+
+def read_shard_item(path: Path, layout: StoreLayout, fp8: str = "raw") -> dict:
+    """A one-sample shard file of ``layout`` -> a store item (:func:`shard_item`, as HiddenStates
+    gives it, scales checked), fully in memory (the file may be deleted right after)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:  # one copy out of the page cache per tensor
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [n for n in ("aux_scales", "last_scales") if layout.is_fp8 and n not in t]
+    if missing:
+        raise StoreError(f"fp8 shard {path} has no {missing}: its values cannot be dequantised")
+    return shard_item(t.__getitem__, 0, int(t["input_ids"].shape[0]), int(t["sample_index"][0]), layout.is_fp8,
+                      fp8, path)
+
 class HiddenStates(Sequence):
     """One split of a store as a sequence of samples; item i is a dict of CPU tensors:
 
@@ -415,6 +434,12 @@ class HiddenStates(Sequence):
         self._handles: OrderedDict = OrderedDict()
         self._offsets: dict = {}
         self._pid = os.getpid()
+
+    # eagle3.train.source.HiddenStateSource: items are read into host memory, in any order
+    on_device = False
+
+    def expect(self, micro_batches) -> None:
+        pass
 
     # facts
     @property

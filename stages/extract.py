@@ -77,9 +77,9 @@ def run(cfg, manifest):
     from eagle3.extract import DatasetSamples, extract_store
     from eagle3.extract.checks import check_store, refuse_known_bad
     from eagle3.extract.layout import check_tokenizer, derive_store_layout
+    from eagle3.extract.reuse import extract_identity, fill_from_caches, reusable_caches
     from eagle3.hashing import semantic_dict
     from eagle3.manifest import ManifestError
-    from eagle3.online import extract_identity, fill_from_caches, reusable_caches
     from eagle3.target import resolve
 
     ecfg = cfg.extract
@@ -123,7 +123,7 @@ def run(cfg, manifest):
                 print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
                       f"({', '.join(map(str, caches))}), the target not run for them")
         return extract_store(job.out_dir, splits, layout, backend=ecfg.backend, target_path=target.path,
-                             target_dtype=target_dtype, ecfg=ecfg, num_processes=num_processes,
+                             target_dtype=target_dtype, extract_cfg=ecfg, num_processes=num_processes,
                              process_index=process_index, progress=cfg.progress)
 
     regen = prep.facts.regen or {}

@@ -1,4 +1,4 @@
-"""``stage=produce``: an online producer (eagle3/online.py) for a train run with
+"""``stage=produce``: an online producer (eagle3/online/) for a train run with
 ``train.hidden_states=online train.online.producer=external``.
 
 Started with the trainer's overrides (the same target, prepare run and extract settings), it finds

@@ -2,7 +2,7 @@
 
 Inputs through the manifest: prepare's vocabulary mapping (``vocab.safetensors``) and the extract
 run's store (its layer ids, hidden size and dtype are facts); with ``train.hidden_states=online``
-prepare's dataset instead, the states computed while training (eagle3/online.py), and the
+prepare's dataset instead, the states computed while training (eagle3/online/), and the
 producer's settings recorded as ``TrainFacts.producer``. The target's embedding, final norm and
 lm_head are read from the checkpoint alone (eagle3.target_weights), never the whole model.
 Outputs in the run's directory: ``draft.safetensors`` (vLLM tensor names, float32),

@@ -170,11 +170,11 @@ def llama(tmp_path_factory, chats):
     return target, rec
 
 
-def _check(store, target, **ecfg):
+def _check(store, target, **extract_cfg):
     layout = StoreLayout(layer_ids=tuple(LAYER_IDS), last_layer_id=4, hidden_size=64, dtype="float32")
     cfg = json.loads((target / "config.json").read_text())
     return check_store(store, ["train", "eval"], layout, target, cfg, "float32",
-                       ExtractConfig(layer_ids=LAYER_IDS, **ecfg), greedy=True, prepare_run="0123456789abcdef")
+                       ExtractConfig(layer_ids=LAYER_IDS, **extract_cfg), greedy=True, prepare_run="0123456789abcdef")
 
 
 CORRUPTIONS = {
@@ -198,10 +198,10 @@ def test_corrupted_store_is_caught(name, llama, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(rec.out_dir, store)
     _check(store, target)  # the copy passes before it is corrupted
-    corrupt, ecfg, message = CORRUPTIONS[name]
+    corrupt, extract_cfg, message = CORRUPTIONS[name]
     corrupt(store)
     with pytest.raises(HiddenStateCheckError, match=message) as err:
-        _check(store, target, **ecfg)
+        _check(store, target, **extract_cfg)
     text = str(err.value)
     print(f"{name}: {text[:text.index('Likely causes')]}")
     assert "Likely causes" in text and str(store) in text
@@ -408,21 +408,21 @@ def test_bfloat16_parity_passes_a_correct_store_and_catches_one_6_percent_off(tm
     ids = [rng.integers(3, 250, n).tolist() for n in (40, 90, 7, 64, 120, 15)]
     splits = {"train": Samples(ids[:4]), "eval": Samples(ids[4:])}
     layout = StoreLayout(layer_ids=tuple(LAYER_IDS), last_layer_id=4, hidden_size=64, dtype="bfloat16")
-    ecfg = ExtractConfig(layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
+    extract_cfg = ExtractConfig(layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
                          agreement_positions=0)
     store = tmp_path / "store"
     assert extract_store(store, splits, layout, backend="hf", target_path=target, target_dtype="bfloat16",
-                         ecfg=ecfg, progress=False).complete
+                         extract_cfg=extract_cfg, progress=False).complete
     assert uses_reference_parity("bfloat16", "bfloat16", 0.0) and not uses_reference_parity("bfloat16", "fp8", 0.0)
-    _, _, parity = check_store(store, list(splits), layout, target, cfg, "bfloat16", ecfg, greedy=False)
+    _, _, parity = check_store(store, list(splits), layout, target, cfg, "bfloat16", extract_cfg, greedy=False)
     assert parity["method"] == "float32 reference" and parity["max"] <= 1.0
     noise = max(v[0] for v in parity["noise"].values())
     assert 1e-4 < noise < 0.03, parity  # transformers' own bfloat16 error: not zero, not gross
     perturb_store(store, 0.06)
     with pytest.raises(HiddenStateCheckError, match=r"parity sample: .*float32.*per-token relative errors of aux 1: "
                                                     r"0\.0[5-7]\d* mean.*more than 3x the error transformers itself"):
-        check_store(store, list(splits), layout, target, cfg, "bfloat16", ecfg, greedy=False)
-    fixed = parity_sample(store, list(splits), layout, target, cfg, "bfloat16", ecfg, 4,
+        check_store(store, list(splits), layout, target, cfg, "bfloat16", extract_cfg, greedy=False)
+    fixed = parity_sample(store, list(splits), layout, target, cfg, "bfloat16", extract_cfg, 4,
                           parity_tolerance("bfloat16", "bfloat16"))
     assert fixed["max"] <= fixed["tolerance"]  # what the fixed tolerance would have said: passed
     # an explicit extract.parity_tolerance keeps the fixed-tolerance check it names

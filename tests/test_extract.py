@@ -53,9 +53,9 @@ def layout():
 
 
 def _extract(store, samples, layout, target, backend, **kw):
-    ecfg = ExtractConfig(**{**ECFG, **kw.pop("ecfg", {})})
+    extract_cfg = ExtractConfig(**{**ECFG, **kw.pop("extract_cfg", {})})
     res = extract_store(store, samples, layout, backend=backend, target_path=target, target_dtype="float32",
-                        ecfg=ecfg, progress=False, **kw)
+                        extract_cfg=extract_cfg, progress=False, **kw)
     assert res.complete, res.missing
     return store
 
@@ -116,7 +116,7 @@ def test_vllm_load_time_aux_matches_hf(tmp_path, hf_store, samples, layout, targ
     """The GPU default: aux outputs switched on by the extract_hidden_states method at model load.
     Other batching too (shards of 3 samples, 4 sequences per step)."""
     store = _extract(tmp_path / "s", samples, layout, target, "vllm", aux_setup="load_time",
-                     ecfg={"samples_per_shard": 3, "max_num_seqs": 4})
+                     extract_cfg={"samples_per_shard": 3, "max_num_seqs": 4})
     assert_matches(store, hf_store, samples)
 
 
@@ -133,7 +133,7 @@ def test_vllm_connector_matches_hf(tmp_path, hf_store, samples, layout, target):
 def test_tensor_parallel_2_matches_tp1(tmp_path, vllm_store, samples, layout, target):
     """TP=2 on the CPU: two worker processes, only rank 0 writes; states equal TP=1's up to float
     rounding (the all-reduce sums in another order), and the store is complete and well-formed."""
-    store = _extract(tmp_path / "s", samples, layout, target, "vllm", ecfg={"tensor_parallel_size": 2})
+    store = _extract(tmp_path / "s", samples, layout, target, "vllm", extract_cfg={"tensor_parallel_size": 2})
     for split in samples:
         got, want = open_hidden_states(store, split), open_hidden_states(vllm_store, split)
         for i in range(len(want)):
@@ -162,7 +162,7 @@ if a["slow"]:  # slow the engine down so that the test can kill it between shard
     vb.VLLMExtractor.run = run
 samples = {s: Samples(*v) for s, v in a["samples"].items()}
 res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="vllm", target_path=a["target"],
-                    target_dtype="float32", ecfg=ExtractConfig(**a["ecfg"]), progress=False)
+                    target_dtype="float32", extract_cfg=ExtractConfig(**a["extract_cfg"]), progress=False)
 print("COMPLETE" if res.complete else "INCOMPLETE")
 """
 
@@ -179,7 +179,7 @@ def _kill_then_resume(tmp_path, script_text, samples, layout, target, min_shards
     script = tmp_path / "run.py"
     script.write_text(script_text)
     store = tmp_path / "store"
-    args = {"store": str(store), "layout": layout.to_json(), "target": str(target), "ecfg": ECFG, "slow": True,
+    args = {"store": str(store), "layout": layout.to_json(), "target": str(target), "extract_cfg": ECFG, "slow": True,
             "samples": {s: [v.input_ids, v.loss_mask] for s, v in samples.items()}}
     (tmp_path / "a.json").write_text(json.dumps(args))
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -272,17 +272,17 @@ def test_hf_writes_the_bytes_of_the_plain_path(tmp_path, hf_store, samples, layo
             aux = torch.stack([self._captured[k][keep] for k in self.layout.layer_ids], dim=1)
             return aux, self._captured[self.layout.last_layer_id][keep]
 
-    ecfg = ExtractConfig(**ECFG)
+    extract_cfg = ExtractConfig(**ECFG)
     rng = random.Random(1)
     equal = {"eq": Samples([[rng.randrange(3, 380) for _ in range(40)] for _ in range(9)])}  # no padding
     new = extract_store(tmp_path / "new", equal, layout, backend="hf", target_path=target, target_dtype="float32",
-                        ecfg=ecfg, progress=False)
+                        extract_cfg=extract_cfg, progress=False)
     monkeypatch.setattr(hb, "ShardWriter", functools.partial(ShardWriter, stream_hash=False, early_writeback=False,
                                                              row_threads=1))
     for name, smp in (("old", samples), ("old-eq", equal)):
-        ex = MaskGather(target, layout, "float32", ecfg)
+        ex = MaskGather(target, layout, "float32", extract_cfg)
         res = extract_store(tmp_path / name, smp, layout, backend="hf", target_path=target, target_dtype="float32",
-                            ecfg=ecfg, progress=False, extractor=ex)
+                            extract_cfg=extract_cfg, progress=False, extractor=ex)
         ex.close()
         assert res.complete
     assert new.complete and _store_bytes(tmp_path / "old-eq") == _store_bytes(tmp_path / "new")
@@ -305,7 +305,7 @@ if a["slow"]:  # slow the forward passes down so that the test can kill the run 
     hb.HFExtractor._forward = slow
 samples = {s: Samples(*v) for s, v in a["samples"].items()}
 res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="hf", target_path=a["target"],
-                    target_dtype="float32", ecfg=ExtractConfig(**a["ecfg"]), progress=False)
+                    target_dtype="float32", extract_cfg=ExtractConfig(**a["extract_cfg"]), progress=False)
 print("COMPLETE" if res.complete else "INCOMPLETE")
 """
 

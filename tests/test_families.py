@@ -73,7 +73,7 @@ def samples():
 
 def _extract(store, samples, layout, target, backend):
     res = extract_store(store, samples, layout, backend=backend, target_path=target, target_dtype="float32",
-                        ecfg=ExtractConfig(**ECFG), progress=False)
+                        extract_cfg=ExtractConfig(**ECFG), progress=False)
     assert res.complete, res.missing
     return store
 

@@ -18,7 +18,7 @@ from eagle3.hashing import sha256_tree_file
 from eagle3.store import (
     FORMAT,
     FORMAT_FP8,
-    ShardPlan,
+    ShardSpec,
     StoreError,
     StoreLayout,
     completed_shard,
@@ -122,16 +122,16 @@ def _write(store_dir, layout, ids, mask, states, sps=3, chunk_seed=0, stop_after
     writer = ShardWriter(store_dir, layout)
     ranges = shard_ranges(len(ids), sps)
     for k, (first, count) in enumerate(ranges):
-        plan = ShardPlan("train", k, len(ranges), first, ids[first:first + count], mask[first:first + count])
-        if completed_shard(store_dir / "train", plan, layout) is not None:
+        spec = ShardSpec("train", k, len(ranges), first, ids[first:first + count], mask[first:first + count])
+        if completed_shard(store_dir / "train", spec, layout) is not None:
             continue
         if stop_after is not None and k == stop_after:
-            writer.begin(plan)
+            writer.begin(spec)
             s = states[first][:1]
             writer.write(CapturedBatch([(("train", k), 0, 0, 0, 1)], s[:, :-1], s[:, -1]))
             writer.abort()
             return
-        writer.begin(plan)
+        writer.begin(spec)
         queues = []  # per sample: its chunks in order (as prefill sends them); samples interleave
         for j in range(count):
             n, pos, q = len(ids[first + j]), 0, []
@@ -236,8 +236,8 @@ def test_reader_refuses_bad_scales_naming_the_shard(fp8_store, bad):
     store, layout, ids, mask, states = fp8_store
     name = "shard-00001-of-00003.safetensors"
     path = store / "train" / name
-    plan = ShardPlan("train", 1, 3, 3, ids[3:6], mask[3:6])
-    _, off = shard_header(plan, layout)
+    spec = ShardSpec("train", 1, 3, 3, ids[3:6], mask[3:6])
+    _, off = shard_header(spec, layout)
     data = bytearray(path.read_bytes())
     data[off["last_scales"] + 4 * 2: off["last_scales"] + 4 * 3] = np.float32(bad).tobytes()  # token 2 of the shard
     path.write_bytes(bytes(data))
@@ -288,11 +288,11 @@ def test_other_dtypes_and_readers_never_misread(fp8_store, tmp_path, monkeypatch
     with pytest.raises(StoreError, match=f"{name}.*bfloat16.*fp8"):
         open_hidden_states(store)[4]
     # resuming an fp8 extraction over a bf16 shard (or the reverse) is refused, not mixed
-    plan = ShardPlan("train", 1, 3, 3, ids[3:6], mask[3:6])
+    spec = ShardSpec("train", 1, 3, 3, ids[3:6], mask[3:6])
     with pytest.raises(StoreError, match="another extraction"):
-        completed_shard(store / "train", plan, layout)
+        completed_shard(store / "train", spec, layout)
     with pytest.raises(StoreError, match="another extraction"):
-        completed_shard(store / "train", ShardPlan("train", 0, 3, 0, ids[:3], mask[:3]), bf)
+        completed_shard(store / "train", ShardSpec("train", 0, 3, 0, ids[:3], mask[:3]), bf)
     # a bf16 store read raw (as the train stage reads) is just bf16: no scales
     item = open_hidden_states(tmp_path / "bf", fp8="raw")[0]
     assert item["aux_hidden_states"].dtype == torch.bfloat16 and "aux_scales" not in item
@@ -349,7 +349,7 @@ def stores(tiny_target, tmp_path_factory):
         d = tmp_path_factory.mktemp(dtype)
         layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype=dtype)
         res = extract_store(d, splits, layout, backend="hf", target_path=tiny_target, target_dtype="float32",
-                            ecfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+                            extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
         assert res.complete
         out[dtype] = d
     return out

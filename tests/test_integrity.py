@@ -228,7 +228,7 @@ def test_a_corrupt_shard_header_names_the_file_and_extract_rebuilds_it(tmp_path,
 def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):
     """Before a run is recorded (a crashed extraction resumes), a shard that exists but is truncated
     or has a broken header is written again, not refused."""
-    from eagle3.store import ShardPlan, StoreLayout, completed_shard
+    from eagle3.store import ShardSpec, StoreLayout, completed_shard
 
     rec, shards = _extracted(tmp_path, tiny_llama_dir)
     f = rec.facts
@@ -237,10 +237,10 @@ def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):
     index = json.loads((rec.out_dir / "train" / "index.json").read_text())
     s0 = index["shards"][0]
     lengths = index["lengths"][s0["first_sample"]:s0["first_sample"] + s0["num_samples"]]
-    plan = ShardPlan("train", 0, len(index["shards"]), 0, [range(n) for n in lengths], [range(n) for n in lengths])
-    assert completed_shard(rec.out_dir / "train", plan, layout)["sha256_tree"] == s0["sha256_tree"]
+    spec = ShardSpec("train", 0, len(index["shards"]), 0, [range(n) for n in lengths], [range(n) for n in lengths])
+    assert completed_shard(rec.out_dir / "train", spec, layout)["sha256_tree"] == s0["sha256_tree"]
     full = shards[0].read_bytes()
     shards[0].write_bytes(full[:-4])
-    assert completed_shard(rec.out_dir / "train", plan, layout) is None
+    assert completed_shard(rec.out_dir / "train", spec, layout) is None
     shards[0].write_bytes(full[:8] + b"#" * 16 + full[24:])
-    assert completed_shard(rec.out_dir / "train", plan, layout) is None
+    assert completed_shard(rec.out_dir / "train", spec, layout) is None

@@ -32,7 +32,7 @@ def _extract_derives(cfg, manifest, monkeypatch) -> tuple:
 
     seen = {}
 
-    def make_extractor(backend, target_path, layout, target_dtype, ecfg, max_model_len, *a, **kw):
+    def make_extractor(backend, target_path, layout, target_dtype, extract_cfg, max_model_len, *a, **kw):
         seen.update(layout=layout, target_dtype=target_dtype, max_model_len=max_model_len)
         raise _Stop
 

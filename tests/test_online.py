@@ -1,4 +1,4 @@
-"""train.hidden_states=online (eagle3/online.py): the draft trained while the target produces its
+"""train.hidden_states=online (eagle3/online/): the draft trained while the target produces its
 states equals the draft trained offline on a store of the same samples; disk stays bounded; faults
 and bad inputs end in one clear error.
 
@@ -86,7 +86,7 @@ def offline(target_dir, splits, layout, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("offline")
     res = extract_store(root / "store", splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                        ecfg=ECFG, progress=False)
+                        extract_cfg=ECFG, progress=False)
     assert res.complete
     stores = (open_hidden_states(root / "store", "train", fp8="raw"), open_hidden_states(root / "store", "eval", fp8="raw"))
     train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), root / "run", progress=False)
@@ -192,14 +192,14 @@ from eagle3.online import produce
 from test_online import identity, make_layout, make_splits
 d, backend, target, layer_ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 layout = make_layout(layer_ids)
-ecfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids, kv_cache_gb=0.25,
+extract_cfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids, kv_cache_gb=0.25,
                      max_num_batched_tokens=256)
-ext = make_extractor(backend, target, layout, "float32", ecfg, 64, d)
+ext = make_extractor(backend, target, layout, "float32", extract_cfg, 64, d)
 if len(sys.argv) > 5:  # first a reference store of the same samples, with the same engine
     import dataclasses
     from eagle3.extract import extract_store
     extract_store(sys.argv[5], make_splits(), layout, backend=backend, target_path=target, target_dtype="float32",
-                  ecfg=dataclasses.replace(ecfg, samples_per_shard=1), extractor=ext, progress=False)
+                  extract_cfg=dataclasses.replace(extract_cfg, samples_per_shard=1), extractor=ext, progress=False)
 print("producer ready", flush=True)
 part, parts = map(int, os.environ.get("PRODUCER_PART", "0/1").split("/"))
 stats = produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False, part=part,
@@ -589,7 +589,7 @@ def test_fp8_items_equal_the_fp8_store_computed_and_cached(target_dir, splits, t
 
     layout = dataclasses.replace(make_layout(), dtype="fp8")
     res = extract_store(tmp_path / "store", {"train": splits["train"]}, layout, backend="hf", target_path=target_dir,
-                        target_dtype="float32", ecfg=ECFG, progress=False)
+                        target_dtype="float32", extract_cfg=ECFG, progress=False)
     assert res.complete
     ref = open_hidden_states(tmp_path / "store", "train", fp8="raw")
     src = ColocatedSource(HFExtractor(str(target_dir), layout, "float32", ECFG), layout, tmp_path / "cache", 60_000)
@@ -686,8 +686,7 @@ def test_an_fp8_shard_with_bad_or_missing_scales_is_refused_naming_it(tmp_path, 
     from safetensors.torch import save_file
 
     from eagle3.fp8 import quantize
-    from eagle3.online import read_shard_item
-    from eagle3.store import StoreError, StoreLayout
+    from eagle3.store import StoreError, StoreLayout, read_shard_item
 
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=8, dtype="fp8")
     T = 5

@@ -13,7 +13,7 @@ from eagle3.extract.layers import LayerIdError, default_layer_ids, resolve_layer
 from eagle3.extract.writer import CapturedBatch, ShardWriter
 from eagle3.hashing import sha256_tree_file
 from eagle3.store import (
-    ShardPlan,
+    ShardSpec,
     StoreError,
     StoreLayout,
     StoreWriteError,
@@ -46,8 +46,8 @@ def _write_store(store_dir, ids, mask, states, layout=LAYOUT, sps=4, chunk_seed=
     for split in splits:
         ranges = shard_ranges(len(ids), sps)
         for k, (first, count) in enumerate(ranges):
-            plan = ShardPlan(split, k, len(ranges), first, ids[first:first + count], mask[first:first + count])
-            writer.begin(plan)
+            spec = ShardSpec(split, k, len(ranges), first, ids[first:first + count], mask[first:first + count])
+            writer.begin(spec)
             chunks = []
             for j in range(count):
                 t, pos = len(ids[first + j]), 0
@@ -172,7 +172,7 @@ def test_rows_written_twice_hash_the_final_file(tmp_path, monkeypatch):
     ids, mask = [[1] * 6, [2] * 3], [[1] * 6, [0] * 3]
     x, y, z = torch.randn(6, 4, H), torch.randn(6, 4, H), torch.randn(3, 4, H)
     w = ShardWriter(tmp_path, LAYOUT)
-    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    w.begin(ShardSpec("train", 0, 1, 0, ids, mask))
     w.write(CapturedBatch([(("train", 0), 0, 0, 0, 6)], x[:, :3], x[:, 3]))
     w.write(CapturedBatch([(("train", 0), 0, 2, 2, 6)], y[:, :3], y[:, 3]))  # rows 2..5 of sample 0 again
     w.write(CapturedBatch([(("train", 0), 1, 0, 0, 3)], z[:, :3], z[:, 3]))
@@ -190,7 +190,7 @@ def test_bfloat16_store(tmp_path):
     ids, mask = [[1, 2, 3], [4]], [[0, 1, 1], [1]]
     states = [torch.randn(3, 3, H), torch.randn(1, 3, H)]
     w = ShardWriter(tmp_path, layout)
-    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    w.begin(ShardSpec("train", 0, 1, 0, ids, mask))
     w.write(CapturedBatch([(("train", 0), 0, 0, 0, 3), (("train", 0), 1, 0, 3, 4)],
                           torch.cat(states)[:, :2], torch.cat(states)[:, 2]))
     w.end(("train", 0))
@@ -205,7 +205,7 @@ def test_bfloat16_store(tmp_path):
 def test_incomplete_capture_leaves_no_shard(tmp_path):
     ids, mask = [[1, 2, 3, 4], [5, 6]], [[1] * 4, [1] * 2]
     w = ShardWriter(tmp_path, LAYOUT)
-    w.begin(ShardPlan("train", 0, 1, 0, ids, mask))
+    w.begin(ShardSpec("train", 0, 1, 0, ids, mask))
     x = torch.zeros(2, 4, H)
     w.write(CapturedBatch([(("train", 0), 0, 0, 0, 2)], x[:, :3], x[:, 3]))  # sample 0: 2 of 4 tokens
     w.end(("train", 0))
@@ -216,7 +216,7 @@ def test_incomplete_capture_leaves_no_shard(tmp_path):
 
 def test_gap_in_positions_is_refused(tmp_path):
     w = ShardWriter(tmp_path, LAYOUT)
-    w.begin(ShardPlan("train", 0, 1, 0, [[1] * 8], [[1] * 8]))
+    w.begin(ShardSpec("train", 0, 1, 0, [[1] * 8], [[1] * 8]))
     x = torch.zeros(2, 4, H)
     w.write(CapturedBatch([(("train", 0), 0, 3, 0, 2)], x[:, :3], x[:, 3]))  # starts at 3, nothing before
     with pytest.raises(StoreWriteError, match="gap"):
@@ -252,11 +252,11 @@ def test_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
 def test_resume_check_refuses_foreign_shards(tmp_path):
     ids, mask, states = _samples()
     _write_store(tmp_path / "s", ids, mask, states)
-    plan = ShardPlan("train", 0, 3, 0, ids[:4], mask[:4])
-    assert completed_shard(tmp_path / "s" / "train", plan, LAYOUT)["sha256_tree"]
+    spec = ShardSpec("train", 0, 3, 0, ids[:4], mask[:4])
+    assert completed_shard(tmp_path / "s" / "train", spec, LAYOUT)["sha256_tree"]
     other = StoreLayout(layer_ids=(1, 2, 4), last_layer_id=6, hidden_size=H, dtype="float32", target_hash="u" * 64)
     with pytest.raises(StoreError, match="another extraction"):
-        completed_shard(tmp_path / "s" / "train", plan, other)
+        completed_shard(tmp_path / "s" / "train", spec, other)
 
 
 def test_reader_errors(tmp_path):
@@ -329,7 +329,7 @@ def test_store_shards_take_the_umask(tmp_path):
     try:
         res = extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7, 8], [9, 10]])}, layout, backend="hf",
                             target_path=target, target_dtype="float32",
-                            ecfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
+                            extract_cfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
     finally:
         os.umask(old)
     assert res.complete

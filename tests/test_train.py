@@ -18,7 +18,7 @@ import torch
 from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
 from eagle3.train.attention import TTTMask, _ttt_mask_mod, naive_ttt_attention, ttt_attention
-from eagle3.train.data import collate, plan_epoch
+from eagle3.train.data import collate, epoch_order
 from eagle3.train.metrics import expected_acceptance_lengths
 from eagle3.train.target_head import TargetHead
 from eagle3.train.ttt import STAT_NAMES, TTTModel
@@ -270,19 +270,19 @@ def test_expected_acceptance_length():
 
 # -- data ------------------------------------------------------------------------------------------
 
-def test_packing_plan_and_collation():
+def test_packing_order_and_collation():
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 50, size=40)
-    plan = plan_epoch(lengths, 64, seed=3, epoch=0, packing=True)
-    flat = [i for row in plan.rows for i in row]
+    order = epoch_order(lengths, 64, seed=3, epoch=0, packing=True)
+    flat = [i for row in order.rows for i in row]
     assert sorted(flat) == [i for i in range(40) if lengths[i] >= 3]  # each usable sample once
-    assert all(sum(min(lengths[i], 64) for i in row) <= 64 for row in plan.rows)
-    assert plan.rows == plan_epoch(lengths, 64, seed=3, epoch=0, packing=True).rows  # deterministic
-    assert plan.rows != plan_epoch(lengths, 64, seed=3, epoch=1, packing=True).rows  # reshuffled per epoch
+    assert all(sum(min(lengths[i], 64) for i in row) <= 64 for row in order.rows)
+    assert order.rows == epoch_order(lengths, 64, seed=3, epoch=0, packing=True).rows  # deterministic
+    assert order.rows != epoch_order(lengths, 64, seed=3, epoch=1, packing=True).rows  # reshuffled per epoch
     # a global batch does not depend on its split over processes and accumulation steps
-    one = [r for a in range(2) for r in plan.micro_batch(1, a, 0, 2, 2, 1)]  # 1 process, batch 2, accum 2
-    two = [r for a in range(2) for rank in range(2) for r in plan.micro_batch(1, a, rank, 1, 2, 2)]  # 2 x batch 1
-    assert one == two == plan.rows[4:8]
+    one = [r for a in range(2) for r in order.micro_batch(1, a, 0, 2, 2, 1)]  # 1 process, batch 2, accum 2
+    two = [r for a in range(2) for rank in range(2) for r in order.micro_batch(1, a, rank, 1, 2, 2)]  # 2 x batch 1
+    assert one == two == order.rows[4:8]
     item = lambda n, v: {"input_ids": torch.full((n,), v), "loss_mask": torch.ones(n, dtype=torch.bool),  # noqa: E731
                          "aux_hidden_states": torch.full((n, 3, 4), float(v)), "last_hidden_state": torch.zeros(n, 4)}
     b = collate([[item(3, 1), item(4, 2)], [item(5, 3)]], max_len=16, pad_to_multiple=4)
@@ -320,7 +320,7 @@ def store_dir(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("store")
     layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="float32")
     res = extract_store(out, splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                        ecfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+                        extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
     assert res.complete
     return out
 

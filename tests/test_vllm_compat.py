@@ -169,7 +169,7 @@ def test_gpu_refusals_come_before_the_engine_through_the_stage(tmp_path, monkeyp
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=64, dtype="bfloat16")
     with pytest.raises(ExtractError, match="aux_setup=runtime"):
         extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7]])}, layout, backend="vllm", target_path=target,
-                      target_dtype="bfloat16", ecfg=ExtractConfig(aux_setup="runtime"), progress=False)
+                      target_dtype="bfloat16", extract_cfg=ExtractConfig(aux_setup="runtime"), progress=False)
 
 
 def test_eager_mla_on_gpu_vllm_0_25_is_refused(tmp_path, monkeypatch):

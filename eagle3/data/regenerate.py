@@ -21,13 +21,13 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
     from .chat_template import generation_prompt_ids
 
     # The assistant turns to produce: each existing assistant turn, plus one after a final user turn.
-    plans = []
+    turn_slots = []
     for msgs in conversations:
         slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if msgs and msgs[-1]["role"] == "user":
             slots.append(len(msgs))
-        plans.append(slots)
-    rounds = max((len(p) for p in plans), default=0)
+        turn_slots.append(slots)
+    rounds = max((len(p) for p in turn_slots), default=0)
     # histories[c]: the conversation so far with generated assistant turns; cursors[c]: the next
     # original message to copy over.
     histories = [[] for _ in conversations]
@@ -40,7 +40,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
     try:
         for r in tqdm(range(rounds), desc="regenerate turns", disable=not progress):
             batch, index = [], []
-            for c, (msgs, slots) in enumerate(zip(conversations, plans)):
+            for c, (msgs, slots) in enumerate(zip(conversations, turn_slots)):
                 if r >= len(slots) or not alive[c]:
                     continue
                 upto = slots[r]
@@ -57,7 +57,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
             if not batch:
                 continue
             for c, (text, truncated) in zip(index, generator.generate(batch)):
-                cursors[c] = plans[c][r] + 1  # skip the original assistant turn it replaces
+                cursors[c] = turn_slots[c][r] + 1  # skip the original assistant turn it replaces
                 if not text.strip():
                     alive[c] = False
                     stats["empty_response"] += 1

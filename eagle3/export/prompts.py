@@ -45,27 +45,27 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval", categories: list | No
     return out
 
 
-def held_out_prompts(ecfg, prep, target_path, categories: list | None = None) -> list:
+def held_out_prompts(export_cfg, prep, target_path, categories: list | None = None) -> list:
     """The prompts verification and stage=eval run: ``export.prompts`` if set, else the prepare
     stage's eval split. ``categories``: a list to receive each prompt's category (None without one):
     the dataset's ``category`` column (from the source records' ``category``/``domain`` field), or the
     prompts file's field."""
-    if ecfg.prompts:
-        return file_prompts(ecfg.prompts, ecfg.eval_prompts, target_path, categories=categories)
+    if export_cfg.prompts:
+        return file_prompts(export_cfg.prompts, export_cfg.eval_prompts, target_path, categories=categories)
     from ..artifacts import DATASET_DIR
 
-    return eval_prompts(prep.path(DATASET_DIR), ecfg.eval_prompts, categories=categories)
+    return eval_prompts(prep.path(DATASET_DIR), export_cfg.eval_prompts, categories=categories)
 
 
-def prompts_identity(ecfg):
+def prompts_identity(export_cfg):
     """Content hash of ``export.prompts`` for a stage's config hash (None without one)."""
-    if not ecfg.prompts:
+    if not export_cfg.prompts:
         return None
     from ..hashing import sha256_file
 
-    if not Path(ecfg.prompts).expanduser().is_file():
-        raise ExportError(f"export.prompts={ecfg.prompts!r} does not exist")
-    return sha256_file(Path(ecfg.prompts).expanduser())
+    if not Path(export_cfg.prompts).expanduser().is_file():
+        raise ExportError(f"export.prompts={export_cfg.prompts!r} does not exist")
+    return sha256_file(Path(export_cfg.prompts).expanduser())
 
 
 def file_prompts(path, n: int, target_path, categories: list | None = None) -> list:

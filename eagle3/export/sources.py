@@ -104,11 +104,11 @@ def load_source(cfg, manifest, target, needs_prompts: bool, stage: str = "export
     from ..manifest import ManifestError
     from .importers import import_draft
 
-    ecfg = cfg.export
-    if ecfg.from_:
-        from_id = directory_identity(ecfg.from_)
-        ckpt = import_draft(ecfg.from_, target.config, ecfg.from_layer_convention)
-        needs_prompts = needs_prompts and not ecfg.prompts
+    export_cfg = cfg.export
+    if export_cfg.from_:
+        from_id = directory_identity(export_cfg.from_)
+        ckpt = import_draft(export_cfg.from_, target.config, export_cfg.from_layer_convention)
+        needs_prompts = needs_prompts and not export_cfg.prompts
         inputs = manifest.consume_upstream(stage, target.identity(), only=("prepare",) if needs_prompts else ())
         return ckpt, inputs, inputs.get("prepare"), from_id
     inputs = manifest.consume_upstream(stage, target.identity(), only=("prepare", "train"), cfg=cfg)

@@ -10,7 +10,8 @@ Backends (``extract.backend``, registered in ``backend.BACKENDS``, all implement
 extract_hidden_states + hidden-states connector), ``hf`` (transformers reference). Each supplies
 what a shard's samples produce; the shard loop is ``writer.write_shards``. The checks of a finished
 store (target agreement, the parity sample) and the refusals before an engine starts are in
-``checks``.
+``checks``; the training samples an online run's cache already holds are copied, not computed, by
+``reuse``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..store import ShardPlan, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
+from ..store import ShardSpec, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
 from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
 from .layout import max_model_len
@@ -83,7 +84,7 @@ class ExtractResult:
 
 
 def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str, target_path, target_dtype: str,
-                  ecfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
+                  extract_cfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
                   extractor=None, **backend_kwargs) -> ExtractResult:
     """Write the shards of ``splits`` ({name: Samples}) assigned to this process; finalize if all exist.
 
@@ -93,14 +94,14 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
 
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    sps = ecfg.samples_per_shard
+    sps = extract_cfg.samples_per_shard
     todo: list[tuple] = []
     for split, samples in splits.items():
         ranges = shard_ranges(len(samples), sps)
         for k, (first, count) in enumerate(ranges):
             if not is_assigned(k, num_processes, process_index):
                 continue
-            probe = ShardPlan(split, k, len(ranges), first, [range(int(n)) for n in samples.lengths[first:first + count]],
+            probe = ShardSpec(split, k, len(ranges), first, [range(int(n)) for n in samples.lengths[first:first + count]],
                               [range(int(n)) for n in samples.lengths[first:first + count]])
             if completed_shard(store_dir / split, probe, layout) is None:
                 todo.append((split, k, len(ranges), first, count))
@@ -113,19 +114,19 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
         log.info("extract: %d shards (%d tokens) to write with backend %s%s", len(todo), total, backend,
                  f"; {skipped} complete or assigned to other processes" if skipped else "")
 
-        def plans():
+        def specs():
             for split, k, num, first, count in todo:
                 ids, mask = splits[split].get(first, first + count)
-                yield ShardPlan(split, k, num, first, list(ids), list(mask))
+                yield ShardSpec(split, k, num, first, list(ids), list(mask))
 
         own = extractor is None
         if own:
-            extractor = make_extractor(backend, target_path, layout, target_dtype, ecfg,
+            extractor = make_extractor(backend, target_path, layout, target_dtype, extract_cfg,
                                        max_model_len(s.lengths for s in splits.values()),
                                        store_dir, **backend_kwargs)
         bar = Progress(total, f"extract ({backend})", progress)
         try:
-            written = extractor.run(plans(), store_dir, bar)
+            written = extractor.run(specs(), store_dir, bar)
             stats = getattr(extractor, "last_stats", None)
         finally:
             bar.close()

@@ -2,11 +2,11 @@
 
 A backend is a producer of hidden states with the target loaded. It is built as
 
-    cls(target_path, layout, target_dtype, ecfg, max_model_len=..., work_dir=..., **options)
+    cls(target_path, layout, target_dtype, extract_cfg, max_model_len=..., work_dir=..., **options)
 
 (``max_model_len``: longest sample + 1, rounded up, for engines that size their caches;
 ``work_dir``: scratch space on the store's filesystem; a backend ignores what it does not need),
-and then ``run(plans, store_dir, progress)`` writes every shard of ``plans`` and returns their
+and then ``run(specs, store_dir, progress)`` writes every shard of ``specs`` and returns their
 records. The shard loop itself (begin / write / end / poll / close / abort) is
 :func:`eagle3.extract.writer.write_shards`: a backend supplies what one shard's samples produce,
 the writer does the rest. A new producer (SGLang, online training, ...) is one module with one
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional, Protocol, runtime_checkable
 
-from ..store import ShardPlan, StoreLayout
+from ..store import ShardSpec, StoreLayout
 
 
 class Progress:
@@ -51,8 +51,8 @@ class Extractor(Protocol):
     # The last run's accounting (CPU / wait seconds of capture and writer), or None.
     last_stats: Optional[dict]
 
-    def run(self, plans: Iterable[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
-        """Write every shard of ``plans`` (in order) into ``store_dir``; return the shards' records
+    def run(self, specs: Iterable[ShardSpec], store_dir: Path, progress: Progress) -> list[dict]:
+        """Write every shard of ``specs`` (in order) into ``store_dir``; return the shards' records
         (sidecar content plus ``split`` and ``k``). On failure no incomplete shard is left behind."""
         ...
 
@@ -79,11 +79,11 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
+def make_extractor(backend: str, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
                    work_dir, **options) -> Extractor:
-    """A backend with the target loaded; ``extractor.run(plans, store_dir, progress)`` writes shards.
+    """A backend with the target loaded; ``extractor.run(specs, store_dir, progress)`` writes shards.
     ``work_dir``: scratch space on the store's filesystem (the connector's per-request files);
     ``options``: backend-specific keywords (e.g. the vllm backend's ``aux_setup``)."""
     cls = backend_class(backend)
-    return cls(None if target_path is None else str(target_path), layout, target_dtype, ecfg,
+    return cls(None if target_path is None else str(target_path), layout, target_dtype, extract_cfg,
                max_model_len=max_model_len, work_dir=work_dir, **options)

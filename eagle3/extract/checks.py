@@ -328,7 +328,7 @@ def layer_names(layout) -> list[str]:
     return [f"aux {k}" for k in layout.layer_ids] + [f"last {layout.last_layer_id}"]
 
 
-def parity_sample(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, ecfg,
+def parity_sample(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg,
                   samples: int, tolerance: float) -> dict:
     """Re-extract ``samples`` seeded-random samples alone with the transformers backend and compare
     them with the stored rows. Returns the facts: {"samples": [[split, index], ...], "worst": {layer:
@@ -348,7 +348,7 @@ def parity_sample(store_dir, splits, layout, target_path, target_config: dict, t
                "engine does")
         log.warning("extract: no parity sample: %s; relying on the agreement check", why)
         return {"skipped": why}
-    dev = _device(ecfg.device)
+    dev = _device(extract_cfg.device)
     need, avail = model_bytes(target_path, target_config, target_dtype), available_bytes(dev)
     if need * 1.2 + (1 << 30) > avail:
         why = (f"the target ({need / 2**30:.1f} GiB in {target_dtype}) does not fit in the {dev.type} memory "
@@ -362,7 +362,7 @@ def parity_sample(store_dir, splits, layout, target_path, target_config: dict, t
     names = layer_names(layout)
     worst = dict.fromkeys(names, -1.0)
     worst_at: dict = {}
-    ex = HFExtractor(target_path, layout, target_dtype, dataclasses.replace(ecfg, batch_size=1))
+    ex = HFExtractor(target_path, layout, target_dtype, dataclasses.replace(extract_cfg, batch_size=1))
     try:
         for split, i in picked:
             item = stores[split][i]
@@ -404,7 +404,7 @@ def _per_layer(aux, last, n_aux: int) -> list:
     return [aux[:, j] for j in range(n_aux)] + [last]
 
 
-def reference_parity(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, ecfg,
+def reference_parity(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg,
                      samples: int, factor: float = REFERENCE_FACTOR) -> dict:
     """The parity sample of a bfloat16/float16 target: the stored rows of ``samples`` seeded-random
     samples against transformers in float32 (one sample at a time), each layer allowed ``factor``
@@ -419,7 +419,7 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
     from ..store import HiddenStates
     from .hf_backend import HFExtractor
 
-    dev = _device(ecfg.device)
+    dev = _device(extract_cfg.device)
     need, avail = model_bytes(target_path, target_config, "float32"), available_bytes(dev)
     if need * 1.2 + (1 << 30) > avail:
         return {"skipped": f"the target in float32 ({need / 2**30:.1f} GiB) does not fit in the {dev.type} memory "
@@ -429,7 +429,7 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
     rng = np.random.default_rng(SEED)
     picked = [every[j] for j in sorted(rng.choice(len(every), size=min(samples, len(every)), replace=False))]
     names = layer_names(layout)
-    one = dataclasses.replace(ecfg, batch_size=1)
+    one = dataclasses.replace(extract_cfg, batch_size=1)
     refs: dict = {}
     for dtype in ("float32", target_dtype):
         ex = HFExtractor(target_path, layout, dtype, one)
@@ -547,29 +547,29 @@ def judge(agreement: Optional[dict], parity: Optional[dict], *, enforce_agreemen
 
 
 
-def check_store(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, ecfg, *,
+def check_store(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg, *,
                 greedy: bool, prepare_run: str = "") -> tuple:
     """Every check of a finished store, as the extract stage runs them: target agreement
-    (``ecfg.agreement_positions``), the parity sample (``ecfg.verify_samples``), then the verdict
+    (``extract_cfg.agreement_positions``), the parity sample (``extract_cfg.verify_samples``), then the verdict
     (:func:`judge`). ``greedy``: the answers were regenerated greedily by this target, so the
-    agreement is held to ``ecfg.min_agreement``. Returns (agreement, threshold or None, parity)."""
+    agreement is held to ``extract_cfg.min_agreement``. Returns (agreement, threshold or None, parity)."""
     agreement = parity = None
-    if ecfg.agreement_positions:
+    if extract_cfg.agreement_positions:
         agreement = target_agreement(store_dir, splits, target_path, target_config,
-                                     positions=ecfg.agreement_positions, device=ecfg.device)
-    if ecfg.verify_samples:
-        if uses_reference_parity(target_dtype, layout.dtype, ecfg.parity_tolerance):
-            parity = reference_parity(store_dir, splits, layout, target_path, target_config, target_dtype, ecfg,
-                                      ecfg.verify_samples, factor=ecfg.parity_factor)
+                                     positions=extract_cfg.agreement_positions, device=extract_cfg.device)
+    if extract_cfg.verify_samples:
+        if uses_reference_parity(target_dtype, layout.dtype, extract_cfg.parity_tolerance):
+            parity = reference_parity(store_dir, splits, layout, target_path, target_config, target_dtype, extract_cfg,
+                                      extract_cfg.verify_samples, factor=extract_cfg.parity_factor)
             if "skipped" in parity:  # no room for a float32 copy: the fixed tolerance in the target dtype
                 log.warning("extract: no float32 parity reference: %s; comparing in %s with the fixed tolerance",
                             parity["skipped"], target_dtype)
                 parity = None
         if parity is None:
-            tol = parity_tolerance(target_dtype, layout.dtype, ecfg.parity_tolerance)
-            parity = parity_sample(store_dir, splits, layout, target_path, target_config, target_dtype, ecfg,
-                                   ecfg.verify_samples, tol)
-    threshold = ecfg.min_agreement if (greedy and ecfg.min_agreement > 0 and agreement) else None
-    judge(agreement, parity, enforce_agreement=threshold is not None, min_agreement=ecfg.min_agreement,
+            tol = parity_tolerance(target_dtype, layout.dtype, extract_cfg.parity_tolerance)
+            parity = parity_sample(store_dir, splits, layout, target_path, target_config, target_dtype, extract_cfg,
+                                   extract_cfg.verify_samples, tol)
+    threshold = extract_cfg.min_agreement if (greedy and extract_cfg.min_agreement > 0 and agreement) else None
+    judge(agreement, parity, enforce_agreement=threshold is not None, min_agreement=extract_cfg.min_agreement,
           store_dir=store_dir, prepare_run=prepare_run)
     return agreement, threshold, parity

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ..store import ShardPlan, StoreLayout
+from ..store import ShardSpec, StoreLayout
 from .writer import HostStager, ShardWriter, write_shards
 
 log = logging.getLogger("eagle3.extract")
@@ -28,19 +28,19 @@ def host_to_device(t, device):
 class HFExtractor:
     name = "hf"
 
-    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, ecfg, model=None, *,
+    def __init__(self, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, model=None, *,
                  max_model_len: int = 0, work_dir=None):
         """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built).
         ``max_model_len`` and ``work_dir`` (the common constructor's) are not needed here."""
         import torch
         from transformers import AutoModel
 
-        device = ecfg.device
+        device = extract_cfg.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.layout = layout
-        self.batch_size = ecfg.batch_size
+        self.batch_size = extract_cfg.batch_size
         if model is None:
             model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype))
         self.model = model.to(self.device)
@@ -118,14 +118,14 @@ class HFExtractor:
         aux, last = self._forward([(0, np.asarray(input_ids, dtype=np.int64))])
         return aux.cpu(), last.cpu()
 
-    def _produce(self, plan: ShardPlan, progress):
+    def _produce(self, spec: ShardSpec, progress):
         import torch
 
-        key = (plan.split, plan.k)
+        key = (spec.split, spec.k)
         # Longest first, fixed order: batches (hence bits) depend only on the shard's samples.
-        order = sorted((j for j in range(plan.num_samples) if plan.lengths[j]), key=lambda j: (-int(plan.lengths[j]), j))
+        order = sorted((j for j in range(spec.num_samples) if spec.lengths[j]), key=lambda j: (-int(spec.lengths[j]), j))
         for a in range(0, len(order), self.batch_size):
-            batch = [(j, plan.input_ids[j]) for j in order[a:a + self.batch_size]]
+            batch = [(j, spec.input_ids[j]) for j in order[a:a + self.batch_size]]
             aux, last = self._forward(batch)
             segments, row = [], 0
             for j, x in batch:
@@ -137,10 +137,10 @@ class HFExtractor:
             yield captured
             progress.update(row)
 
-    def run(self, plans: list[ShardPlan], store_dir, progress) -> list[dict]:
+    def run(self, specs: list[ShardSpec], store_dir, progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
         wait0 = self.stager.wait_seconds
-        done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
+        done = write_shards(writer, specs, lambda spec: self._produce(spec, progress))
         self.last_stats = {"writer_cpu_s": writer.cpu_seconds, "stager_wait_s": self.stager.wait_seconds - wait0}
         return done
 

@@ -1,6 +1,6 @@
 """The store's layout, derived once: which layers, which dtypes, which splits, how long a sample.
 
-The extract stage, online training (``eagle3.online.OnlineRun``, the trainer and ``stage=produce``)
+The extract stage, online training (``eagle3.online.run.OnlineRun``, the trainer and ``stage=produce``)
 and ``stage=plan`` all call :func:`derive_store_layout`, so for one config they write, stream or size
 the same store and refuse the same inputs with the same message. What it does NOT do: load a
 dataset or a model, or refuse an engine/target combination (``checks.refuse_known_bad``, which the
@@ -62,10 +62,10 @@ def check_tokenizer(prep, target) -> None:
             f"by another vocabulary. Re-run `python -m eagle3 stage=prepare`.")
 
 
-def derive_store_layout(ecfg, target, target_dtype: str = "auto",
+def derive_store_layout(extract_cfg, target, target_dtype: str = "auto",
                         split_lengths: Optional[Mapping[str, np.ndarray]] = None,
                         also: Sequence[str] = ()) -> ExtractLayout:
-    """The layout ``ecfg`` (``extract.*``) gives for ``target`` (eagle3.target.TargetInfo) run in
+    """The layout ``extract_cfg`` (``extract.*``) gives for ``target`` (eagle3.target.TargetInfo) run in
     ``target_dtype`` (``target.dtype``; ``auto`` = the checkpoint's).
 
     ``split_lengths``: {split: sample lengths} of the prepared dataset. Given, the splits read
@@ -73,16 +73,16 @@ def derive_store_layout(ecfg, target, target_dtype: str = "auto",
     their samples must fit the target's context (``max_position_embeddings``); ``max_model_len`` is
     sized for them. Not given (a plan from estimated data), neither is checked."""
     L, H = target.num_hidden_layers, target.hidden_size
-    layer_ids = resolve_layer_ids(ecfg.layer_ids, L)
+    layer_ids = resolve_layer_ids(extract_cfg.layer_ids, L)
     run_dtype = target.run_dtype(target_dtype)
     layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H,
-                         dtype=resolve_store_dtype(ecfg.store_dtype, run_dtype, H), target_hash=target.hash)
+                         dtype=resolve_store_dtype(extract_cfg.store_dtype, run_dtype, H), target_hash=target.hash)
     if split_lengths is None:
         return ExtractLayout(layout, run_dtype)
-    splits = tuple(dict.fromkeys([*ecfg.splits, *also]))
+    splits = tuple(dict.fromkeys([*extract_cfg.splits, *also]))
     missing = [s for s in splits if s not in split_lengths]
     if missing:
-        raise ManifestError(f"extract.splits={list(ecfg.splits)}: the prepared dataset has no split {missing} "
+        raise ManifestError(f"extract.splits={list(extract_cfg.splits)}: the prepared dataset has no split {missing} "
                             f"(it has {list(split_lengths)})")
     lengths = [np.asarray(split_lengths[s]) for s in splits]
     longest = max((int(n.max()) for n in lengths if len(n)), default=0)

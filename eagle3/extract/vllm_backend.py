@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 
 from ..errors import Eagle3Error
-from ..store import ShardPlan, StoreLayout, StoreWriteError
+from ..store import ShardSpec, StoreLayout, StoreWriteError
 from .backend import Progress
 from .writer import write_shards
 
@@ -46,18 +46,18 @@ def resolve_aux_setup(requested: str, *, cpu: bool) -> str:
     return requested
 
 
-def refuse_before_load(target_path, target_dtype: str, ecfg, aux_setup: str, *, cpu: bool) -> None:
+def refuse_before_load(target_path, target_dtype: str, extract_cfg, aux_setup: str, *, cpu: bool) -> None:
     """Settings that would fail (or compute wrong states) only after the model loaded: refused now."""
     from ..vllm_engine import uses_mla
 
-    if aux_setup == "runtime" and not cpu and not ecfg.enforce_eager:
+    if aux_setup == "runtime" and not cpu and not extract_cfg.enforce_eager:
         raise ExtractError(
             "extract.aux_setup=runtime switches the aux hidden-state outputs on after the engine started, but "
             "with extract.enforce_eager=false vLLM has already compiled the model and captured its CUDA graphs "
             "without them: the graphs would never return the aux states. Use extract.aux_setup=load_time (the GPU "
             "default: compiled, with CUDA graphs), or extract.enforce_eager=true (eager, slower).")
     mla = not cpu and uses_mla(target_path)
-    if mla and ecfg.enforce_eager:
+    if mla and extract_cfg.enforce_eager:
         from ..vllm_compat import eager_mla_verdict, installed_version
 
         why = eager_mla_verdict(installed_version())
@@ -72,16 +72,17 @@ def refuse_before_load(target_path, target_dtype: str, ecfg, aux_setup: str, *, 
             f"bfloat16 error.")
 
 
-def engine_kwargs(ecfg, layout: StoreLayout, target_dtype: str, max_model_len: int) -> dict:
-    max_batched = ecfg.max_num_batched_tokens
-    if not ecfg.enable_chunked_prefill and max_batched < max_model_len:
+def engine_kwargs(extract_cfg, layout: StoreLayout, target_dtype: str, max_model_len: int) -> dict:
+    max_batched = extract_cfg.max_num_batched_tokens
+    if not extract_cfg.enable_chunked_prefill and max_batched < max_model_len:
         raise ExtractError(f"extract.enable_chunked_prefill=false needs extract.max_num_batched_tokens >= the "
                            f"longest sample + 1 ({max_model_len}), got {max_batched}")
-    kw = dict(dtype=target_dtype, max_num_batched_tokens=max_batched, max_num_seqs=ecfg.max_num_seqs,
-              enable_chunked_prefill=ecfg.enable_chunked_prefill, async_scheduling=bool(ecfg.async_scheduling),
-              tensor_parallel_size=ecfg.tensor_parallel_size, kv_cache_gb=ecfg.kv_cache_gb,
-              gpu_memory_utilization=ecfg.gpu_memory_utilization, max_model_len=max_model_len)
-    if ecfg.enforce_eager:
+    kw = dict(dtype=target_dtype, max_num_batched_tokens=max_batched, max_num_seqs=extract_cfg.max_num_seqs,
+              enable_chunked_prefill=extract_cfg.enable_chunked_prefill,
+              async_scheduling=bool(extract_cfg.async_scheduling),
+              tensor_parallel_size=extract_cfg.tensor_parallel_size, kv_cache_gb=extract_cfg.kv_cache_gb,
+              gpu_memory_utilization=extract_cfg.gpu_memory_utilization, max_model_len=max_model_len)
+    if extract_cfg.enforce_eager:
         kw["enforce_eager"] = True
     return kw
 
@@ -105,24 +106,24 @@ class VLLMExtractor:
 
     name = "vllm"
 
-    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
+    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
                  aux_setup: str | None = None, *, work_dir=None, **engine_extra):
-        """``aux_setup``: overrides ``ecfg.aux_setup`` (the benchmark's); ``engine_extra``: more
+        """``aux_setup``: overrides ``extract_cfg.aux_setup`` (the benchmark's); ``engine_extra``: more
         ``vllm.LLM`` arguments (the benchmark's ``load_format=dummy``)."""
         from ..vllm_engine import build_llm, import_vllm, on_cpu
 
         import_vllm()
         cpu = on_cpu()
-        aux_setup = resolve_aux_setup(aux_setup or ecfg.aux_setup, cpu=cpu)
-        refuse_before_load(target_path, target_dtype, ecfg, aux_setup, cpu=cpu)
-        kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
+        aux_setup = resolve_aux_setup(aux_setup or extract_cfg.aux_setup, cpu=cpu)
+        refuse_before_load(target_path, target_dtype, extract_cfg, aux_setup, cpu=cpu)
+        kwargs = engine_kwargs(extract_cfg, layout, target_dtype, max_model_len)
         if aux_setup == "load_time":
             kwargs["speculative_config"] = extract_hidden_states_spec(layout)
         kwargs.update(engine_extra)
         log.info("extract: vLLM engine for %s (%s, aux outputs switched on at %s, chunked prefill %s, "
                  "max_num_batched_tokens %d, TP %d%s)", target_path, "CPU" if cpu else "GPU", aux_setup,
-                 ecfg.enable_chunked_prefill, ecfg.max_num_batched_tokens, ecfg.tensor_parallel_size,
-                 ", eager" if kwargs.get("enforce_eager") else "")
+                 extract_cfg.enable_chunked_prefill, extract_cfg.max_num_batched_tokens,
+                 extract_cfg.tensor_parallel_size, ", eager" if kwargs.get("enforce_eager") else "")
         self.layout = layout
         self.aux_setup = aux_setup
         self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, work="batch", **kwargs)
@@ -143,25 +144,25 @@ class VLLMExtractor:
                  self.capture_info["aux_layers"])
 
     # -- extraction ------------------------------------------------------------------------------
-    def _produce(self, plan: ShardPlan, progress: Progress):
+    def _produce(self, spec: ShardSpec, progress: Progress):
         """Submits a shard's samples and steps the engine until they are done. The rows are written
         by the worker (between execute_model() and sample_tokens()), so nothing is yielded but
         ``None`` per step: the shard loop polls the worker's writer in between."""
         engine = self.llm.llm_engine
-        for j, ids in enumerate(plan.input_ids):
+        for j, ids in enumerate(spec.input_ids):
             if len(ids):
-                engine.add_request(f"{plan.split}-{plan.first + j}", {"prompt_token_ids": [int(x) for x in ids]},
-                                   sampling_params((plan.split, plan.k, j)))
+                engine.add_request(f"{spec.split}-{spec.first + j}", {"prompt_token_ids": [int(x) for x in ids]},
+                                   sampling_params((spec.split, spec.k, j)))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     progress.update(len(out.prompt_token_ids))
             yield None
 
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+    def run(self, specs: list[ShardSpec], store_dir: Path, progress: Progress) -> list[dict]:
         sink = _WorkerWriter(self)
         self.start_capture(store_dir)
-        done = write_shards(sink, plans, lambda plan: self._produce(plan, progress))
+        done = write_shards(sink, specs, lambda spec: self._produce(spec, progress))
         self.last_stats = sink.stats
         return done
 
@@ -202,10 +203,10 @@ class _WorkerWriter:
             raise ExtractError(f"hidden-state capture failed in the vLLM worker: {r['error']}")
         return r.get("done", [])
 
-    def begin(self, plan: ShardPlan) -> None:
-        from .vllm_worker import plan_to_payload
+    def begin(self, spec: ShardSpec) -> None:
+        from .vllm_worker import spec_to_payload
 
-        self.ex._rpc("eagle3_begin_shard", plan_to_payload(plan))
+        self.ex._rpc("eagle3_begin_shard", spec_to_payload(spec))
 
     def write(self, batch) -> None:
         raise TypeError("the vllm backend's rows are written inside the worker, not sent from the driver")

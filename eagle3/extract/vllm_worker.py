@@ -29,32 +29,32 @@ import json
 import time
 import traceback
 
-from ..store import ShardPlan, StoreLayout
+from ..store import ShardSpec, StoreLayout
 from .writer import CapturedBatch, HostStager, ShardWriter
 
 TAG = "eagle3"
 
 
-def plan_from_payload(p: dict) -> ShardPlan:
+def spec_from_payload(p: dict) -> ShardSpec:
     import numpy as np
 
     lengths = np.frombuffer(p["lengths"], dtype=np.int64)
     ids = np.frombuffer(p["input_ids"], dtype=np.int32)
     mask = np.frombuffer(p["loss_mask"], dtype=np.uint8)
     cuts = np.cumsum(lengths)[:-1]
-    return ShardPlan(split=p["split"], k=p["k"], num=p["num"], first=p["first"],
+    return ShardSpec(split=p["split"], k=p["k"], num=p["num"], first=p["first"],
                      input_ids=np.split(ids, cuts) if len(lengths) else [],
                      loss_mask=np.split(mask, cuts) if len(lengths) else [])
 
 
-def plan_to_payload(plan: ShardPlan) -> dict:
-    """A ShardPlan as msgspec-friendly data (vLLM's RPC carries bytes, not arrays)."""
+def spec_to_payload(spec: ShardSpec) -> dict:
+    """A ShardSpec as msgspec-friendly data (vLLM's RPC carries bytes, not arrays)."""
     import numpy as np
 
-    ids = [np.asarray(x, dtype=np.int32) for x in plan.input_ids]
-    mask = [np.asarray(x, dtype=np.uint8) for x in plan.loss_mask]
-    return {"split": plan.split, "k": plan.k, "num": plan.num, "first": plan.first,
-            "lengths": plan.lengths.astype(np.int64).tobytes(),
+    ids = [np.asarray(x, dtype=np.int32) for x in spec.input_ids]
+    mask = [np.asarray(x, dtype=np.uint8) for x in spec.loss_mask]
+    return {"split": spec.split, "k": spec.k, "num": spec.num, "first": spec.first,
+            "lengths": spec.lengths.astype(np.int64).tobytes(),
             "input_ids": (np.concatenate(ids) if ids else np.zeros(0, np.int32)).tobytes(),
             "loss_mask": (np.concatenate(mask) if mask else np.zeros(0, np.uint8)).tobytes()}
 
@@ -205,7 +205,7 @@ class HiddenStateCapture:
 
     def eagle3_begin_shard(self, payload: dict) -> None:
         if getattr(self, "_eagle3_writer", None) is not None:
-            self._eagle3_writer.begin(plan_from_payload(payload))
+            self._eagle3_writer.begin(spec_from_payload(payload))
 
     def eagle3_end_shard(self, split: str, k: int) -> None:
         if getattr(self, "_eagle3_writer", None) is not None:

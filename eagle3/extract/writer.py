@@ -49,7 +49,7 @@ import numpy as np
 
 from ..atomic import atomic_write_json, fsync_dir
 from ..hashing import TREE_CHUNK, sha256_tree_root
-from ..store import ROW_TENSORS, ShardPlan, StoreLayout, StoreWriteError, shard_header, sidecar_path
+from ..store import ROW_TENSORS, ShardSpec, StoreLayout, StoreWriteError, shard_header, sidecar_path
 
 _HASH_CHUNK = TREE_CHUNK  # the tree's leaf size (recorded in each sidecar as tree_chunk)
 _HASH_POOL: Optional[tuple] = None  # (pid, executor)
@@ -104,21 +104,21 @@ def store_rows(aux, last, layout: StoreLayout) -> tuple:
 
 
 class _OpenShard:
-    def __init__(self, split_dir: Path, plan: ShardPlan, layout: StoreLayout, stream_hash: bool = True,
+    def __init__(self, split_dir: Path, spec: ShardSpec, layout: StoreLayout, stream_hash: bool = True,
                  on_cpu: Callable[[float], None] = lambda s: None):
-        self.plan = plan
-        self.final = split_dir / plan.name
-        self.tmp = split_dir / f".{plan.name}.tmp{os.getpid()}"
-        header, self.off = shard_header(plan, layout)
+        self.spec = spec
+        self.final = split_dir / spec.name
+        self.tmp = split_dir / f".{spec.name}.tmp{os.getpid()}"
+        header, self.off = shard_header(spec, layout)
         self.size = self.off["__end__"]
         self.aux_row = layout.n_aux * layout.hidden_size * layout.itemsize
         self.last_row = layout.hidden_size * layout.itemsize
         self.fp8 = layout.is_fp8
         self.aux_scale_row, self.last_scale_row = 4 * layout.n_aux, 4
-        self.written = np.zeros(plan.num_samples, dtype=np.int64)
+        self.written = np.zeros(spec.num_samples, dtype=np.int64)
         self.hash: Optional[_TreeHash] = None
         self.on_cpu = on_cpu
-        _remove_stale_temps(split_dir, plan.name)
+        _remove_stale_temps(split_dir, spec.name)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies, as to every file eagle3 writes
         try:
             self._start(header)
@@ -130,7 +130,7 @@ class _OpenShard:
             self.hash = _TreeHash(self.fd, self.size, _fixed_ranges(self.off), on_cpu)
 
     def _start(self, header: bytes) -> None:
-        plan = self.plan
+        spec = self.spec
         try:
             # Reserve the whole shard now: a full disk fails here, before any compute is spent on it.
             os.posix_fallocate(self.fd, 0, self.size)
@@ -139,26 +139,26 @@ class _OpenShard:
                 raise
             os.ftruncate(self.fd, self.size)
         _pwrite(self.fd, header, 0)
-        ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in plan.input_ids]) if plan.num_tokens else \
+        ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in spec.input_ids]) if spec.num_tokens else \
             np.zeros(0, np.int32)
-        mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in plan.loss_mask]) if plan.num_tokens else \
+        mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in spec.loss_mask]) if spec.num_tokens else \
             np.zeros(0, np.uint8)
-        index = np.arange(plan.first, plan.first + plan.num_samples, dtype=np.int64)
-        for name, arr in (("offsets", plan.offsets), ("sample_index", index), ("input_ids", ids), ("loss_mask", mask)):
+        index = np.arange(spec.first, spec.first + spec.num_samples, dtype=np.int64)
+        for name, arr in (("offsets", spec.offsets), ("sample_index", index), ("input_ids", ids), ("loss_mask", mask)):
             _pwrite(self.fd, np.ascontiguousarray(arr).tobytes(), self.off[name])
 
     def claim_rows(self, j: int, pos: int, n: int) -> tuple:
         """Coverage bookkeeping for rows [pos, pos + n) of sample j (called in submission order);
         returns the file offsets of their aux and last-state bytes (fp8: then of their scales)."""
-        length = int(self.plan.lengths[j])
+        length = int(self.spec.lengths[j])
         if pos > self.written[j] or pos + n > length:
-            raise StoreWriteError(f"capture error: sample {self.plan.first + j} got rows [{pos}, {pos + n}) but has "
+            raise StoreWriteError(f"capture error: sample {self.spec.first + j} got rows [{pos}, {pos + n}) but has "
                                   f"{length} tokens and {int(self.written[j])} written so far (a gap means tokens were "
                                   f"skipped, e.g. by prefix caching)")
         if pos < self.written[j] and self.hash is not None:
             self.hash.rewritten()  # rows computed again (e.g. a preempted request): hash the final file
         self.written[j] = max(self.written[j], pos + n)
-        row0 = int(self.plan.offsets[j]) + pos
+        row0 = int(self.spec.offsets[j]) + pos
         offs = (self.off["aux_hidden_states"] + row0 * self.aux_row, self.off["last_hidden_state"] + row0 * self.last_row)
         if self.fp8:
             offs += (self.off["aux_scales"] + row0 * self.aux_scale_row,
@@ -170,24 +170,24 @@ class _OpenShard:
             self.hash.add(offset, offset + nbytes)
 
     def finish(self) -> dict:
-        short = np.nonzero(self.written != self.plan.lengths)[0]
+        short = np.nonzero(self.written != self.spec.lengths)[0]
         if short.size:
             j = int(short[0])
-            raise StoreWriteError(f"capture error: shard {self.plan.name} ended with sample {self.plan.first + j} "
-                                  f"incomplete ({int(self.written[j])}/{int(self.plan.lengths[j])} tokens captured; "
+            raise StoreWriteError(f"capture error: shard {self.spec.name} ended with sample {self.spec.first + j} "
+                                  f"incomplete ({int(self.written[j])}/{int(self.spec.lengths[j])} tokens captured; "
                                   f"{short.size} samples incomplete)")
         os.fsync(self.fd)  # while the hash threads read the last leaves
         digest = self.hash.result() if self.hash is not None else _hash_file(self.fd, self.size, self.on_cpu)
         os.close(self.fd)
         self.fd = -1
-        rec = {"file": self.plan.name, "first_sample": self.plan.first, "num_samples": self.plan.num_samples,
-               "num_tokens": self.plan.num_tokens, "size": self.size, "sha256_tree": digest,
+        rec = {"file": self.spec.name, "first_sample": self.spec.first, "num_samples": self.spec.num_samples,
+               "num_tokens": self.spec.num_tokens, "size": self.size, "sha256_tree": digest,
                "tree_chunk": _HASH_CHUNK}
         # The sidecar goes first: a shard file that exists always has its record.
-        atomic_write_json(sidecar_path(self.final.parent, self.plan.name), rec, indent=None)
+        atomic_write_json(sidecar_path(self.final.parent, self.spec.name), rec, indent=None)
         os.replace(self.tmp, self.final)
         fsync_dir(self.final.parent)
-        return dict(rec, split=self.plan.split, k=self.plan.k)
+        return dict(rec, split=self.spec.split, k=self.spec.k)
 
     def discard(self) -> None:
         if self.hash is not None:
@@ -385,7 +385,7 @@ def _remove_stale_temps(split_dir: Path, name: str) -> None:
 class ShardWriter:
     """Writes shards from captured batches in a background thread.
 
-    ``begin(plan)`` opens a shard, ``write(key, batch)`` queues rows, ``end(key)`` finalizes it
+    ``begin(spec)`` opens a shard, ``write(key, batch)`` queues rows, ``end(key)`` finalizes it
     (coverage check, fsync, sha256 tree, sidecar, rename) in a finisher thread, so that flushing and
     hashing one shard overlap writing the rows of the next. ``poll()`` returns finished shard records and
     raises :class:`StoreWriteError` if the thread failed; ``close()`` waits for everything.
@@ -415,9 +415,9 @@ class ShardWriter:
         self._thread.start()
 
     # -- producer side ----------------------------------------------------------------------------
-    def begin(self, plan: ShardPlan) -> None:
-        (self.store_dir / plan.split).mkdir(parents=True, exist_ok=True)
-        self._put(("begin", plan))
+    def begin(self, spec: ShardSpec) -> None:
+        (self.store_dir / spec.split).mkdir(parents=True, exist_ok=True)
+        self._put(("begin", spec))
 
     def write(self, batch: CapturedBatch) -> None:
         self._put(("write", batch))
@@ -581,7 +581,7 @@ class ShardSink(Protocol):
     """Where the shard loop sends a backend's output: :class:`ShardWriter`, or a proxy for one that
     runs elsewhere (the vllm backend's writer lives in vLLM's worker process)."""
 
-    def begin(self, plan: ShardPlan) -> None: ...
+    def begin(self, spec: ShardSpec) -> None: ...
     def write(self, batch: CapturedBatch) -> None: ...
     def end(self, key) -> None: ...
     def poll(self) -> list: ...
@@ -589,11 +589,11 @@ class ShardSink(Protocol):
     def abort(self) -> None: ...
 
 
-def write_shards(sink: ShardSink, plans: Iterable[ShardPlan],
-                 produce: Callable[[ShardPlan], Iterable[Optional[CapturedBatch]]], poll_every: float = 2.0) -> list:
+def write_shards(sink: ShardSink, specs: Iterable[ShardSpec],
+                 produce: Callable[[ShardSpec], Iterable[Optional[CapturedBatch]]], poll_every: float = 2.0) -> list:
     """The shard loop, once for every backend.
 
-    For each plan (in order): ``sink.begin(plan)``; every item of ``produce(plan)`` is written (a
+    For each spec (in order): ``sink.begin(spec)``; every item of ``produce(spec)`` is written (a
     :class:`CapturedBatch`) or skipped (``None``: the producer made progress whose rows it hands to
     the writer itself, e.g. inside vLLM's worker); the sink is polled at least every
     ``poll_every`` seconds so a writer failure stops the producer early; then ``sink.end(key)``.
@@ -603,16 +603,16 @@ def write_shards(sink: ShardSink, plans: Iterable[ShardPlan],
     temp files removed) and the error re-raised. Returns the finished shards' records."""
     done: list = []
     try:
-        for plan in plans:
-            sink.begin(plan)
+        for spec in specs:
+            sink.begin(spec)
             last_poll = time.perf_counter()
-            for batch in produce(plan):
+            for batch in produce(spec):
                 if batch is not None:
                     sink.write(batch)
                 if time.perf_counter() - last_poll > poll_every:
                     done += sink.poll()
                     last_poll = time.perf_counter()
-            sink.end((plan.split, plan.k))
+            sink.end((spec.split, spec.k))
             done += sink.poll()
         done += sink.close()
     except BaseException:

@@ -4,7 +4,8 @@
 - ttt.py: TTTModel, the draft unrolled over its own predictions, with the loss and statistics
 - loss.py: soft cross-entropy against the target's distribution
 - target_head.py: the frozen target head (targets, embeddings) and a batch -> TTTModel's inputs
-- data.py: epoch plans, packing, collation, and which rows each process takes at each step
+- data.py: epoch orders, packing, collation, and which rows each process takes at each step
+- source.py: HiddenStateSource, what the loop reads (a store on disk, or an online source)
 - optim.py: fused AdamW, the LR schedule, gradient clipping folded into the AdamW kernel
 - metrics.py: StepMetrics (loss, accuracy, acceptance per TTT step), FLOPs/MFU, metrics.jsonl
 - checkpoint.py: resumable checkpoints and the loop state they carry

@@ -1,6 +1,6 @@
-"""Batches for the train loop: epoch plans, sequence packing, collation, sharding over ranks.
+"""Batches for the train loop: epoch orders, sequence packing, collation, sharding over ranks.
 
-An epoch's plan is a pure function of (sample lengths, seed, epoch, row length, packing): samples
+An epoch's order is a pure function of (sample lengths, seed, epoch, row length, packing): samples
 in a seeded random order, packed greedily into rows of at most ``max_len`` tokens (or one sample
 per row without packing). A global optimizer step takes the next ``G = batch_size * grad_accum *
 world_size`` rows; rank r's accumulation micro-batch a is rows ``[(a*W + r)*B, +B)`` of them. So
@@ -16,9 +16,11 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from .source import HiddenStateSource
+
 
 @dataclass
-class EpochPlan:
+class EpochOrder:
     rows: List[List[int]]  # sample indices per row
 
     def micro_batch(self, step_in_epoch: int, accum_index: int, rank: int, batch_size: int,
@@ -28,8 +30,8 @@ class EpochPlan:
         return self.rows[first:first + batch_size]
 
 
-def plan_epoch(lengths: Sequence[int], max_len: int, seed: int, epoch: int, packing: bool,
-               shuffle: bool = True) -> EpochPlan:
+def epoch_order(lengths: Sequence[int], max_len: int, seed: int, epoch: int, packing: bool,
+                shuffle: bool = True) -> EpochOrder:
     """Rows of sample indices for one epoch. Samples with fewer than 3 tokens (no loss position:
     step 0 at index t predicts token t+2) are left out; longer samples are cut to ``max_len``."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -51,46 +53,46 @@ def plan_epoch(lengths: Sequence[int], max_len: int, seed: int, epoch: int, pack
         cur_len += n
     if cur:
         rows.append(cur)
-    return EpochPlan(rows)
+    return EpochOrder(rows)
 
 
-def steps_per_epoch(plan: EpochPlan, batch_size: int, grad_accum: int, world_size: int) -> int:
-    return len(plan.rows) // (batch_size * grad_accum * world_size)
+def steps_per_epoch(order: EpochOrder, batch_size: int, grad_accum: int, world_size: int) -> int:
+    return len(order.rows) // (batch_size * grad_accum * world_size)
 
 
 class Epochs:
-    """The run's epoch plans, each made when first needed (from the sample lengths alone): which
+    """The run's epoch orders, each made when first needed (from the sample lengths alone): which
     epoch and step within it a global optimizer step is, and the micro-batches from any step on."""
 
     def __init__(self, lengths: Sequence[int], tcfg, world_size: int):
         self.lengths, self.tcfg, self.world = lengths, tcfg, world_size
-        self.plans, self.starts = [], [0]  # starts[e]: the global step epoch e begins at
+        self.orders, self.starts = [], [0]  # starts[e]: the global step epoch e begins at
 
-    def plan(self, epoch: int) -> EpochPlan:
-        while len(self.plans) <= epoch:
-            e = len(self.plans)
-            p = plan_epoch(self.lengths, self.tcfg.max_seq_len, self.tcfg.seed, e, self.tcfg.packing)
+    def order(self, epoch: int) -> EpochOrder:
+        while len(self.orders) <= epoch:
+            e = len(self.orders)
+            p = epoch_order(self.lengths, self.tcfg.max_seq_len, self.tcfg.seed, e, self.tcfg.packing)
             n = steps_per_epoch(p, self.tcfg.batch_size, self.tcfg.grad_accum, self.world)
             if n == 0:
                 raise ValueError(f"the training split has {len(p.rows)} rows of up to {self.tcfg.max_seq_len} tokens, "
                                  f"fewer than one global batch (batch_size {self.tcfg.batch_size} x grad_accum "
                                  f"{self.tcfg.grad_accum} x {self.world} processes): lower train.batch_size or "
                                  f"train.grad_accum, or extract more samples")
-            self.plans.append(p)
+            self.orders.append(p)
             self.starts.append(self.starts[-1] + n)
-        return self.plans[epoch]
+        return self.orders[epoch]
 
     def total_steps(self) -> int:
         if self.tcfg.max_steps > 0:
             return self.tcfg.max_steps
-        self.plan(self.tcfg.epochs - 1)
+        self.order(self.tcfg.epochs - 1)
         return self.starts[self.tcfg.epochs]
 
     def locate(self, step: int) -> tuple:
         """(epoch, step within that epoch) of a global step."""
         e = 0
         while True:
-            self.plan(e)
+            self.order(e)
             if step < self.starts[e + 1]:
                 return e, step - self.starts[e]
             e += 1
@@ -102,9 +104,9 @@ class Epochs:
         rows = []
         for s in range(start, total):
             e, k = self.locate(s)
-            plan = self.plan(e)
+            order = self.order(e)
             for a in range(t.grad_accum):
-                rows.append(plan.micro_batch(k, a, rank, t.batch_size, t.grad_accum, self.world))
+                rows.append(order.micro_batch(k, a, rank, t.batch_size, t.grad_accum, self.world))
         return rows
 
 
@@ -164,8 +166,8 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin:
 class MicroBatches(torch.utils.data.Dataset):
     """Item k = the collated k-th micro-batch of a list of micro-batches (rows of sample ids)."""
 
-    def __init__(self, store, micro_batches: List[List[List[int]]], max_len: int, pad_to_multiple: int = 1,
-                 pin: bool = False):
+    def __init__(self, store: HiddenStateSource, micro_batches: List[List[List[int]]], max_len: int,
+                 pad_to_multiple: int = 1, pin: bool = False):
         self.store = store
         self.micro_batches = micro_batches
         self.max_len = max_len

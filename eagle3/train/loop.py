@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -31,9 +31,10 @@ from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
-from .data import Epochs, MicroBatches, Prefetcher, plan_epoch, to_device
+from .data import Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
+from .source import HiddenStateSource, check_source
 from .target_head import TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
@@ -42,13 +43,18 @@ log = logging.getLogger("eagle3.train")
 
 @dataclass
 class TrainInputs:
-    train_store: Sequence  # items: dicts as eagle3.store.HiddenStates; needs .lengths
-    eval_store: Optional[Sequence]
+    train_store: HiddenStateSource  # a store on disk or an online source (eagle3/train/source.py)
+    eval_store: Optional[HiddenStateSource]
     target: dict  # {'embed': [V,H], 'norm': [H], 'lm_head': [V,H]} (eagle3.target_weights)
     rms_norm_eps: float
     d2t: torch.Tensor
     t2d: torch.Tensor
     draft_config: Eagle3DraftConfig
+
+    def __post_init__(self):
+        check_source(self.train_store, "training split")
+        if self.eval_store is not None:
+            check_source(self.eval_store, "held-out split")
 
 
 @dataclass
@@ -103,12 +109,11 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
 
     pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
     order = epochs.micro_batches(state.step, total, accelerator.process_index)
-    if hasattr(inputs.train_store, "expect"):  # an online store (eagle3.online): what it will be asked for
-        inputs.train_store.expect(order)
+    inputs.train_store.expect(order)  # an online source computes what it will be asked for
     # host batches go to the GPU from pinned memory (async copies): collated straight into it in
     # this process, or pinned by the DataLoader after its worker processes; an online colocated
     # store's items are on the GPU already
-    pin = device.type == "cuda" and not getattr(inputs.train_store, "on_device", False)
+    pin = device.type == "cuda" and not inputs.train_store.on_device
     loader = torch.utils.data.DataLoader(
         MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0),
         batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
@@ -303,11 +308,10 @@ def _log_window(accelerator, sinks: tuple, window: Window, decay: float, flops_p
 
 
 @torch.no_grad()
-def evaluate(model, head, store, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
+def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
     """Loss/accuracy/acceptance on a held-out split (every row once, shared over processes)."""
     W, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    plan = plan_epoch(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False)
-    rows = plan.rows[rank::W]
+    rows = epoch_order(store.lengths, tcfg.max_seq_len, tcfg.seed, 0, tcfg.packing, shuffle=False).rows[rank::W]
     total = torch.zeros(tcfg.ttt_steps, len(STAT_NAMES), dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()

@@ -122,7 +122,7 @@ def layout():
 def hf_store(target, splits, layout, tmp_path_factory):
     store = tmp_path_factory.mktemp("hf") / "store"
     res = extract_store(store, splits, layout, backend="hf", target_path=target, target_dtype=DTYPE,
-                        ecfg=ExtractConfig(**ECFG), progress=False)
+                        extract_cfg=ExtractConfig(**ECFG), progress=False)
     assert res.complete
     return store
 
@@ -146,18 +146,18 @@ def store_vs_store(a: Path, b: Path, splits) -> dict:
 
 def _extract(mode, target, splits, layout, store, **extra):
     backend, settings = MODES[mode]
-    ecfg = ExtractConfig(**{**ECFG, **settings, **extra})
+    extract_cfg = ExtractConfig(**{**ECFG, **settings, **extra})
     t0 = time.perf_counter()
-    ex = make_extractor(backend, target, layout, DTYPE, ecfg, _max_model_len(splits), store.parent)
+    ex = make_extractor(backend, target, layout, DTYPE, extract_cfg, _max_model_len(splits), store.parent)
     start_s = time.perf_counter() - t0
     try:
         res = extract_store(store, splits, layout, backend=backend, target_path=target, target_dtype=DTYPE,
-                            ecfg=ecfg, progress=False, extractor=ex)
+                            extract_cfg=extract_cfg, progress=False, extractor=ex)
     finally:
         info = getattr(ex, "engine_info", {})
         ex.close()
     assert res.complete, res.missing
-    return ecfg, info, res, start_s
+    return extract_cfg, info, res, start_s
 
 
 def test_extract_backends(family, target, splits, layout, hf_store, tmp_path):
@@ -174,10 +174,10 @@ def test_extract_backends(family, target, splits, layout, hf_store, tmp_path):
             record({**row, "ok": True, "refused": "eager MLA on this vLLM (eagle3.vllm_compat.EAGER_MLA_BAD)"})
             continue
         try:
-            ecfg, info, res, start_s = _extract(mode, target, splits, layout, store)
+            extract_cfg, info, res, start_s = _extract(mode, target, splits, layout, store)
             row.update(engine=info, engine_start_s=round(start_s, 1), stats=res.stats, tokens=res.tokens,
                        shards={s: len(list((store / s).glob("shard-*.safetensors"))) for s in splits})
-            _, _, parity = check_store(store, list(splits), layout, target, cfg, DTYPE, ecfg, greedy=False)
+            _, _, parity = check_store(store, list(splits), layout, target, cfg, DTYPE, extract_cfg, greedy=False)
             row["parity"] = parity
             vs_hf = store_vs_store(store, hf_store, splits)
             row["vs_hf"] = vs_hf
@@ -202,13 +202,13 @@ def test_extract_backends(family, target, splits, layout, hf_store, tmp_path):
                 shutil.copytree(store, bad)
                 perturb_store(bad, 0.06)
                 try:
-                    check_store(bad, list(splits), layout, target, cfg, DTYPE, ecfg, greedy=False)
+                    check_store(bad, list(splits), layout, target, cfg, DTYPE, extract_cfg, greedy=False)
                     row["perturbed_6pct"] = "passed (WRONG)"
                     failures.append(f"{mode}: a store moved 6% per token passed the check")
                 except HiddenStateCheckError as e:
                     row["perturbed_6pct"] = "caught"
                     row["perturbed_message"] = str(e)[:400]
-                fixed = parity_sample(bad, list(splits), layout, target, cfg, DTYPE, ecfg, 4,
+                fixed = parity_sample(bad, list(splits), layout, target, cfg, DTYPE, extract_cfg, 4,
                                       parity_tolerance(DTYPE, DTYPE))
                 row["perturbed_fixed_tolerance"] = {"max": fixed["max"], "tolerance": fixed["tolerance"]}
             row["ok"] = True
@@ -226,9 +226,9 @@ def test_async_scheduling(tmp_path, splits, layout):
     store = tmp_path / "store"
     row = {"check": "async_scheduling", "family": "llama", "mode": "load_time"}
     try:
-        ecfg, info, res, start_s = _extract("load_time", target, splits, layout, store, async_scheduling=True)
+        extract_cfg, info, res, start_s = _extract("load_time", target, splits, layout, store, async_scheduling=True)
         row.update(engine=info, stats=res.stats)
-        _, _, parity = check_store(store, list(splits), layout, target, cfg, DTYPE, ecfg, greedy=False)
+        _, _, parity = check_store(store, list(splits), layout, target, cfg, DTYPE, extract_cfg, greedy=False)
         row.update(parity=parity, ok=True)
     except Exception as e:  # noqa: BLE001
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])

@@ -1,0 +1,110 @@
+"""The exchange directory: what trainer and producers share (``train.online.dir``); the directory is
+the protocol, no server.
+
+(a trainer of several processes: each rank has the files below in ``rank-<r>/``, its own window)
+
+``plan.json``      the trainer's reading order (sample ids, in reading order), its layout (target
+                   hash, layer ids, dtype), the window and the cached samples; rewritten atomically
+                   at every (re)start with a new ``plan_id``
+``consumed.json``  the trainer's position in the order (samples read), ``finished`` at the end
+``producer-<p>-of-<N>.json``  each producer's identity (target hash, layer ids, dtype, backend),
+                   host, pid and a heartbeat; producer p of N writes the samples i with i % N == p
+``train/``, ``eval/``  one sample per shard, in the store's own format (eagle3.store, written by the
+                   backends' shard writer: atomic, sha256 sidecars): ``shard-<i>-of-<N>``
+
+The producer (eagle3/online/producer.py) writes the shards of the samples at positions
+``consumed ..`` as long as their bytes (not yet read by the trainer) stay within
+``train.online.window_bytes``; the trainer (eagle3/online/external.py) reads each, advances
+``consumed`` and deletes it unless it is cached. The held-out split is produced first and kept (it
+is read at every eval). A restarted producer resumes from what is on disk (a shard that exists is
+complete); a restarted trainer writes a new reading order from its checkpoint's step.
+
+The cache (``train.online.cache_bytes``): the first samples of the training split (by index) whose
+shards fit the budget are kept in ``<dir>/train`` and read again in later epochs. Once every
+training sample is cached the directory is finalized as a store (:func:`finalize_cache`).
+
+This module holds the file names, the sizes both sides count and the small file helpers.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import Eagle3Error
+from ..store import ShardSpec, StoreLayout, shard_header
+
+PLAN_FILE = "plan.json"
+CONSUMED_FILE = "consumed.json"
+PRODUCER_GLOB = "producer-*-of-*.json"
+
+_SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
+
+
+def producer_file(part: int = 0, parts: int = 1) -> str:
+    """The heartbeat file of producer ``part`` of ``parts`` (it writes the samples i with i % parts == part)."""
+    return f"producer-{part}-of-{parts}.json"
+
+
+class OnlineError(Eagle3Error):
+    """Online training cannot go on: a producer that does not match or does not answer, a window
+    too small, a directory that cannot be written."""
+
+
+def shard_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout) -> int:
+    """Bytes on disk of sample ``i``'s one-sample shard (file + sidecar)."""
+    shard = ShardSpec(split, i, num, i, [range(int(length))], [range(int(length))])
+    return int(shard_header(shard, layout)[1]["__end__"]) + _SIDECAR_BYTES
+
+
+def cached_count(lengths: Sequence[int], layout: StoreLayout, cache_bytes: int, split: str = "train") -> int:
+    """How many leading samples (by index) of ``lengths`` fit the cache budget."""
+    total, n = 0, 0
+    for i, length in enumerate(lengths):
+        b = shard_bytes(split, i, len(lengths), int(length), layout)
+        if total + b > cache_bytes:
+            break
+        total += b
+        n += 1
+    return n
+
+
+def layout_identity(layout: StoreLayout) -> dict:
+    """What producer and trainer must agree on (the shards' bytes depend on it)."""
+    return layout.to_json()
+
+
+def check_writable(path: Path, what: str) -> None:
+    """``path`` exists (made if needed) and a file can be written in it; else an OnlineError."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise OnlineError(f"{what} {path} is not writable ({e.strerror or e}): set train.online.dir to a "
+                          f"directory this process can write (local NVMe, /dev/shm, a shared filesystem)") from None
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def finalize_cache(cache_dir: Path, layout: StoreLayout, lengths) -> bool:
+    """Index + store.json over ``cache_dir`` when every training sample's shard is there (then it
+    is a store with one sample per shard); False when some are missing."""
+    from ..store import finalize_store, missing_shards, shard_ranges
+
+    if missing_shards(cache_dir, {"train": shard_ranges(len(lengths), 1)}):
+        return False
+    finalize_store(cache_dir, layout, {"train": lengths}, 1)
+    return True
+
+
+def disk_bytes(d: Path) -> int:
+    """Bytes of the shards and sidecars under ``d`` (what the window and cache bound)."""
+    return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file() and f.name.startswith((".shard", "shard")))

@@ -238,10 +238,10 @@ def producer_rate(ext, smp, layout, scratch: Path, n: int) -> float:
     """Tokens/s of the producer's backend writing ``n`` one-sample shards (as produce() writes them)
     into ``scratch``, after one warm-up shard."""
     from eagle3.extract.backend import Progress
-    from eagle3.online import _one_sample_plan
+    from eagle3.store import one_sample_shard
 
     def plans(idx):
-        return [_one_sample_plan("train", i, len(smp), smp.input_ids[i], smp.loss_mask[i]) for i in idx]
+        return [one_sample_shard("train", i, len(smp), smp.input_ids[i], smp.loss_mask[i]) for i in idx]
 
     shutil.rmtree(scratch, ignore_errors=True)
     ext.run(plans([0]), scratch, Progress(len(smp.input_ids[0]), "", False))

@@ -167,15 +167,15 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
         B = len(names)
         Gs = [torch.randn(m, n, generator=gen, device=device) for _ in range(B)]
         X = normalised(torch.stack([g.bfloat16() for g in Gs]), 1e-7)
-        t_torch = timer(lambda: [torch_ns(g) for g in Gs], a.warmup, a.steps)
-        t_std = timer(lambda: newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
-        t_gram = timer(lambda: gram_newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
+        t_torch = timer(lambda Gs=Gs: [torch_ns(g) for g in Gs], a.warmup, a.steps)
+        t_std = timer(lambda X=X: newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
+        t_gram = timer(lambda X=X: gram_newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
         # error against the float64 iteration on an ill-conditioned input (one matrix of the group)
         G = ill_conditioned(m, n, device, gen)
         ref = ns_float64(G)
         xg = normalised(G.bfloat16()[None], 1e-7)
 
-        def err(Y):
+        def err(Y, ref=ref):
             return ((Y.double() - ref).norm() / ref.norm()).item()
 
         e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5)[0])

@@ -15,7 +15,7 @@ log = logging.getLogger("eagle3.eval")
 
 def run(cfg, manifest):
     from eagle3.contracts import EvalFacts
-    from eagle3.export.offline_eval import HFTarget, offline_acceptance
+    from eagle3.export.offline_eval import offline_acceptance_by_k
     from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
     from eagle3.export.sources import load_source
     from eagle3.target import resolve
@@ -31,26 +31,11 @@ def run(cfg, manifest):
               "dtype": dtype, "prompts_identity": prompts_identity(ecfg)}
     job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
     if (done := job.claim()) is not None:
-        print(f"eval: already complete ({job.config_hash[:12]}): acceptance length "
-              f"{done.facts.acceptance_length} at k={k}")
         return done
-    import torch
-
     with job:
         prompts = held_out_prompts(ecfg, prep, target.path)
-        stops = stop_token_ids(target.path)
-        device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
-        results, cont = {}, None
-        try:  # largest k first: its greedy continuations are long enough for every smaller k
-            for kk in sorted(ks, reverse=True):
-                results[kk] = offline_acceptance(target.path, ckpt, prompts, kk, ecfg.eval_max_tokens, stops,
-                                                 dtype=dtype, device=device, progress=cfg.progress, target=hf,
-                                                 continuations=cont)
-                cont = results[kk].continuations
-        finally:
-            hf.close()
-        results = {kk: results[kk] for kk in ks}
+        results = offline_acceptance_by_k(target, ckpt, prompts, ks, ecfg.eval_max_tokens, stop_token_ids(target.path),
+                                          dtype=dtype, device=ecfg.device, progress=cfg.progress)
         main = results[k]
         facts = {**main.summary(), "max_tokens": ecfg.eval_max_tokens, "source": ckpt.source,
                  "acceptance_by_k": {str(kk): round(r.acceptance_length, 4) for kk, r in results.items()},

@@ -57,6 +57,11 @@ class Facts:
             kwargs[f.name] = sub.from_json(value) if (sub is not None and value is not None) else value
         return cls(**kwargs)
 
+    def complete_note(self, exp_dir) -> str:
+        """What the announcement of an already complete run adds after its hash (``StageJob.claim``);
+        empty: ``, nothing to do``."""
+        return ""
+
     def metrics(self, prefix: str) -> dict[str, float]:
         """Scalar facts as ``{f"{prefix}/{name}": value}`` (wandb's summary of a stage run)."""
         out = {}
@@ -293,6 +298,9 @@ class ExportFacts(Facts):
     tie_margin: Optional[float] = None
     near_ties: Optional[dict] = None
 
+    def complete_note(self, exp_dir) -> str:
+        return f": {exp_dir / self.model_dir}"
+
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)
         for cat, d in (self.by_domain or {}).items():
@@ -325,6 +333,9 @@ class EvalFacts(Facts):
     generated_tokens: Optional[int] = None
     target_steps: Optional[int] = None
     decoding: str = "greedy"            # the offline evaluator decodes greedily (export.eval_temperatures: vLLM only)
+
+    def complete_note(self, exp_dir) -> str:
+        return f": acceptance length {self.acceptance_length} at k={self.k}"
 
 
 FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,

@@ -9,8 +9,12 @@ cannot interleave.
 
 A stage uses it in four calls (``stages/__init__.py``): ``consume_upstream`` (its inputs, checked),
 ``start`` (its job, named by the config hash), ``job.claim()`` (the complete run of this config if
-one exists, else this process takes the run), and ``with job:`` around the work (complete on
-success with ``job.facts`` and the outputs added, failed on an exception).
+one exists, which it announces, else this process takes the run), and ``with job:`` around the work
+(complete on success with ``job.facts`` and the outputs added, failed on an exception). The job also
+carries what is the same for every stage run by several processes: ``job.across_ranks()`` (a stage
+launched on several processes by torchrun / accelerate launch: only the main one locks and records)
+and ``job.run_parts`` (a scale-out run whose parts are separate commands: the last one to finish
+records it).
 
 Every claim and consume checks that a run's outputs exist with their recorded sizes; the extract
 stage's claim and the train stage check their recorded digests too (``StageRecord.damaged_outputs``:
@@ -35,7 +39,7 @@ from typing import Any, Callable, Optional
 from filelock import FileLock, Timeout
 
 from .atomic import atomic_write_text
-from .contracts import UPSTREAM, Facts, downstream, facts_from_json, upgrade_facts
+from .contracts import FACTS, UPSTREAM, Facts, downstream, facts_from_json, upgrade_facts
 from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
 
@@ -410,6 +414,19 @@ class StageJob:
         # set by claim(): outputs of this config's complete run that are not what was recorded
         self.damaged: list[Damage] = []
         self._run = None  # the wandb run while the job runs (eagle3.tracking)
+        # False in a process other than the main one of a launch (across_ranks): it runs the work
+        # and records nothing
+        self.is_main = True
+
+    def across_ranks(self) -> "StageJob":
+        """This job runs on every process of a launch (torchrun / accelerate launch set ``RANK``): the
+        main process (rank 0) claims, locks and records as usual; the others never take the run lock
+        (the main process holds it while they work), return the complete run when there is one, and
+        record nothing (``with job:`` only runs their share of the work, ``job.record`` stays None).
+        The launcher's rank, not accelerate.PartialState(): creating that before the Accelerator
+        would fix its device and distributed mode too early."""
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        return self
 
     def _acquire_run_lock(self) -> None:
         """Hold the run lock on out_dir; wait (saying so) while another process runs this config."""
@@ -428,7 +445,7 @@ class StageJob:
             lock.acquire()
         self._run_lock = lock
 
-    def claim(self, digests: bool = False, progress: bool = False) -> Optional[StageRecord]:
+    def claim(self, digests: bool = False, progress: bool = False, announce: bool = True) -> Optional[StageRecord]:
         """The complete run of this config, if one exists with its outputs intact (it becomes the
         stage's current run; nothing to do). Otherwise None, and this process now holds the run
         lock: it must run the stage (``with job:``). Intact: every output exists with its recorded
@@ -438,7 +455,13 @@ class StageJob:
 
         The lock is taken before looking, so two sweep jobs that need the same upstream run compute
         it once: the second waits for the first and then finds it complete.
+
+        A complete run is announced (``<stage>: already complete (<hash>), nothing to do``, with the
+        note its facts add: :meth:`eagle3.contracts.Facts.complete_note`) unless ``announce`` is false.
         """
+        if not self.is_main:  # another process of a launch: never the lock, never the record's pins
+            rec = self.manifest.record(self.stage, self.config_hash)
+            return rec if rec is not None and rec.status == "complete" else None
         self._acquire_run_lock()
         rec = self.manifest.record(self.stage, self.config_hash)
         if rec is None or rec.status != "complete":
@@ -454,7 +477,54 @@ class StageJob:
         self.manifest.pins[self.stage] = self.config_hash
         self._run_lock.release()
         self._run_lock = None
+        if announce:
+            # read as the stage's facts only where they add a note (not every caller records them)
+            adds = FACTS.get(self.stage, Facts).complete_note is not Facts.complete_note
+            note = rec.facts.complete_note(rec.exp_dir) if adds and rec.facts is not None else ""
+            verified = ", every output's digest verified" if digests else ""
+            print(f"{self.stage}: already complete ({self.config_hash[:12]}{verified}){note or ', nothing to do'}")
         return rec
+
+    def run_parts(self, work: Callable[[int, int], Any], finish: Callable[[Any], None], part: int = 0,
+                  parts: int = 1) -> Optional[StageRecord]:
+        """Run a stage whose work is split into ``parts`` separate commands (a scale-out: e.g. one
+        SLURM array task each), this process doing ``part``; every part computes the same config
+        hash, hence the same output directory. ``work(parts, part)`` does this process's share and
+        returns an object with ``complete`` (whether every part's output now exists) and ``missing``
+        (what does not yet); ``finish(result)`` checks the whole and sets the outputs and facts.
+
+        One part: ``work`` and ``finish`` inside ``with job:`` (a failure is recorded). Several: the
+        part runs under its own lock (two processes never do the same part), outside the job (a part
+        records nothing); the part that finds the output complete finishes and records the run under
+        a lock, unless another part did at the same moment (then its record is returned). Returns the
+        complete record, or None for a part that left the run incomplete."""
+        if parts == 1:
+            with self:
+                result = work(1, 0)
+                if not result.complete:  # cannot happen with one process; a bug if it does
+                    raise RuntimeError(f"{self.stage} finished with outputs missing: {result.missing[:5]}")
+                finish(result)
+            return self.record
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with FileLock(str(self.out_dir / f".part-{part}-of-{parts}.lock"), timeout=0):
+                result = work(parts, part)
+        except Timeout:
+            raise ManifestError(f"another process is already running part {part} of {parts} of stage "
+                                f"'{self.stage}' into {self.out_dir}") from None
+        if not result.complete:
+            log.info("%s: part %d of %d done; %d outputs still missing (other parts), e.g. %s. The last part to "
+                     "finish records the run in the manifest.", self.stage, part, parts, len(result.missing),
+                     result.missing[:3])
+            print(f"{self.stage}: part {part}/{parts} done; waiting for {len(result.missing)} shards from other parts")
+            return None
+        with FileLock(str(self.out_dir / ".finalize.lock")):
+            if (done := self.claim(announce=False)) is not None:  # another part finished at the same time
+                return done
+            with self:
+                finish(result)
+        log.info("%s: part %d of %d completed the run at %s", self.stage, part, parts, self.out_dir)
+        return self.record
 
     def __del__(self):
         # A stage that raised between `job.claim()` and `with job:` must not keep the lock.
@@ -474,6 +544,8 @@ class StageJob:
             self._outputs[rel] = known
 
     def __enter__(self) -> "StageJob":
+        if not self.is_main:  # another process of a launch: its share of the work, recorded by the main one
+            return self
         self._acquire_run_lock()
         now = _now()
         rec = {"status": "running", "config_hash": self.config_hash, "config": self.config,
@@ -509,6 +581,8 @@ class StageJob:
                         self.stage, self.config_hash[:12], previous[:12], ", ".join(stale))
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.is_main:
+            return False
         missing_facts = None
         if exc_type is None and not isinstance(self.facts, Facts):
             # a bug in the stage, not a user error; the run is recorded as failed, never complete

@@ -15,44 +15,29 @@ log = logging.getLogger("eagle3.eval")
 
 def run(cfg, manifest):
     from eagle3.contracts import EvalFacts
-    from eagle3.export.offline_eval import HFTarget, offline_acceptance
+    from eagle3.export.offline_eval import offline_acceptance_by_k
     from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
     from eagle3.export.sources import load_source
     from eagle3.target import resolve
 
-    ecfg = cfg.export
+    export_cfg = cfg.export
     target = resolve(cfg.target, cfg.workspace)
     ckpt, inputs, prep, from_id = load_source(cfg, manifest, target, needs_prompts=True, stage="eval")
     dtype = target.run_dtype(cfg.target.dtype)
-    k = ecfg.num_speculative_tokens
-    ks = [k] + sorted({int(x) for x in ecfg.eval_ks} - {k})
-    config = {"k": k, "eval_ks": ks, "eval_prompts": ecfg.eval_prompts, "eval_max_tokens": ecfg.eval_max_tokens,
-              "from": ecfg.from_, "from_layer_convention": ecfg.from_layer_convention, "from_identity": from_id,
-              "dtype": dtype, "prompts_identity": prompts_identity(ecfg)}
+    k = export_cfg.num_speculative_tokens
+    ks = [k] + sorted({int(x) for x in export_cfg.eval_ks} - {k})
+    config = {"k": k, "eval_ks": ks, "eval_prompts": export_cfg.eval_prompts, "eval_max_tokens": export_cfg.eval_max_tokens,
+              "from": export_cfg.from_, "from_layer_convention": export_cfg.from_layer_convention, "from_identity": from_id,
+              "dtype": dtype, "prompts_identity": prompts_identity(export_cfg)}
     job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
     if (done := job.claim()) is not None:
-        print(f"eval: already complete ({job.config_hash[:12]}): acceptance length "
-              f"{done.facts.acceptance_length} at k={k}")
         return done
-    import torch
-
     with job:
-        prompts = held_out_prompts(ecfg, prep, target.path)
-        stops = stop_token_ids(target.path)
-        device = ecfg.device if ecfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
-        results, cont = {}, None
-        try:  # largest k first: its greedy continuations are long enough for every smaller k
-            for kk in sorted(ks, reverse=True):
-                results[kk] = offline_acceptance(target.path, ckpt, prompts, kk, ecfg.eval_max_tokens, stops,
-                                                 dtype=dtype, device=device, progress=cfg.progress, target=hf,
-                                                 continuations=cont)
-                cont = results[kk].continuations
-        finally:
-            hf.close()
-        results = {kk: results[kk] for kk in ks}
+        prompts = held_out_prompts(export_cfg, prep, target.path)
+        results = offline_acceptance_by_k(target, ckpt, prompts, ks, export_cfg.eval_max_tokens, stop_token_ids(target.path),
+                                          dtype=dtype, device=export_cfg.device, progress=cfg.progress)
         main = results[k]
-        facts = {**main.summary(), "max_tokens": ecfg.eval_max_tokens, "source": ckpt.source,
+        facts = {**main.summary(), "max_tokens": export_cfg.eval_max_tokens, "source": ckpt.source,
                  "acceptance_by_k": {str(kk): round(r.acceptance_length, 4) for kk, r in results.items()},
                  "tokens_per_step_by_k": {str(kk): round(r.tokens_per_step, 4) for kk, r in results.items()}}
         (job.out_dir / "eval.json").write_text(json.dumps({**facts, "outputs": main.outputs}, indent=1) + "\n")
@@ -62,5 +47,5 @@ def run(cfg, manifest):
           f"{facts['acceptance_per_position']}), by k {facts['acceptance_by_k']}, {facts['tokens_per_step']:.3f} "
           f"tokens per target step, {len(prompts)} prompts (greedy decoding"
           + ("; export.eval_temperatures apply to vLLM verification only)" if any(
-              float(t) > 0 for t in ecfg.eval_temperatures) else ")"))
+              float(t) > 0 for t in export_cfg.eval_temperatures) else ")"))
     return job.record

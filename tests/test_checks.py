@@ -378,16 +378,16 @@ def test_export_warning_names_the_store_figures(caplog):
     from types import SimpleNamespace
 
     from eagle3.contracts import ExtractFacts
-    from stages.export import _compare_with_training
+    from eagle3.export.pipeline import compare_with_training
 
     store = SimpleNamespace(config_hash="abcdef0123456789", facts=ExtractFacts(
         layer_ids=[1, 2, 3], last_layer_id=4, hidden_size=64, store_dtype="float32", target_dtype="float32",
         backend="vllm", store_format="x", bytes_per_token=1,
         agreement={"train": {"positions": 2048, "agreeing": 410, "rate": 0.2002, "samples": 300}},
         agreement_threshold=None, parity={"skipped": "the target (700.0 GiB in bfloat16) does not fit"}))
-    facts = {"acceptance_length": 1.05}
     with caplog.at_level(logging.WARNING, logger="eagle3.export"):
-        _compare_with_training(facts, {"train_expected_acceptance_length": [1.8, 2.4, 2.9]}, 3, store)
+        expected = compare_with_training(1.05, {"train_expected_acceptance_length": [1.8, 2.4, 2.9]}, 3, store)
+    assert expected == 2.9
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "extract run abcdef012345" in msg and "target agreement train 0.2002" in msg and "does not fit" in msg
 

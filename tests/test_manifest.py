@@ -372,3 +372,58 @@ def test_cli_train_while_extract_runs_says_it_is_running(tmp_path, tiny_llama_di
     finally:
         holder.kill()
         holder.join(30)
+
+
+def test_the_job_announces_a_complete_run_once(tmp_path, capsys):
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    assert "already complete" not in capsys.readouterr().out
+    job, ran = _run(m, "prepare", {"a": 1})
+    assert not ran and capsys.readouterr().out == f"prepare: already complete ({job.config_hash[:12]}), nothing to do\n"
+
+
+def test_other_ranks_of_a_launch_run_the_work_and_record_nothing(tmp_path, monkeypatch):
+    """job.across_ranks(): a rank other than 0 takes no lock (rank 0 holds it) and records nothing;
+    once rank 0 recorded the run, every rank finds it complete."""
+    monkeypatch.setenv("EAGLE3_NO_WAIT", "1")
+    m = Manifest(tmp_path / "exp")
+    main = m.start("prepare", config={"a": 1}, target=TARGET).across_ranks()
+    assert main.claim() is None  # rank 0 holds the run lock from here
+    monkeypatch.setenv("RANK", "1")
+    other = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET).across_ranks()
+    assert not other.is_main and other.claim() is None  # no "another process is running"
+    with other:
+        other.facts = Sized(n=1)
+    assert other.record is None and Manifest(m.exp_dir).record("prepare", other.config_hash) is None
+    monkeypatch.setenv("RANK", "0")
+    with main:
+        (main.out_dir / "out.bin").write_bytes(b"x")
+        main.add_output(main.out_dir / "out.bin")
+        main.facts = Sized(n=1)
+    monkeypatch.setenv("RANK", "1")
+    again = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET).across_ranks()
+    assert again.claim().status == "complete"
+
+
+def test_a_run_in_parts_is_recorded_by_the_last_part_to_finish(tmp_path):
+    from types import SimpleNamespace
+
+    m = Manifest(tmp_path / "exp")
+    done: set = set()
+
+    def work(parts, part):
+        (m.exp_dir / f"{part}.bin").parent.mkdir(parents=True, exist_ok=True)
+        done.add(part)
+        return SimpleNamespace(complete=len(done) == parts, missing=[p for p in range(parts) if p not in done])
+
+    def finish(result):
+        jobs[-1].facts = Sized(n=len(done))
+
+    jobs = [m.start("prepare", config={"a": 1}, target=TARGET)]
+    assert jobs[0].claim() is None and jobs[0].run_parts(work, finish, part=1, parts=2) is None
+    assert m.current("prepare") is None  # one part of two: nothing recorded
+    jobs.pop()  # that process ends (its run lock with it)
+    jobs.append(Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET))
+    assert jobs[0].claim() is None
+    rec = jobs[0].run_parts(work, finish, part=0, parts=2)
+    assert rec.status == "complete" and rec.data["facts"] == {"n": 2}

@@ -12,6 +12,8 @@
   acceptance by k, prompt-lookup baseline
 - prompts.py: held-out prompts from the prepare stage's eval split
 - model_card.py: the export's README.md
+- pipeline.py: the export stage's steps: written and verified in a partial directory, the
+  ExportFacts the marker and the model card are derived from, the summary it prints
 
 Heavy imports (torch, vllm, transformers) happen inside these modules, which the stages import
 lazily.

@@ -143,15 +143,17 @@ def _norm_options(path: Path, config: dict, layer: dict, layout: str, marker: Op
     return options
 
 
-def import_draft(path, target_config: dict, convention: str = "auto") -> DraftCheckpoint:
-    """Read a draft directory; ``target_config`` is the target's config.json (sizes are checked)."""
+def import_draft(path, target_config: dict, convention: str = "auto", marker: Optional[dict] = None) -> DraftCheckpoint:
+    """Read a draft directory; ``target_config`` is the target's config.json (sizes are checked);
+    ``marker``: its eagle3 export marker when the file is not written yet (export's own check)."""
     path = Path(path).expanduser().resolve()
     if convention not in CONVENTIONS:
         raise ImportDraftError(f"layer id convention {convention!r} is not one of {CONVENTIONS}")
     if not (path / "config.json").is_file():
         raise ImportDraftError(f"export.from={str(path)!r} has no config.json: not a draft checkpoint directory")
     config = json.loads((path / "config.json").read_text())
-    marker = json.loads((path / MARKER).read_text()) if (path / MARKER).is_file() else None
+    if marker is None:
+        marker = json.loads((path / MARKER).read_text()) if (path / MARKER).is_file() else None
     layout = detect_layout(config)
     layer = dict(config.get("transformer_layer_config") or {}) if layout == "speculators" else dict(config)
     if not layer.get("hidden_size"):

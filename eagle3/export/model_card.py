@@ -8,10 +8,13 @@ def _fmt(x, nd=3):
     return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
-def model_card(meta: dict, facts: dict) -> str:
+def model_card(meta: dict, facts) -> str:
+    """The card of the export whose :class:`eagle3.contracts.ExportFacts` are ``facts``; ``meta``: what
+    the facts do not hold (``target``: its identity and name, ``draft``: the draft's config,
+    ``architectures``, ``num_speculative_tokens``, ``coverage`` and ``data``: the prepare run's)."""
     t = meta["target"]
     cfg = meta["draft"]
-    fmt = meta["format"]
+    fmt = facts.format
     lines = [f"# EAGLE-3 draft for `{t.get('name') or t['path']}`", "",
              f"Exported by eagle3 in the `{fmt}` layout. The draft predicts the target's next tokens from the "
              f"target's own hidden states; it only works with this target.", "",
@@ -26,8 +29,8 @@ def model_card(meta: dict, facts: dict) -> str:
              f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} kv), intermediate {cfg['intermediate_size']}",
              f"- draft vocabulary: {cfg['draft_vocab_size']} of {cfg['vocab_size']} target tokens"
              + (f" (coverage of training tokens {meta['coverage']:.3f})" if meta.get("coverage") is not None else ""),
-             f"- norm_before_residual: {cfg['norm_before_residual']}; tensors stored as {meta['dtype']}",
-             f"- source: {json.dumps(meta['source'], sort_keys=True)}"]
+             f"- norm_before_residual: {cfg['norm_before_residual']}; tensors stored as {facts.dtype}",
+             f"- source: {json.dumps(facts.source, sort_keys=True)}"]
     eagle31 = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(name)]
     if eagle31:  # absent at their defaults: a default draft's card is unchanged
         lines.insert(len(lines) - 1, f"- EAGLE-3.1 options: {', '.join(f'{n}=true' for n in eagle31)}")
@@ -50,46 +53,45 @@ def model_card(meta: dict, facts: dict) -> str:
                   f"'{{\"method\": \"eagle3\", \"model\": \"<this directory>\", \"num_speculative_tokens\": {k}}}'",
                   "```"]
     lines += ["", "## Measured acceptance", ""]
-    if "acceptance_length" not in facts:
+    if facts.acceptance_length is None:
         lines += ["Not measured (export.verify=false)."]
     else:
-        lines += [f"Greedy decoding on {facts['num_prompts']} held-out prompts (the prepare stage's eval split, "
-                  f"prompt part), up to {facts['max_tokens']} new tokens, in vLLM {facts.get('vllm_version', '')}. "
+        lines += [f"Greedy decoding on {facts.num_prompts} held-out prompts (the prepare stage's eval split, "
+                  f"prompt part), up to {facts.max_tokens} new tokens, in vLLM {facts.vllm_version or ''}. "
                   f"Acceptance length = 1 + accepted / drafts (vLLM's definition, bonus token included).", "",
                   "| method | k | acceptance length | tokens per target step |", "|---|---|---|---|"]
-        for kk, al in sorted(facts.get("acceptance_by_k", {}).items(), key=lambda x: int(x[0])):
-            tps = facts.get("tokens_per_step_by_k", {}).get(kk)
+        for kk, al in sorted((facts.acceptance_by_k or {}).items(), key=lambda x: int(x[0])):
+            tps = (facts.tokens_per_step_by_k or {}).get(kk)
             lines.append(f"| EAGLE-3 (this draft) | {kk} | {_fmt(al)} | {_fmt(tps)} |")
-        ng = facts.get("ngram")
+        ng = facts.ngram
         if ng:
             lines.append(f"| prompt lookup (ngram 2-4) | {ng['k']} | {_fmt(ng['acceptance_length'])} "
                          f"(over {ng['num_drafts']} steps with a match) | {_fmt(ng['tokens_per_step'])} |")
-        pos = ", ".join(_fmt(p) for p in facts.get("acceptance_per_position", []))
-        lines += ["", f"Per-position acceptance at k={facts['k']}: {pos}.",
+        pos = ", ".join(_fmt(p) for p in facts.acceptance_per_position or [])
+        lines += ["", f"Per-position acceptance at k={facts.k}: {pos}.",
                   "Lossless: speculative output equals plain greedy output token for token on every prompt."]
-        if facts.get("train_expected_acceptance_length") is not None:
-            lines.append(f"The train stage expected {_fmt(facts['train_expected_acceptance_length'])} at k={facts['k']} "
+        if facts.train_expected_acceptance_length is not None:
+            lines.append(f"The train stage expected {_fmt(facts.train_expected_acceptance_length)} at k={facts.k} "
                          f"from its held-out (teacher-forced) accuracies.")
-        off = facts.get("offline")
+        off = facts.offline
         if off:
             lines.append(f"Offline PyTorch evaluator (trained draft, HF target, greedy): acceptance length "
-                         f"{_fmt(off['acceptance_length'])}; relative difference to vLLM {_fmt(facts.get('offline_vs_vllm'), 4)}.")
-        if facts.get("lookup_summary"):
-            lines += ["", facts["lookup_summary"] + "."]
-        if facts.get("by_domain"):
-            lines += ["", f"Per domain of the held-out prompts, k={facts['k']}:", "",
+                         f"{_fmt(off['acceptance_length'])}; relative difference to vLLM {_fmt(facts.offline_vs_vllm, 4)}.")
+        if facts.lookup_summary:
+            lines += ["", facts.lookup_summary + "."]
+        if facts.by_domain:
+            lines += ["", f"Per domain of the held-out prompts, k={facts.k}:", "",
                       "| domain | prompts | acceptance length | tokens per target step | prompt lookup |",
                       "|---|---|---|---|---|"]
-            for cat, d in facts["by_domain"].items():
+            for cat, d in facts.by_domain.items():
                 lines.append(f"| {cat} | {d['num_prompts']} | {_fmt(d['acceptance_length'])} | "
                              f"{_fmt(d['tokens_per_step'])} | {_fmt(d['ngram_tokens_per_step'])} |")
-        temps = facts.get("by_temperature") or {}
+        temps = facts.by_temperature or {}
         if len(temps) > 1:
+            ks = sorted(facts.acceptance_by_k, key=int)
             lines += ["", f"Acceptance length under sampling (vLLM's speculative sampling, request i seeded "
-                          f"{facts.get('sampling_seed', 0)} + i):", "",
-                      "| temperature | " + " | ".join(f"k={k}" for k in sorted(facts["acceptance_by_k"], key=int)) + " |",
-                      "|---|" + "---|" * len(facts["acceptance_by_k"])]
+                          f"{facts.sampling_seed or 0} + i):", "",
+                      "| temperature | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
             for t, row in temps.items():
-                lines.append(f"| {t} | " + " | ".join(_fmt(row["acceptance_by_k"].get(k))
-                                                       for k in sorted(facts["acceptance_by_k"], key=int)) + " |")
+                lines.append(f"| {t} | " + " | ".join(_fmt(row["acceptance_by_k"].get(k)) for k in ks) + " |")
     return "\n".join(lines) + "\n"

@@ -319,3 +319,22 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
     finally:
         if own:
             target.close()
+
+
+def offline_acceptance_by_k(target, ckpt: DraftCheckpoint, prompts: list, ks: list, max_tokens: int, stop_ids,
+                            dtype: str = "float32", device: str = "auto", progress: bool = False) -> dict:
+    """{k: AcceptanceStats} for each k of ``ks`` (in that order) with one HF target
+    (``target``: eagle3.target.TargetInfo), the largest k first: its greedy continuations are long
+    enough for every smaller k."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
+    results, cont = {}, None
+    try:
+        for kk in sorted(ks, reverse=True):
+            results[kk] = offline_acceptance(target.path, ckpt, prompts, kk, max_tokens, stop_ids, dtype=dtype,
+                                             device=device, progress=progress, target=hf, continuations=cont)
+            cont = results[kk].continuations
+    finally:
+        hf.close()
+    return {kk: results[kk] for kk in ks}

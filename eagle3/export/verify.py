@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -40,9 +42,43 @@ from .importers import import_draft
 log = logging.getLogger("eagle3.export")
 
 
-def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict, dtype: str) -> None:
-    """The exported files hold exactly ``reference`` (cast to ``dtype``)."""
-    got = import_draft(model_dir, target_config)
+@dataclass
+class Verification:
+    """What verification measured (steps 2-8), under the field names of
+    :class:`eagle3.contracts.ExportFacts` (which records them: ``dataclasses.asdict``)."""
+
+    k: int
+    acceptance_length: float                # vLLM, at k
+    acceptance_per_position: list
+    tokens_per_step: float
+    acceptance_by_k: dict                   # str(k) -> ...
+    tokens_per_step_by_k: dict
+    acceptance_per_position_by_k: dict
+    vllm: dict                              # vLLM's counters at k
+    ngram: dict                             # prompt lookup at k
+    offline: dict                           # the offline evaluator at k (greedy)
+    offline_vs_vllm: float                  # relative difference of the two acceptance lengths
+    lossless: bool
+    num_prompts: int
+    max_tokens: int
+    hf_greedy_equals_vllm_greedy: str       # "same/prompts"
+    beats_prompt_lookup: bool
+    vllm_version: str
+    lookup_gain: Optional[float]
+    eval_temperatures: list
+    sampling_seed: int
+    by_temperature: dict                    # str(temperature) -> row (_temperature_row)
+    lookup_summary: str
+    by_domain: Optional[dict] = None        # category -> figures, when the prompts carry categories
+    tie_margin: Optional[float] = None      # the lossless check's near-tie margin, logits
+    near_ties: Optional[dict] = None        # engine -> divergences that passed as near-ties
+
+
+def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict, dtype: str,
+                marker: Optional[dict] = None) -> None:
+    """The exported files hold exactly ``reference`` (cast to ``dtype``); ``marker``: the export
+    marker the directory is read with (default: its file)."""
+    got = import_draft(model_dir, target_config, marker=marker)
     ref, cfg = reference, reference.config
     if got.config.aux_layer_ids != list(cfg.aux_layer_ids):
         raise VerificationError(f"{model_dir}: its config makes vLLM capture layers {got.config.aux_layer_ids}, the "
@@ -159,9 +195,10 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
-                  seed: int = 0, tie_margin: float = 0.0) -> dict:
-    """Run steps 1-8; returns the facts to record; raises VerificationError on any failure.
-    ``categories``: each prompt's category (None without one), parallel to ``prompts``."""
+                  seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0) -> Verification:
+    """Run steps 1-8; returns what they measured; raises VerificationError on any failure.
+    ``categories``: each prompt's category (None without one), parallel to ``prompts``; ``marker``:
+    the export marker step 1 reads the directory with (default: its file)."""
     import vllm
 
     from .offline_eval import offline_acceptance
@@ -169,7 +206,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
 
     model_dir = Path(model_dir)
     if static_check:
-        check_files(model_dir, reference, target_config, target_dtype)
+        check_files(model_dir, reference, target_config, target_dtype, marker=marker)
     ks = [k] + sorted({int(x) for x in eval_ks} - {k})
     temps = [0.0] + sorted({float(t) for t in temperatures} - {0.0})
     if categories is not None and len(categories) != len(prompts):
@@ -222,24 +259,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         near_ties[f"ngram k={k}"] = ties
     scorer.close()
     same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
-    facts = {
-        "k": k, "acceptance_length": round(main.acceptance_length, 4),
-        "acceptance_per_position": [round(p, 4) for p in main.per_position],
-        "tokens_per_step": round(main.tokens_per_step, 4),
-        "acceptance_by_k": {str(kk): round(s.acceptance_length, 4) for kk, s in by_k.items()},
-        "tokens_per_step_by_k": {str(kk): round(s.tokens_per_step, 4) for kk, s in by_k.items()},
-        "acceptance_per_position_by_k": {str(kk): [round(p, 4) for p in s.per_position] for kk, s in by_k.items()},
-        "vllm": main.summary(), "ngram": ngram.summary(), "offline": offline.summary(),
-        "offline_vs_vllm": round(rel, 5), "lossless": True, "num_prompts": len(prompts), "max_tokens": max_tokens,
-        "hf_greedy_equals_vllm_greedy": f"{same_hf}/{len(prompts)}",
-        "beats_prompt_lookup": main.tokens_per_step > ngram.tokens_per_step, "vllm_version": vllm.__version__,
-        "lookup_gain": round(main.tokens_per_step / ngram.tokens_per_step - 1, 4) if ngram.tokens_per_step else None,
-        "eval_temperatures": temps, "sampling_seed": seed,
-        "tie_margin": margin, "near_ties": near_ties,
-    }
-    facts["offline"]["decoding"] = "greedy"  # the offline evaluator decodes greedily, whatever the temperatures
-    facts["by_temperature"] = {
-        f"{t:g}": _temperature_row(by_k if t == 0 else sampled[t], ngram_runs[t]) for t in temps}
+    domains = None
     if categories is not None and any(c is not None for c in categories):
         if not per_request_metrics_supported():
             raise VerificationError(
@@ -248,13 +268,28 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                 f"without a category (export.prompts=FILE without category fields)")
         for kk, stats in [*by_k.items(), (0, ngram)]:
             _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
-        facts["by_domain"] = by_domain(categories, by_k, k, ngram)
-    facts["lookup_summary"] = lookup_verdict(k, len(prompts), main.tokens_per_step, ngram.tokens_per_step,
-                                             facts.get("by_domain"))
-    if not facts["beats_prompt_lookup"]:
+        domains = by_domain(categories, by_k, k, ngram)
+    result = Verification(
+        k=k, acceptance_length=round(main.acceptance_length, 4),
+        acceptance_per_position=[round(p, 4) for p in main.per_position],
+        tokens_per_step=round(main.tokens_per_step, 4),
+        acceptance_by_k={str(kk): round(s.acceptance_length, 4) for kk, s in by_k.items()},
+        tokens_per_step_by_k={str(kk): round(s.tokens_per_step, 4) for kk, s in by_k.items()},
+        acceptance_per_position_by_k={str(kk): [round(p, 4) for p in s.per_position] for kk, s in by_k.items()},
+        # the offline evaluator decodes greedily, whatever the temperatures
+        vllm=main.summary(), ngram=ngram.summary(), offline={**offline.summary(), "decoding": "greedy"},
+        offline_vs_vllm=round(rel, 5), lossless=True, num_prompts=len(prompts), max_tokens=max_tokens,
+        hf_greedy_equals_vllm_greedy=f"{same_hf}/{len(prompts)}",
+        beats_prompt_lookup=main.tokens_per_step > ngram.tokens_per_step, vllm_version=vllm.__version__,
+        lookup_gain=round(main.tokens_per_step / ngram.tokens_per_step - 1, 4) if ngram.tokens_per_step else None,
+        eval_temperatures=temps, sampling_seed=seed,
+        by_temperature={f"{t:g}": _temperature_row(by_k if t == 0 else sampled[t], ngram_runs[t]) for t in temps},
+        lookup_summary=lookup_verdict(k, len(prompts), main.tokens_per_step, ngram.tokens_per_step, domains),
+        by_domain=domains, tie_margin=margin, near_ties=near_ties)
+    if not result.beats_prompt_lookup:
         log.warning("verify: the draft makes %.3f tokens per target step, prompt lookup %.3f: no better than the "
                     "no-training baseline on these prompts", main.tokens_per_step, ngram.tokens_per_step)
-    return facts
+    return result
 
 
 def _temperature_row(by_k: dict, ngram: AcceptanceStats) -> dict:

@@ -10,4 +10,6 @@
 - metrics.py: StepMetrics (loss, accuracy, acceptance per TTT step), FLOPs/MFU, metrics.jsonl
 - checkpoint.py: resumable checkpoints and the loop state they carry
 - loop.py: train(), the Accelerate loop that ties them together, and the draft it writes
+- inputs.py: what the stage hands train(): the store opened and verified, the draft's config, the
+  target's head
 """

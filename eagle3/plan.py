@@ -36,7 +36,7 @@ REGEN_FILL = 0.86
 ENGINE_START_S = {"cpu": 20.0, "gpu": 30.0}
 # Loading a checkpoint on the H200 host (the probes measure it here).
 GPU_LOAD_S = 10.0
-# Published H200 throughputs (README.md "A larger run", bench/train.md session 3):
+# Published H200 throughputs (bench/results/smollm2_large_h200_202611.md, bench/results/train_h200_202611.md):
 H200 = {
     # extraction with the HF backend, SmolLM2-135M in float32: 40k tokens/s
     "extract_tokens_per_s": 40_000.0, "extract_params": 135e6,

@@ -62,7 +62,7 @@ def resolve_layer_ids(requested, num_layers: int) -> tuple[int, ...]:
 
 
 FP8_MIN_HIDDEN = 2048
-"""``auto`` stores fp8 for targets at least this wide (bench/fp8_store.md: drafts trained from fp8
+"""``auto`` stores fp8 for targets at least this wide (bench/results/fp8_store_h200_202611.md: drafts trained from fp8
 and bf16 stores were served within 1% of each other on the embedded default and on
 experiment=smollm2_large)."""
 

@@ -91,13 +91,21 @@ def layout_of(a):
                        dtype=dtype, target_hash="bench-random-target")
 
 
+def target_config(a):
+    """The Llama config of the bench shape (the transformers target's, and the vLLM producer's config.json)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                       head_dim=a.head_dim, max_position_embeddings=max(8192, 2 * a.seq), rms_norm_eps=1e-5,
+                       architectures=["LlamaForCausalLM"])
+
+
 def target_model(a, device):
     """A random Llama base model of the bench shape (seeded: every process builds the same)."""
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      head_dim=a.head_dim, max_position_embeddings=max(8192, 2 * a.seq), rms_norm_eps=1e-5)
+    cfg = target_config(a)
     torch.manual_seed(0)
     dtype = torch.float32 if str(device) == "cpu" else torch.bfloat16
     with torch.device(device):
@@ -221,13 +229,7 @@ def vllm_extractor(a, layout, work_dir: Path):
     from eagle3.extract import make_extractor
 
     target = work_dir.parent / f"{work_dir.name}.target"
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps(dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=a.vocab, hidden_size=a.hidden,
-        intermediate_size=a.intermediate, num_hidden_layers=a.layers, num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads, head_dim=a.head_dim, max_position_embeddings=max(8192, 2 * a.seq),
-        rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu", tie_word_embeddings=False,
-        torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)))
+    target_config(a).save_pretrained(target)
     ecfg = ExtractConfig(backend="vllm", samples_per_shard=1, kv_cache_gb=a.producer_kv_gb,
                          gpu_memory_utilization=a.producer_memory)
     return make_extractor("vllm", target, layout, "bfloat16", ecfg, -(-(a.seq + 1) // 16) * 16, work_dir,

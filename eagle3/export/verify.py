@@ -107,6 +107,10 @@ def _first_difference(a: list, b: list) -> int:
     return min(len(a), len(b))
 
 
+TIE_MARGIN_FLOAT32 = 0.05
+TIE_MARGIN_HALF = 0.5
+
+
 def tie_margin_for(target_dtype: str, tie_margin: float = 0.0) -> float:
     """The logit gap under which two tokens count as tied: ``tie_margin`` when set (> 0), else by the
     dtype the target is served in (float32 rounds ~1e-3 of a logit apart, bf16/fp16 ~1e-1)."""
@@ -115,49 +119,42 @@ def tie_margin_for(target_dtype: str, tie_margin: float = 0.0) -> float:
     return TIE_MARGIN_FLOAT32 if target_dtype == "float32" else TIE_MARGIN_HALF
 
 
-TIE_MARGIN_FLOAT32 = 0.05
-TIE_MARGIN_HALF = 0.5
-
-
 class ReferenceScorer:
-    """The target in transformers (float32), loaded on first use: scores the two tokens where a
-    speculative and a plain greedy output part (for :func:`check_lossless`)."""
+    """Scores the two tokens where a speculative and a plain greedy output part (for
+    :func:`check_lossless`) with the target in transformers (float32). The target is loaded only when
+    there is something to score and freed right after: the next vLLM engine sizes its KV cache from
+    the device's free memory."""
 
     def __init__(self, target_path, prompts: list, device: str = "auto"):
         self.target_path, self.prompts, self.device = target_path, prompts, device
-        self.model = None
 
     def gaps(self, spec_outputs: list, plain_outputs: list, bad: list) -> list[dict]:
         """Per prompt in ``bad``: where the outputs part, both tokens, the target's logit gap between
         them and each one's rank (0 = the target's best) given the prompt and the common prefix."""
+        from transformers import AutoModelForCausalLM
+
+        dev = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(str(self.target_path), dtype=torch.float32).to(dev).eval()
         rows = []
-        for i in bad:
-            j = _first_difference(spec_outputs[i], plain_outputs[i])
-            row = {"prompt": i, "token": j}
-            if j >= min(len(spec_outputs[i]), len(plain_outputs[i])):  # one stopped earlier: no token to score
-                rows.append({**row, "gap": None, "ranks": None})
-                continue
-            a, b = int(plain_outputs[i][j]), int(spec_outputs[i][j])
-            logits = self._next_logits(list(self.prompts[i]) + list(plain_outputs[i][:j]))
-            ranks = [int((logits > logits[t]).sum()) for t in (a, b)]
-            rows.append({**row, "plain": a, "speculative": b, "gap": round(abs(float(logits[a] - logits[b])), 6),
-                         "ranks": ranks})
+        try:
+            for i in bad:
+                j = _first_difference(spec_outputs[i], plain_outputs[i])
+                row = {"prompt": i, "token": j}
+                if j >= min(len(spec_outputs[i]), len(plain_outputs[i])):  # one stopped earlier: nothing to score
+                    rows.append({**row, "gap": None, "ranks": None})
+                    continue
+                a, b = int(plain_outputs[i][j]), int(spec_outputs[i][j])
+                with torch.inference_mode():
+                    x = torch.tensor([list(self.prompts[i]) + list(plain_outputs[i][:j])], device=model.device)
+                    logits = model(input_ids=x).logits[0, -1].float().cpu()
+                ranks = [int((logits > logits[t]).sum()) for t in (a, b)]
+                rows.append({**row, "plain": a, "speculative": b,
+                             "gap": round(abs(float(logits[a] - logits[b])), 6), "ranks": ranks})
+        finally:
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return rows
-
-    def _next_logits(self, ids: list) -> torch.Tensor:
-        if self.model is None:
-            from transformers import AutoModelForCausalLM
-
-            dev = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.target_path), dtype=torch.float32).to(dev).eval()
-        with torch.inference_mode():
-            x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
-            return self.model(input_ids=x).logits[0, -1].float().cpu()
-
-    def close(self) -> None:
-        self.model = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str, scorer: ReferenceScorer | None = None,
@@ -257,7 +254,6 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
     ngram = ngram_runs[0.0]
     if ties := check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM", scorer, margin):
         near_ties[f"ngram k={k}"] = ties
-    scorer.close()
     same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
     domains = None
     if categories is not None and any(c is not None for c in categories):

@@ -14,7 +14,10 @@
 #   ARMS: space-separated NAME:SEED[:OPTION=VALUE,...]: train.model options (norm_output=true), or
 #   any train key written whole (train.optimizer=muon); default
 #   "e3:0 e3:1 e31:0:norm_before_fc=true,fc_norm=true,norm_output=true e31:1:norm_before_fc=true,fc_norm=true,norm_output=true"
-# Environment: WS (workspace, default /tmp/e3d31), OUT (where results.jsonl goes, default $WS).
+# Environment: WS (workspace, default /tmp/e3d31), OUT (where results.jsonl goes, default $WS),
+#   SERVE ("all", or the arms, e.g. "e31m2:0": after the offline evaluator, the export stage serves the
+#   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures;
+#   needs BACKEND=vllm or GPU vLLM installed), EXTRA (overrides for every stage), BACKEND (hf|vllm).
 set -uo pipefail
 GGUF=${1:?usage: bench/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
 BUDGET=${2:-3600}
@@ -37,9 +40,14 @@ for arm in $ARMS; do
     done
     if grep -qxF "$arm" "$OUT/done_arms" 2>/dev/null; then echo "== $arm: done before"; continue; fi
     step "train $arm" stage=train "${over[@]}"
-    step "eval $arm" stage=eval "${over[@]}" export.num_speculative_tokens=5 \
-        "export.eval_ks=[1,2,3,4,5]" export.eval_prompts=32 export.eval_max_tokens=128
-    python3 - "$WS" "$OUT" "$arm" <<'PY'
+    EVALK=(export.num_speculative_tokens=5 "export.eval_ks=[1,2,3,4,5]" export.eval_prompts=32 export.eval_max_tokens=128)
+    step "eval $arm" stage=eval "${over[@]}" "${EVALK[@]}"
+    serve=0
+    if [[ ${SERVE:-} == all || " ${SERVE:-} " == *" $arm "* ]]; then
+        step "export $arm" stage=export "${over[@]}" "${EVALK[@]}"
+        serve=1
+    fi
+    python3 - "$WS" "$OUT" "$arm" "$serve" "$(cd "$(dirname "$0")" && pwd)" <<'PY'
 import dataclasses, json, sys
 from pathlib import Path
 from eagle3.manifest import Manifest
@@ -51,6 +59,10 @@ row = {"arm": arm, "train_run": tr.config_hash[:12],
        "train_eval": dataclasses.asdict(tr.facts.eval) if tr.facts.eval else None, "steps": tr.facts.steps,
        "acceptance_by_k": ev.facts.acceptance_by_k, "acceptance_per_position": ev.facts.acceptance_per_position,
        "num_prompts": ev.facts.num_prompts, "max_tokens": ev.facts.max_tokens}
+if sys.argv[4] == "1":  # served by GPU vLLM too (SERVE)
+    sys.path.insert(0, sys.argv[5])
+    from peer_speculators import served
+    row.update(served(ws / "smollm2_large"))
 print(json.dumps(row))
 with open(out / "results.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")

@@ -519,6 +519,25 @@ def export(args, ckpt: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------- row, table
+def served(exp_dir) -> dict:
+    """The current export run's served figures (``export.verify`` in vLLM), for a results row: vLLM's
+    acceptance at k = 1..5, the lossless check and its near-ties, prompt lookup, the offline evaluator
+    at k beside it."""
+    from eagle3.manifest import Manifest
+
+    rec = Manifest(exp_dir).current("export")
+    f = rec.facts
+    if f.acceptance_by_k is None:
+        raise SystemExit(f"the current export run {rec.config_hash[:12]} was not verified in vLLM (export.verify=false)")
+    return {"export_run": rec.config_hash[:12], "served_by_k": f.acceptance_by_k,
+            "served_tokens_per_step_by_k": f.tokens_per_step_by_k, "served_k": f.k,
+            "served_per_position": f.acceptance_per_position, "lossless": f.lossless,
+            "near_ties": getattr(f, "near_ties", None), "tie_margin": getattr(f, "tie_margin", None),
+            "prompt_lookup_tokens_per_step": (f.ngram or {}).get("tokens_per_step"), "lookup_gain": f.lookup_gain,
+            "offline_at_k": (f.offline or {}).get("acceptance_length"), "offline_vs_vllm": f.offline_vs_vllm,
+            "hf_greedy_equals_vllm_greedy": f.hf_greedy_equals_vllm_greedy, "vllm_version": f.vllm_version}
+
+
 def row(args) -> dict:
     """The results.jsonl row of an arm whose checkpoint the offline evaluator just scored."""
     from eagle3.manifest import Manifest
@@ -541,6 +560,8 @@ def row(args) -> dict:
          "impl": tr.get("impl"), "fallback": tr.get("fallback"),
          "acceptance_by_k": ev.facts.acceptance_by_k, "acceptance_per_position": ev.facts.acceptance_per_position,
          "num_prompts": ev.facts.num_prompts, "max_tokens": ev.facts.max_tokens}
+    if args.served:
+        r.update(served(_exp_dir(args)))
     print(json.dumps(r))
     with open(args.results, "a") as f:
         f.write(json.dumps(r) + "\n")
@@ -568,6 +589,20 @@ def table(path: str) -> None:
         print(f"{g}: mean over {len(rs)} seeds " + ", ".join(
             f"k={k} {sum(r['acceptance_by_k'][k] for r in rs) / len(rs):.4f}" for k in ks
             if all(k in r["acceptance_by_k"] for r in rs)))
+    sv = [r for r in rows if r.get("served_by_k")]
+    if sv:
+        print("\nServed by vLLM (export.verify; the same prompts), beside the offline evaluator above:")
+        print("| arm | " + " | ".join(f"vLLM k={k}" for k in ks) + " | offline at k (export) | relative difference | lossless "
+              "(near-ties) | prompt lookup tokens/step | draft tokens/step | vLLM |")
+        print("| --- | " + " | ".join("---" for _ in ks) + " | --- | --- | --- | --- | --- | --- |")
+        for r in sv:
+            nt = r.get("near_ties") or {}
+            n_ties = sum(len(v) if isinstance(v, (list, dict)) else int(v) for v in nt.values())
+            k = str(r.get("served_k"))
+            print(f"| {r['arm']} | " + " | ".join(f"{r['served_by_k'].get(k_, float('nan')):.4f}" for k_ in ks)
+                  + f" | {r.get('offline_at_k')} | {r.get('offline_vs_vllm')} | {r.get('lossless')} ({n_ties}) | "
+                  f"{r.get('prompt_lookup_tokens_per_step')} | {(r.get('served_tokens_per_step_by_k') or {}).get(k)} | "
+                  f"{r.get('vllm_version')} |")
 
 
 def main():
@@ -609,6 +644,7 @@ def main():
     ap.add_argument("--ckpt", default=None, help="export: checkpoint dir (default: the run's final epoch)")
     ap.add_argument("--arm", default=None, help="row: the arm's name in results.jsonl (e.g. spec:0)")
     ap.add_argument("--results", default=None, help="row, table: the results.jsonl")
+    ap.add_argument("--served", action="store_true", help="row: add the current export run's served figures")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv

@@ -13,7 +13,7 @@ step() {
 }
 
 # `smollm2_large_gpu_setup`: what every experiment=smollm2_large script for a GPU machine starts with,
-# from its GGUF, BUDGET (seconds), WS, OUT and BACKEND: $OUT made, $deadline set, and ${common[@]}, the
+# from its GGUF, BUDGET (seconds), WS, OUT, BACKEND and EXTRA: $OUT made, $deadline set, and ${common[@]}, the
 # overrides each of its stages runs with: regeneration and extraction through transformers
 # (BACKEND=hf, the default: a GPU machine without vLLM) or through GPU vLLM (BACKEND=vllm).
 smollm2_large_gpu_setup() {
@@ -22,4 +22,6 @@ smollm2_large_gpu_setup() {
     local backend=${BACKEND:-hf}
     common=(experiment=smollm2_large "workspace=$WS" "target.gguf=$GGUF" "prepare.regen.backend=$backend"
             "extract.backend=$backend" logger=jsonl progress=false)
+    # EXTRA: more overrides for every stage (e.g. the engines' memory shares when other GPU work runs beside)
+    if [[ -n ${EXTRA:-} ]]; then read -ra extra_common <<< "$EXTRA"; common+=("${extra_common[@]}"); fi
 }

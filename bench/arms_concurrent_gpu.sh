@@ -23,6 +23,9 @@
 # Environment: WS (default /tmp/e3d31), OUT (default $WS.arms: one folder per arm, results.jsonl),
 #   ARM_BUDGET (seconds each arm may run, default 1500), SPEC_TRAIN_OPTS (default "--loss eager":
 #   flex attention with the eager loss, the pair that runs under torch 2.11; bench/results/peer_speculators_cpu_202611.md).
+#   BACKEND=vllm (GPU vLLM: regeneration and extraction through it), SERVE (arms, NAME:SEED, whose
+#   drafts the export stage then serves in GPU vLLM: bench/draft31_gpu.sh), EXTRA (overrides for every
+#   stage: the engines' memory shares when the arms share the GPU) reach every arm.
 set -uo pipefail
 GGUF=${1:?usage: bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"}
 BUDGET=${2:-1500}

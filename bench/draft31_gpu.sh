@@ -15,7 +15,7 @@
 #   any train key written whole (train.optimizer=muon); default
 #   "e3:0 e3:1 e31:0:norm_before_fc=true,fc_norm=true,norm_output=true e31:1:norm_before_fc=true,fc_norm=true,norm_output=true"
 # Environment: WS (workspace, default /tmp/e3d31), OUT (where results.jsonl goes, default $WS),
-#   SERVE ("all", or the arms, e.g. "e31m2:0": after the offline evaluator, the export stage serves the
+#   SERVE ("all", or arms as NAME:SEED, e.g. "e31m2:0": after the offline evaluator, the export stage serves the
 #   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures;
 #   needs BACKEND=vllm or GPU vLLM installed), EXTRA (overrides for every stage), BACKEND (hf|vllm).
 set -uo pipefail
@@ -43,7 +43,7 @@ for arm in $ARMS; do
     EVALK=(export.num_speculative_tokens=5 "export.eval_ks=[1,2,3,4,5]" export.eval_prompts=32 export.eval_max_tokens=128)
     step "eval $arm" stage=eval "${over[@]}" "${EVALK[@]}"
     serve=0
-    if [[ ${SERVE:-} == all || " ${SERVE:-} " == *" $arm "* ]]; then
+    if serve_arm "$arm"; then
         step "export $arm" stage=export "${over[@]}" "${EVALK[@]}"
         serve=1
     fi

@@ -51,7 +51,8 @@ def table(rows: list[dict]) -> str:
         kv = kv if isinstance(kv, dict) else {}
         out.append([
             r.get("check", ""), r.get("family", ""), r.get("mode", ""), "yes" if r.get("ok") else "NO",
-            _engine(r.get("engine")) if r.get("check") != "stage" else f"rc {r.get('rc')}, {r.get('seconds')} s",
+            (f"refused: {r['refused']}" if r.get("refused") else _engine(r.get("engine")))
+            if r.get("check") != "stage" else f"rc {r.get('rc')}, {r.get('seconds')} s",
             f"{st.get('steps', '')} / {st.get('max_samples_per_step', '')} / {st.get('continued_chunks', '')}" if st.get("steps") else "",
             "/".join(str(v) for v in (r.get("shards") or {}).values()),
             _g(p.get("max")) if p.get("method") else (_g(p.get("max")) + f" (tol {p.get('tolerance')})" if p else ""),

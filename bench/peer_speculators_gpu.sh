@@ -20,7 +20,7 @@
 #   ARMS: space-separated NAME:SEED[:FLAG=VALUE,...] with speculators train flags (no leading --),
 #   default "spec:0 spec:1"; e.g. "specadamw:0:optimizer=adamw".
 # Environment: WS (workspace, default /tmp/e3d31), OUT (results.jsonl, done_arms; default $WS),
-#   SERVE ("all", or the arms, e.g. "spec:0": after the offline evaluator, the export stage serves the
+#   SERVE ("all", or arms as NAME:SEED, e.g. "spec:0": after the offline evaluator, the export stage serves the
 #   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures),
 #   SPECSITE (default /tmp/specsite), SPEC_TRAIN_OPTS (peer_speculators.py train options,
 #   default "--fallback": a launch that fails before its first checkpoint with flex attention + the
@@ -81,7 +81,7 @@ for arm in $ARMS; do
         "$WS/spec_runs/$run/train_result.json") || exit 1
     step "eval $arm" stage=eval "export.from=$ckpt" "${EVAL[@]}"
     served=()
-    if [[ ${SERVE:-} == all || " ${SERVE:-} " == *" $arm "* ]]; then
+    if serve_arm "$arm"; then
         step "export $arm" stage=export "export.from=$ckpt" "${EVAL[@]}"
         served=(--served)
     fi

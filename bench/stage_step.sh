@@ -25,3 +25,14 @@ smollm2_large_gpu_setup() {
     # EXTRA: more overrides for every stage (e.g. the engines' memory shares when other GPU work runs beside)
     if [[ -n ${EXTRA:-} ]]; then read -ra extra_common <<< "$EXTRA"; common+=("${extra_common[@]}"); fi
 }
+
+# `serve_arm ARM`: whether $SERVE ("all", or arms: NAME:SEED, or whole arm strings) names ARM
+# (NAME:SEED[:OPTIONS]); the GPU scripts' arms that the export stage serves in GPU vLLM
+serve_arm() {
+    local s
+    [[ ${SERVE:-} == all ]] && return 0
+    for s in ${SERVE:-}; do
+        [[ $1 == "$s" || $1 == "$s":* ]] && return 0
+    done
+    return 1
+}

@@ -288,6 +288,7 @@ class ExportFacts(Facts):
     # vLLM's per-request acceptance over the held-out prompts of each category ("(none)": without one);
     # None when the prompts carry no category
     by_domain: Optional[dict] = None
+    domain_counting: Optional[str] = None  # "per request" (vLLM >= 0.32) or "per category batch" (older vLLM)
     # str(temperature) -> {acceptance_by_k, tokens_per_step_by_k, ngram_tokens_per_step,
     # ngram_acceptance_length}: "0" greedy, others vLLM's speculative sampling, request i seeded
     # sampling_seed + i (export.eval_temperatures)

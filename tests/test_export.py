@@ -445,8 +445,22 @@ def test_offline_evaluator_agrees_with_vllm_on_an_imperfect_draft(target, kept, 
     try:  # greedy, then seeded sampling, in the one engine
         st = generate_counted(llm, prompts, MAX_TOKENS, stops, K)
         hot = generate_counted(llm, prompts, MAX_TOKENS, stops, K, temperature=0.7, seed=0)
+        # each group of prompts as a batch of its own, counted by the engine counters around it (what
+        # verification does per category where vLLM reports no acceptance per request)
+        evens, odds = list(range(0, len(prompts), 2)), list(range(1, len(prompts), 2))
+        grouped = generate_counted(llm, prompts, MAX_TOKENS, stops, K, groups=[odds, evens])
+        with pytest.raises(ValueError, match="split the"):
+            generate_counted(llm, prompts, MAX_TOKENS, stops, K, groups=[odds])
     finally:
         shutdown_llm(llm)
+    assert grouped.outputs == st.outputs
+    assert (grouped.num_drafts, grouped.num_accepted, grouped.generated_tokens, grouped.target_steps) == \
+        (st.num_drafts, st.num_accepted, st.generated_tokens, st.target_steps)
+    assert [g["indices"] for g in grouped.groups] == [odds, evens]
+    for g in (evens, odds):  # a group's counter figures = vLLM's per-request figures of its prompts
+        a, b = grouped.subset(g), st.subset(g)
+        assert (a.num_drafts, a.num_accepted, a.accepted_per_pos) == (b.num_drafts, b.num_accepted, b.accepted_per_pos)
+        assert a.num_drafts > 0
     assert per_request_metrics_supported()
     for run_ in (st, hot):  # vLLM's per-request acceptance adds up to its counters, greedy and sampled
         assert sum(r["drafts"] for r in run_.per_request) == run_.num_drafts > 0
@@ -1089,6 +1103,36 @@ def test_export_from_a_specforge_checkpoint_and_a_draft_vllm_refuses(experiment,
                       max_tokens=8, stop_ids=stop_token_ids(target.path), kv_cache_gb=0.25, device="cpu",
                       static_check=False)
     print(e.value)
+
+
+def test_grouped_stats_give_exact_figures_for_whole_groups_only():
+    """A run counted group by group (no per-request acceptance, as vLLM < 0.32 gives): subset and the
+    per-domain figures read the group counters for whole groups; a part of a group has no acceptance."""
+    import math
+
+    from eagle3.export.acceptance import AcceptanceStats
+    from eagle3.export.verify import by_domain
+
+    def grouped(k, groups, tokens, steps):
+        st = AcceptanceStats(k=k, num_prompts=len(tokens), outputs=[[0] * t for t in tokens],
+                             per_request=[{"tokens": t, "steps": s} for t, s in zip(tokens, steps)])
+        st.groups = [{"indices": g, "drafts": d, "accepted": a, "draft_tokens": d * k, "accepted_per_pos": pp}
+                     for g, d, a, pp in groups]
+        st.num_drafts = sum(g["drafts"] for g in st.groups)
+        st.num_accepted = sum(g["accepted"] for g in st.groups)
+        st.generated_tokens, st.target_steps = sum(tokens), sum(steps)
+        return st
+
+    eagle = grouped(2, [([0, 2], 10, 12, [7, 5]), ([1], 4, 2, [2, 0])], [20, 8, 15], [11, 5, 9])
+    code = eagle.subset([2, 0])
+    assert (code.num_drafts, code.num_accepted, code.accepted_per_pos) == (10, 12, [7, 5])
+    assert code.acceptance_length == pytest.approx(2.2) and code.tokens_per_step == pytest.approx(35 / 20)
+    part = eagle.subset([0])  # half of a group: its counters cannot be split
+    assert math.isnan(part.acceptance_length) and part.tokens_per_step == pytest.approx(20 / 11)
+    ngram = grouped(2, [([0, 2], 6, 3, [3, 0]), ([1], 2, 0, [0, 0])], [20, 8, 15], [14, 8, 12])
+    d = by_domain(["code", "chat", "code"], {2: eagle}, 2, ngram)
+    assert d["code"]["acceptance_length"] == pytest.approx(2.2) and d["chat"]["acceptance_length"] == pytest.approx(1.5)
+    assert d["code"]["num_prompts"] == 2 and d["code"]["ngram_tokens_per_step"] == pytest.approx(35 / 26, abs=1e-4)
 
 
 def test_lookup_verdict_says_plainly_whether_the_draft_beats_prompt_lookup():

@@ -187,3 +187,39 @@ def test_eager_mla_on_gpu_vllm_0_25_is_refused(tmp_path, monkeypatch):
     refuse_before_load(target, "bfloat16", ExtractConfig(), "load_time", cpu=False)  # compiled: passed on the GPU
     llama = build_tiny_llama(tmp_path / "llama")
     refuse_before_load(llama, "bfloat16", eager, "runtime", cpu=False)  # eager Llama passed on the GPU
+
+
+_THREADS_PROBE = """
+import json, os, sys
+import eagle3
+from eagle3.train.inductor import restore_compile_threads
+import vllm  # noqa: F401  (sets TORCHINDUCTOR_COMPILE_THREADS=1 for this process)
+import torch, torch._inductor.config as ic
+before = ic.compile_threads
+got = restore_compile_threads()
+print(json.dumps({"before": before, "got": got, "after": ic.compile_threads,
+                  "cores": min(32, torch._utils.cpu_count())}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("user", [None, "1"])
+def test_the_trainer_takes_back_the_compile_threads_vllm_took(user):
+    """After ``import vllm`` Inductor compiles with one thread in the whole process (stage=all, an
+    online producer in the trainer's process); the trainer restores torch's default, but not when the
+    user set TORCHINDUCTOR_COMPILE_THREADS before eagle3 started."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    if user is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = user
+    out = subprocess.run([sys.executable, "-c", _THREADS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["before"] == 1  # what vLLM's import leaves
+    if user is None and r["cores"] > 1:
+        assert r["got"] == r["after"] == r["cores"]
+    else:
+        assert r["got"] is None and r["after"] == 1

@@ -30,6 +30,9 @@ class AcceptanceStats:
     # metrics, {"drafts", "accepted", "accepted_per_pos"} (vLLM's RequestSpecDecodeMetrics)
     per_request: list = field(default_factory=list, repr=False)
     temperature: float = 0.0  # 0 = greedy; else seeded sampling (vLLM only)
+    # vLLM run group by group (generate_counted's groups): per group {"indices", "drafts", "accepted",
+    # "draft_tokens", "accepted_per_pos"}, from the engine counters around each group's batch
+    groups: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -55,14 +58,21 @@ class AcceptanceStats:
         return self.generated_tokens / self.target_steps if self.target_steps else float("nan")
 
     def subset(self, indices) -> "AcceptanceStats":
-        """The figures of the prompts at ``indices`` alone, from the per-request records (vLLM's)."""
+        """The figures of the prompts at ``indices`` alone: from the group counters when ``indices`` are
+        whole groups, else from the per-request records (vLLM's); acceptance NaN without either."""
         idx = list(indices)
         reqs = [self.per_request[i] for i in idx]
         sub = AcceptanceStats(k=self.k, num_prompts=len(idx), outputs=[self.outputs[i] for i in idx],
                               per_request=reqs, temperature=self.temperature)
         sub.generated_tokens = sum(r["tokens"] for r in reqs)
         sub.target_steps = sum(r["steps"] for r in reqs)
-        if reqs and all("drafts" in r for r in reqs):
+        whole = [g for g in self.groups if set(g["indices"]) <= set(idx)]
+        if self.groups and sorted(i for g in whole for i in g["indices"]) == sorted(idx):
+            sub.num_drafts = sum(g["drafts"] for g in whole)  # whole groups: their counters, exact
+            sub.num_accepted = sum(g["accepted"] for g in whole)
+            sub.num_draft_tokens = sum(g["draft_tokens"] for g in whole)
+            sub.accepted_per_pos = [sum(g["accepted_per_pos"][p] for g in whole) for p in range(self.k)]
+        elif reqs and all("drafts" in r for r in reqs):
             sub.num_drafts = sum(r["drafts"] for r in reqs)
             sub.num_accepted = sum(r["accepted"] for r in reqs)
             sub.num_draft_tokens = sum(r.get("draft_tokens", 0) for r in reqs)

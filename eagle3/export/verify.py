@@ -17,7 +17,9 @@
 6. Prompt lookup (ngram, k, n-gram 2..4) on the same prompts: the no-training baseline; compared by
    generated tokens per target step (its acceptance length counts only steps with a match).
 7. Per domain, when the prompts carry a category: the figures of 4-6 over each category's prompts,
-   from vLLM's per-request acceptance (``per_request_spec_decode_metrics``) in the same engines.
+   from vLLM's per-request acceptance (``per_request_spec_decode_metrics``) in the same engines; a vLLM
+   without it (< 0.32) runs each category's prompts as a batch of their own in the speculative engines
+   and counts each batch exactly (``domain_counting`` says which).
 8. Each temperature > 0 of ``temperatures``: the same engines (every k, and prompt lookup) sample
    with request i seeded ``seed + i``; acceptance length per k and temperature. Sampled outputs
    differ from plain decoding's by design (speculative sampling keeps the distribution, not the
@@ -70,6 +72,7 @@ class Verification:
     by_temperature: dict                    # str(temperature) -> row (_temperature_row)
     lookup_summary: str
     by_domain: Optional[dict] = None        # category -> figures, when the prompts carry categories
+    domain_counting: Optional[str] = None   # how: "per request" (vLLM >= 0.32) or "per category batch"
     tie_margin: Optional[float] = None      # the lossless check's near-tie margin, logits
     near_ties: Optional[dict] = None        # engine -> divergences that passed as near-ties
 
@@ -211,6 +214,24 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
     max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
     run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                gpu_memory_utilization=gpu_memory_utilization)
+    domain_counting, groups = None, None
+    if categories is not None and any(c is not None for c in categories):
+        if per_request_metrics_supported():
+            domain_counting = "per request"
+        else:
+            # vLLM < 0.32 counts acceptance per engine only: each category's prompts run as a batch of their
+            # own in the speculative engines, and its figures are the counters' difference around it
+            domain_counting = "per category batch"
+            cats = {}
+            for i, c in enumerate(categories):
+                cats.setdefault("(none)" if c is None else str(c), []).append(i)
+            groups = [cats[c] for c in sorted(cats)]
+            log.info("verify: vLLM %s reports no acceptance per request (per_request_spec_decode_metrics, vLLM >= "
+                     "0.32): the speculative engines run each of the %d categories' prompts as a batch of its own, "
+                     "so the per-domain figures are exact engine counts", vllm.__version__, len(groups))
+        run_spec = dict(run, groups=groups)
+    else:
+        run_spec = run
 
     offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
                                  device=device, progress=progress)
@@ -225,7 +246,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
         try:
             runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
-                                         speculative_config=spec_cfg, seed=seed, **run)
+                                         speculative_config=spec_cfg, seed=seed, **run_spec)
             stats = runs[0.0]
         except Exception as e:  # vLLM's own error, whatever its type, is the message the user needs
             msg = str(e).strip().splitlines()
@@ -250,20 +271,16 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
             f"(tolerance {tolerance:.0%}): the exported draft does not compute what was trained. Check the "
             f"vocabulary mapping (d2t), the aux layer ids and norm_before_residual in {model_dir}/config.json.")
     ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed, speculative_config={
-        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **run)
+        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **run_spec)
     ngram = ngram_runs[0.0]
     if ties := check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM", scorer, margin):
         near_ties[f"ngram k={k}"] = ties
     same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
     domains = None
-    if categories is not None and any(c is not None for c in categories):
-        if not per_request_metrics_supported():
-            raise VerificationError(
-                f"the held-out prompts carry categories, but vLLM {vllm.__version__} does not report acceptance "
-                f"per request (per_request_spec_decode_metrics, vLLM >= 0.32): upgrade vLLM, or verify on prompts "
-                f"without a category (export.prompts=FILE without category fields)")
-        for kk, stats in [*by_k.items(), (0, ngram)]:
-            _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
+    if domain_counting is not None:
+        if groups is None:
+            for kk, stats in [*by_k.items(), (0, ngram)]:
+                _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
         domains = by_domain(categories, by_k, k, ngram)
     result = Verification(
         k=k, acceptance_length=round(main.acceptance_length, 4),
@@ -281,7 +298,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         eval_temperatures=temps, sampling_seed=seed,
         by_temperature={f"{t:g}": _temperature_row(by_k if t == 0 else sampled[t], ngram_runs[t]) for t in temps},
         lookup_summary=lookup_verdict(k, len(prompts), main.tokens_per_step, ngram.tokens_per_step, domains),
-        by_domain=domains, tie_margin=margin, near_ties=near_ties)
+        by_domain=domains, domain_counting=domain_counting, tie_margin=margin, near_ties=near_ties)
     if not result.beats_prompt_lookup:
         log.warning("verify: the draft makes %.3f tokens per target step, prompt lookup %.3f: no better than the "
                     "no-training baseline on these prompts", main.tokens_per_step, ngram.tokens_per_step)

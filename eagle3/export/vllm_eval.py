@@ -66,23 +66,61 @@ def _request_spec(out, k: int):
             "accepted_per_pos": [int(sum(hist[p + 1:])) for p in range(k)]}
 
 
+def _partition(groups, n: int) -> list:
+    groups = [sorted(int(i) for i in g) for g in groups]
+    flat = sorted(i for g in groups for i in g)
+    if flat != list(range(n)) or any(not g for g in groups):
+        raise ValueError(f"groups must split the {n} prompts into non-empty parts, each prompt in one: got {groups}")
+    return groups
+
+
 def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temperature: float = 0.0,
-                     seed: int = 0) -> AcceptanceStats:
+                     seed: int = 0, groups: Optional[list] = None) -> AcceptanceStats:
     """Generate for every prompt in one engine (greedily, or sampled at ``temperature`` with request i
-    seeded ``seed + i``); outputs and acceptance stats, overall and per request."""
+    seeded ``seed + i``); outputs and acceptance stats, overall and per request.
+
+    ``groups`` (lists of prompt indices that split the prompts): each group runs as its own batch, one
+    after the other, and its acceptance is the engine counters' difference around it, so a group's
+    figures are exact where the engine reports no acceptance per request (vLLM < 0.32, no
+    ``per_request_spec_decode_metrics``). ``stats.groups`` then holds them; ``subset`` of whole groups
+    reads them."""
+    if groups is None:
+        return _generate(llm, list(enumerate(prompts)), len(prompts), max_tokens, stop_ids, k, temperature, seed)
+    total = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=[None] * len(prompts),
+                            per_request=[None] * len(prompts), temperature=float(temperature))
+    total.groups = []
+    for g in _partition(groups, len(prompts)):
+        part = _generate(llm, [(i, prompts[i]) for i in g], len(prompts), max_tokens, stop_ids, k, temperature, seed)
+        for i in g:
+            total.outputs[i], total.per_request[i] = part.outputs[i], part.per_request[i]
+        total.generated_tokens += part.generated_tokens
+        total.target_steps += part.target_steps
+        total.num_drafts += part.num_drafts
+        total.num_draft_tokens += part.num_draft_tokens
+        total.num_accepted += part.num_accepted
+        total.accepted_per_pos = [a + b for a, b in zip(total.accepted_per_pos, part.accepted_per_pos)]
+        total.groups.append({"indices": g, "drafts": part.num_drafts, "accepted": part.num_accepted,
+                             "draft_tokens": part.num_draft_tokens, "accepted_per_pos": list(part.accepted_per_pos)})
+    return total
+
+
+def _generate(llm, items: list, n: int, max_tokens: int, stop_ids, k: int, temperature: float,
+              seed: int) -> AcceptanceStats:
+    """``items``: (prompt index, token ids) run as one batch; the stats' lists have ``n`` entries,
+    those of the prompts not in ``items`` left None."""
     engine = llm.llm_engine
     # acceptance counters need disable_log_stats=False; without speculation there is nothing to count
     before = spec_counters(llm) if k else None
     index = {}
-    for i, p in enumerate(prompts):
+    for i, p in items:
         rid = f"eagle3-eval-t{temperature:g}-{i}"
         index[rid] = i
         engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]},
                            sampling_params(max_tokens, stop_ids, temperature, seed + i))
-    per_request: list = [None] * len(prompts)
-    lengths = [0] * len(prompts)
-    steps = [0] * len(prompts)
-    outputs: list[Optional[list]] = [None] * len(prompts)
+    per_request: list = [None] * n
+    lengths = [0] * n
+    steps = [0] * n
+    outputs: list[Optional[list]] = [None] * n
     while engine.has_unfinished_requests():
         for out in engine.step():
             i = index.get(out.request_id)
@@ -95,13 +133,15 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temp
             if out.finished:
                 outputs[i] = ids
                 per_request[i] = _request_spec(out, k) if k else None
-    missing = [i for i, o in enumerate(outputs) if o is None]
+    missing = [i for i, _ in items if outputs[i] is None]
     if missing:
         raise RuntimeError(f"vLLM finished without output for prompts {missing[:5]}")
-    stats = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=outputs, temperature=float(temperature))
-    stats.generated_tokens = sum(len(o) for o in outputs)
-    stats.target_steps = sum(steps)
-    stats.per_request = [{"tokens": len(o), "steps": s, **(r or {})} for o, s, r in zip(outputs, steps, per_request)]
+    stats = AcceptanceStats(k=k, num_prompts=len(items), outputs=outputs, temperature=float(temperature))
+    stats.generated_tokens = sum(len(outputs[i]) for i, _ in items)
+    stats.target_steps = sum(steps[i] for i, _ in items)
+    stats.per_request = [None] * n
+    for i, _ in items:
+        stats.per_request[i] = {"tokens": len(outputs[i]), "steps": steps[i], **(per_request[i] or {})}
     if not k:
         return stats
     after = spec_counters(llm)
@@ -135,10 +175,12 @@ def per_request_metrics_supported() -> bool:
 
 def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids, temperatures, *, dtype: str,
                           max_model_len: int, kv_cache_gb: float = 1.0, speculative_config: Optional[dict] = None,
-                          seed: int = 0, gpu_memory_utilization: Optional[float] = None) -> dict:
+                          seed: int = 0, gpu_memory_utilization: Optional[float] = None,
+                          groups: Optional[list] = None) -> dict:
     """One engine (optionally speculative): the prompts at each temperature in turn (0 = greedy, else
     sampled with request i seeded ``seed + i``); {temperature: AcceptanceStats}. A speculative engine
-    also reports acceptance per request where this vLLM can (``per_request_metrics_supported``)."""
+    also reports acceptance per request where this vLLM can (``per_request_metrics_supported``);
+    ``groups``: see ``generate_counted``."""
     from ..vllm_engine import build_llm, shutdown_llm
 
     extra = {"disable_log_stats": False}
@@ -150,7 +192,8 @@ def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids,
                     gpu_memory_utilization=gpu_memory_utilization, **extra)
     try:
         k = int((speculative_config or {}).get("num_speculative_tokens", 0))
-        return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed)
+        return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed,
+                                           groups=groups)
                 for t in temperatures}
     finally:
         shutdown_llm(llm)

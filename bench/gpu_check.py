@@ -52,7 +52,7 @@ def table(rows: list[dict]) -> str:
         out.append([
             r.get("check", ""), r.get("family", ""), r.get("mode", ""), "yes" if r.get("ok") else "NO",
             (f"refused: {r['refused']}" if r.get("refused") else _engine(r.get("engine")))
-            if r.get("check") != "stage" else f"rc {r.get('rc')}, {r.get('seconds')} s",
+            if r.get("check") not in ("stage", "pipeline") else f"rc {r.get('rc')}, {r.get('seconds')} s",
             f"{st.get('steps', '')} / {st.get('max_samples_per_step', '')} / {st.get('continued_chunks', '')}" if st.get("steps") else "",
             "/".join(str(v) for v in (r.get("shards") or {}).values()),
             _g(p.get("max")) if p.get("method") else (_g(p.get("max")) + f" (tol {p.get('tolerance')})" if p else ""),
@@ -67,9 +67,14 @@ def table(rows: list[dict]) -> str:
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     lines = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(c) for c in out]
     errors = [f"- {r.get('family')} {r.get('mode')}: {r.get('error', '')[:600]}" for r in rows if not r.get("ok")]
+    served = [f"- served ({r.get('family')}, {r.get('mode')}): vLLM acceptance by k {r.get('acceptance_by_k')}, "
+              f"lossless {r.get('lossless')} (near-ties {sum(len(v) for v in (r.get('near_ties') or {}).values())}), "
+              f"prompt lookup {r.get('prompt_lookup_tokens_per_step')} tokens/step, per domain "
+              f"{ {c: d.get('acceptance_length') for c, d in (r.get('by_domain') or {}).items()} } "
+              f"(counted {r.get('domain_counting')})" for r in rows if r.get("check") == "pipeline" and r.get("ok")]
     info = rows[0] if rows else {}
     return "\n".join([f"GPU check: vLLM {info.get('vllm')}, torch {info.get('torch')}, {info.get('device')}; "
-                      "error columns: the last state (id 4), per-token relative error", *lines, *errors])
+                      "error columns: the last state (id 4), per-token relative error", *lines, *served, *errors])
 
 
 def main() -> int:

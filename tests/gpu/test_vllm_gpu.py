@@ -275,11 +275,19 @@ def test_stage_commands(family, tmp_path):
 def test_pipeline_served_by_gpu_vllm_llama(tmp_path):
     """All four stages on a tiny float32 Llama (``stage=all``, debug=fast): extraction and the export
     stage's verification (lossless check, acceptance at k = 1..5, prompt lookup) served by GPU vLLM
-    with the exported draft as vLLM's eagle3 speculator, beside the offline evaluator."""
+    with the exported draft as vLLM's eagle3 speculator, beside the offline evaluator. The records
+    carry categories, so the export's per-domain figures are counted too (per request on vLLM >= 0.32,
+    per category batch before)."""
+    from eagle3.manifest import Manifest
+
     target = build_target("llama", tmp_path / "target")
-    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(48, turns=2))
+    records = chat_records(48, turns=2)
+    for i, r in enumerate(records):
+        r["category"] = ("code", "chat")[i % 2]
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
     cmd = [sys.executable, "-m", "eagle3", "stage=all", "debug=fast", f"target.path={target}", f"data.path={data}",
            f"workspace={tmp_path / 'ws'}", "logger=jsonl", "progress=false", "prepare.draft_vocab_size=64",
+           "prepare.eval_fraction=0.25",  # held-out prompts of both categories
            f"extract.layer_ids=[{','.join(map(str, LAYER_IDS))}]", "extract.max_num_batched_tokens=64",
            "extract.kv_cache_gb=0.25", f"extract.gpu_memory_utilization={UTIL}", "export.kv_cache_gb=0.25",
            f"export.gpu_memory_utilization={UTIL}", "export.eval_prompts=8", "export.eval_ks=[1,3]"]
@@ -289,14 +297,22 @@ def test_pipeline_served_by_gpu_vllm_llama(tmp_path):
     t0 = time.perf_counter()
     log = _rows_path().parent / "pipeline.log"  # written as the stages run: a slow or stuck stage shows where
     with open(log, "w") as f:
-        p = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=1500)
-    f = open(log, "a")
-    f.write(p.stdout)
-    f.close()
-    served = [ln for ln in p.stdout.splitlines() if "│" in ln or "prompt lookup" in ln or "offline" in ln]
+        p = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=1500)
+    text = log.read_text(errors="replace")
+    served = [ln for ln in text.splitlines() if "│" in ln or "prompt lookup" in ln or "offline" in ln]
     row = {"check": "pipeline", "family": "llama", "mode": "stage=all (float32)", "rc": p.returncode,
            "seconds": round(time.perf_counter() - t0, 1), "ok": p.returncode == 0, "served": served[-40:]}
     if p.returncode:
-        row["error"] = log.read_text()[-3000:]
+        row["error"] = text[-3000:]
+    else:
+        f = Manifest(tmp_path / "ws" / "default").current("export").facts
+        row.update(lossless=f.lossless, acceptance_by_k=f.acceptance_by_k, near_ties=f.near_ties,
+                   prompt_lookup_tokens_per_step=(f.ngram or {}).get("tokens_per_step"),
+                   domain_counting=f.domain_counting, by_domain=f.by_domain)
     record(row)
     assert p.returncode == 0, row.get("error")
+    assert row["lossless"] and row["prompt_lookup_tokens_per_step"] and set(row["by_domain"]) == {"code", "chat"}
+    assert sum(d["num_prompts"] for d in row["by_domain"].values()) == f.num_prompts
+    from eagle3.export.vllm_eval import per_request_metrics_supported
+
+    assert row["domain_counting"] == ("per request" if per_request_metrics_supported() else "per category batch")

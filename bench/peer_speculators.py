@@ -597,7 +597,7 @@ def table(path: str) -> None:
         print("| --- | " + " | ".join("---" for _ in ks) + " | --- | --- | --- | --- | --- | --- |")
         for r in sv:
             nt = r.get("near_ties") or {}
-            n_ties = sum(len(v) if isinstance(v, (list, dict)) else int(v) for v in nt.values())
+            n_ties = sum(len(v) for v in nt.values())  # engine -> its near-tie divergences
             k = str(r.get("served_k"))
             print(f"| {r['arm']} | " + " | ".join(f"{r['served_by_k'].get(k_, float('nan')):.4f}" for k_ in ks)
                   + f" | {r.get('offline_at_k')} | {r.get('offline_vs_vllm')} | {r.get('lossless')} ({n_ties}) | "

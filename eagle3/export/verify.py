@@ -222,10 +222,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
             # vLLM < 0.32 counts acceptance per engine only: each category's prompts run as a batch of their
             # own in the speculative engines, and its figures are the counters' difference around it
             domain_counting = "per category batch"
-            cats = {}
-            for i, c in enumerate(categories):
-                cats.setdefault("(none)" if c is None else str(c), []).append(i)
-            groups = [cats[c] for c in sorted(cats)]
+            groups = list(category_indices(categories).values())
             log.info("verify: vLLM %s reports no acceptance per request (per_request_spec_decode_metrics, vLLM >= "
                      "0.32): the speculative engines run each of the %d categories' prompts as a batch of its own, "
                      "so the per-domain figures are exact engine counts", vllm.__version__, len(groups))
@@ -325,15 +322,19 @@ def _check_per_request_totals(stats: AcceptanceStats, what: str) -> None:
                                 f"does not add up to its counters ({stats.num_accepted} of {stats.num_drafts})")
 
 
-def by_domain(categories: list, by_k: dict, k: int, ngram: AcceptanceStats) -> dict:
-    """Per category (``(none)`` for prompts without one): prompts, vLLM's acceptance length and tokens
-    per target step per k, prompt lookup's at k, and whether the draft beats it there."""
+def category_indices(categories: list) -> dict:
+    """Category (``(none)`` for prompts without one) -> the indices of its prompts, categories sorted."""
     groups: dict = {}
     for i, c in enumerate(categories):
         groups.setdefault("(none)" if c is None else str(c), []).append(i)
+    return {c: groups[c] for c in sorted(groups)}
+
+
+def by_domain(categories: list, by_k: dict, k: int, ngram: AcceptanceStats) -> dict:
+    """Per category (``(none)`` for prompts without one): prompts, vLLM's acceptance length and tokens
+    per target step per k, prompt lookup's at k, and whether the draft beats it there."""
     out = {}
-    for cat in sorted(groups):
-        idx = groups[cat]
+    for cat, idx in category_indices(categories).items():
         subs = {kk: s.subset(idx) for kk, s in by_k.items()}
         ng = ngram.subset(idx)
         main = subs[k]

@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised, ns_flops, use_gram  # noqa: E402
+from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised, ns_flops, sym_panels, use_gram  # noqa: E402
 from eagle3.train.optim import build_optimizer, split_for_muon  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)
+SWEEP_MIN_ROWS = 2048  # groups this tall also get the panel sweep (FastMuon panels them by default)
 SHAPES = {  # name: (hidden, heads, kv heads, head dim, intermediate, draft vocab)
     "8b": (4096, 32, 8, 128, 14336, 32000),
     "small": (256, 4, 2, 64, 896, 1024),  # the 8B draft's aspect ratios (MLP 3.5, fc 3, q 2, k/v 8)
@@ -111,7 +112,9 @@ def make_draft(shape: str, device, dtype) -> Eagle3Draft:
 
 def muon_flops(model, impl: str) -> int:
     muon, _ = split_for_muon(model.named_parameters())
-    return sum(ns_flops(*p.shape, 5, impl == "fast" and use_gram(*p.shape, 5)) for _, p in muon)
+    if impl != "fast":
+        return sum(ns_flops(*p.shape, 5, False) for _, p in muon)
+    return sum(ns_flops(*p.shape, 5, use_gram(*p.shape, 5), panels=sym_panels(min(p.shape))) for _, p in muon)
 
 
 def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
@@ -168,8 +171,16 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
         Gs = [torch.randn(m, n, generator=gen, device=device) for _ in range(B)]
         X = normalised(torch.stack([g.bfloat16() for g in Gs]), 1e-7)
         t_torch = timer(lambda Gs=Gs: [torch_ns(g) for g in Gs], a.warmup, a.steps)
-        t_std = timer(lambda X=X: newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
-        t_gram = timer(lambda X=X: gram_newton_schulz(X, COEFFS, 5), a.warmup, a.steps)
+        t_std = timer(lambda X=X: newton_schulz(X, COEFFS, 5, panels=1), a.warmup, a.steps)
+        t_gram = timer(lambda X=X: gram_newton_schulz(X, COEFFS, 5, panels=1), a.warmup, a.steps)
+        # the symmetric products in row panels (FastMuon's default: sym_panels(m)), per panel count
+        sweep = {}
+        for pn in (2, 4, 8) if m >= SWEEP_MIN_ROWS else ():
+            sweep[pn] = {"std_ms": timer(lambda X=X, pn=pn: newton_schulz(X, COEFFS, 5, panels=pn), a.warmup, a.steps),
+                         "gram_ms": timer(lambda X=X, pn=pn: gram_newton_schulz(X, COEFFS, 5, panels=pn), a.warmup,
+                                          a.steps),
+                         "std_tflop": B * ns_flops(m, n, 5, False, panels=pn) / 1e12,
+                         "gram_tflop": B * ns_flops(m, n, 5, True, panels=pn) / 1e12}
         # error against the float64 iteration on an ill-conditioned input (one matrix of the group)
         G = ill_conditioned(m, n, device, gen)
         ref = ns_float64(G)
@@ -178,13 +189,19 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
         def err(Y, ref=ref):
             return ((Y.double() - ref).norm() / ref.norm()).item()
 
-        e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5)[0])
+        e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5, panels=1)[0])
+        pd = sym_panels(m)
+        fast = (gram_newton_schulz(xg, COEFFS, 5) if use_gram(m, n, 5) else newton_schulz(xg, COEFFS, 5))[0]
         f_std, f_gram = B * ns_flops(m, n, 5, False), B * ns_flops(m, n, 5, True)
         rows.append({"what": "ns", "shape": f"{B} x {m}x{n}", "matrices": ",".join(names),
                      "torch_ms": t_torch, "std_batched_ms": t_std, "gram_ms": t_gram,
                      "std_tflop": f_std / 1e12, "gram_tflop": f_gram / 1e12,
                      "std_tflops": f_std / t_std / 1e9, "gram_tflops": f_gram / t_gram / 1e9,
-                     "fast_uses": "gram" if use_gram(m, n, 5) else "standard",
+                     "fast_uses": "gram" if use_gram(m, n, 5) else "standard", "fast_panels": pd,
+                     "fast_ms": (sweep[pd]["gram_ms" if use_gram(m, n, 5) else "std_ms"] if pd > 1 else
+                                 t_gram if use_gram(m, n, 5) else t_std),
+                     "fast_tflop": B * ns_flops(m, n, 5, use_gram(m, n, 5), panels=pd) / 1e12,
+                     "panels": sweep, "err_fast_vs_f64": err(fast),
                      "err_torch_vs_f64": e_torch, "err_gram_vs_f64": e_gram,
                      "gram_vs_torch": ((gram_newton_schulz(xg, COEFFS, 5)[0].double() - torch_ns(G).double()).norm()
                                        / ref.norm()).item()})
@@ -274,9 +291,21 @@ def main(argv=None):
               f"{r['std_tflop']:>10.3f}{r['gram_tflop']:>11.3f}{r['std_tflops']:>9.0f}{r['gram_tflops']:>10.0f}"
               f"{r['fast_uses']:>9}{r['err_torch_vs_f64']:>10.2e}{r['err_gram_vs_f64']:>9.2e}{r['gram_vs_torch']:>11.2e}")
     tot = {k: sum(r[k] for r in out["ns"]) for k in ("torch_ms", "std_batched_ms", "std_tflop", "gram_tflop")}
-    fast_ms = sum(r["gram_ms"] if r["fast_uses"] == "gram" else r["std_batched_ms"] for r in out["ns"])
+    whole_ms = sum(r["gram_ms"] if r["fast_uses"] == "gram" else r["std_batched_ms"] for r in out["ns"])
     print(f"{'all':<46}{tot['torch_ms']:>9.2f}{tot['std_batched_ms']:>11.2f}{'':>9}{tot['std_tflop']:>10.3f}"
-          f"  FastMuon's choice: {fast_ms:.2f} ms")
+          f"  the chosen form, whole products: {whole_ms:.2f} ms")
+    print("\nThe symmetric products in row panels (ms, TFLOP; 1 = whole GEMMs), and FastMuon's default:")
+    print(f"{'group':<18}{'form':>9}{'p=1':>16}{'p=2':>16}{'p=4':>16}{'p=8':>16}{'default':>9}{'ms':>8}{'err fast':>10}")
+    for r in out["ns"]:
+        g = r["fast_uses"] == "gram"
+        cells = [f"{r['gram_ms' if g else 'std_batched_ms']:.2f} / {r['gram_tflop' if g else 'std_tflop']:.2f}"]
+        for pn in (2, 4, 8):
+            q = r["panels"].get(pn) or r["panels"].get(str(pn))
+            cells.append(f"{q['gram_ms' if g else 'std_ms']:.2f} / {q['gram_tflop' if g else 'std_tflop']:.2f}" if q else "-")
+        print(f"{r['shape']:<18}{r['fast_uses']:>9}" + "".join(f"{c:>16}" for c in cells)
+              + f"{r['fast_panels']:>9}{r['fast_ms']:>8.2f}{r['err_fast_vs_f64']:>10.2e}")
+    print(f"{'all, FastMuon default':<43}{sum(r['fast_ms'] for r in out['ns']):>8.2f} ms, "
+          f"{sum(r['fast_tflop'] for r in out['ns']):.3f} TFLOP")
     print("\nOne optimizer step (all the draft's parameters, random gradients):")
     print(f"{'variant':<22}{'params':<10}{'ms':>9}{'NS TFLOP':>10}{'NS TF/s':>9}{'peak GiB':>10}")
     for r in out["steps"]:

@@ -522,7 +522,7 @@ def export(args, ckpt: str) -> dict:
 def served(exp_dir) -> dict:
     """The current export run's served figures (``export.verify`` in vLLM), for a results row: vLLM's
     acceptance at k = 1..5, the lossless check and its near-ties, prompt lookup, the offline evaluator
-    at k beside it."""
+    at k beside it, the per-domain figures and how they were counted."""
     from eagle3.manifest import Manifest
 
     rec = Manifest(exp_dir).current("export")
@@ -535,7 +535,8 @@ def served(exp_dir) -> dict:
             "near_ties": getattr(f, "near_ties", None), "tie_margin": getattr(f, "tie_margin", None),
             "prompt_lookup_tokens_per_step": (f.ngram or {}).get("tokens_per_step"), "lookup_gain": f.lookup_gain,
             "offline_at_k": (f.offline or {}).get("acceptance_length"), "offline_vs_vllm": f.offline_vs_vllm,
-            "hf_greedy_equals_vllm_greedy": f.hf_greedy_equals_vllm_greedy, "vllm_version": f.vllm_version}
+            "hf_greedy_equals_vllm_greedy": f.hf_greedy_equals_vllm_greedy, "vllm_version": f.vllm_version,
+            "by_domain": getattr(f, "by_domain", None), "domain_counting": getattr(f, "domain_counting", None)}
 
 
 def row(args) -> dict:

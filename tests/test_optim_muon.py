@@ -10,7 +10,19 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from eagle3.config import TrainConfig
-from eagle3.train.muon import FastMuon, gram_newton_schulz, newton_schulz, normalised, ns_flops, orthogonalise, use_gram
+from eagle3.train.muon import (
+    FastMuon,
+    gram_newton_schulz,
+    newton_schulz,
+    normalised,
+    ns_flops,
+    orthogonalise,
+    panel_edges,
+    sym_baddbmm,
+    sym_fraction,
+    sym_panels,
+    use_gram,
+)
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -67,6 +79,60 @@ def test_flop_counts_and_the_choice_of_form():
     assert use_gram(4096, 14336, 5) and use_gram(14336, 4096, 5) and use_gram(4096, 8192, 5)
     assert not use_gram(4096, 4096, 5) and not use_gram(100, 140, 5)
     assert ns_flops(4096, 14336, 5, True) / ns_flops(4096, 14336, 5, False) == pytest.approx(0.70)
+
+
+def test_symmetric_flop_counts():
+    """Panels: the upper block-triangle's share of a whole product, and where it applies (every
+    m x m product and X X^T; not Q X or B X)."""
+    assert sym_fraction(4096, 1) == 1 and sym_fraction(4096, 2) == 0.75 and sym_fraction(4096, 4) == 0.625
+    assert panel_edges(200, 3) == [0, 64, 128, 200] and panel_edges(4096, 4) == [0, 1024, 2048, 3072, 4096]
+    assert [sym_panels(m) for m in (576, 1024, 2048, 4096, 7168, 16384)] == [1, 1, 2, 4, 4, 4]
+    m, n = 4096, 14336
+    for p in (2, 4, 8):
+        f = (p + 1) / (2 * p)
+        assert ns_flops(m, n, 5, False, panels=p) == round(5 * ((1 + f) * 2 * m * m * n + f * 2 * m ** 3))
+        assert ns_flops(m, n, 5, True, panels=p) == round((2 * f + 2) * 2 * m * m * n + f * 14 * 2 * m ** 3)
+    assert use_gram(4096, 14336, 5) and not use_gram(4096, 4096, 5)
+
+
+@pytest.mark.parametrize("panels", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_symmetric_products_equal_the_whole_gemm(panels, dtype):
+    """X X^T and products of commuting symmetric matrices (polynomials in one R), with and without
+    an added symmetric C, alpha and beta: the panelled upper triangle and its mirror equal the
+    whole GEMM, and what lies outside the diagonal blocks is the exact mirror of what lies above them."""
+    gen = torch.Generator().manual_seed(panels)
+    X = torch.randn(2, 200, 328, generator=gen) / 20
+    R = X @ X.mT
+    P1 = 0.5 * torch.eye(200) + R - 0.3 * R @ R
+    P2 = R @ R + 2 * R
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    cases = [(None, X, X.mT, 0.0, 0.7), (None, P1, P2, 0.0, 1.0), (P2, R, R, -0.4, 2.0)]
+    for C, A, B, beta, alpha in cases:
+        Cd = None if C is None else C.to(dtype)
+        got = sym_baddbmm(Cd, A.to(dtype), B.to(dtype), beta=beta, alpha=alpha, panels=panels).float()
+        want = alpha * (A.double() @ B.double()) + (0 if C is None else beta * C.double())
+        e = panel_edges(200, panels)
+        for r0 in e[1:-1]:
+            assert torch.equal(got[:, r0:, :r0], got[:, :r0, r0:].mT)
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+@pytest.mark.parametrize("gram", ["always", "never"])
+@pytest.mark.parametrize("m,n", [(128, 448), (448, 128), (96, 200), (128, 128)])
+def test_panelled_orthogonalisation_is_as_close_to_float64(m, n, gram):
+    """Both forms with their symmetric products in panels (3: uneven panels too): as close to the
+    float64 iteration as torch's bf16 iteration is, and close to the unpanelled result."""
+    gen = torch.Generator().manual_seed(m + n)
+    for name, G in spectra(m, n, gen):
+        ref, t = ns_float64(G), torch_ns(G, COEFFS, 5, 1e-7)
+        e_torch = rel(t, ref, ref)
+        (whole,) = orthogonalise([G], COEFFS, 5, 1e-7, gram=gram, panels=1)
+        for panels in (2, 3):
+            (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram=gram, panels=panels)
+            assert g.shape == G.shape and g.dtype == torch.bfloat16
+            assert rel(g, ref, ref) < 1.05 * e_torch + 1e-3, (name, panels, rel(g, ref, ref), e_torch)
+            assert rel(g, whole, ref) < 1.05 * e_torch + 1e-3, (name, panels)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the Gram form's on CUDA, on CPU

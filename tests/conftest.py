@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# as the tests were started, before any test imports vLLM (which sets it to 1 for its whole process,
+# vllm/env_override.py); see child_env
+INDUCTOR_THREADS_AT_START = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,6 +20,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+
+def child_env(drop=("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")) -> dict:
+    """The environment for a ``python -m eagle3`` child, as a user's shell would give it: without the
+    in-process vLLM settings above (``drop``) and with ``TORCHINDUCTOR_COMPILE_THREADS`` as the tests
+    were started, not the 1 that ``import vllm`` in this process left there (a child would take that
+    for the user's choice and compile its training step on one thread)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    if INDUCTOR_THREADS_AT_START is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = INDUCTOR_THREADS_AT_START
+    return env
+
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -241,3 +241,29 @@ def test_the_gpu_check_module_imports_here():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "error" not in out.stdout.lower().split("short test summary")[-1]
     assert out.stdout.count("test_vllm_gpu.py::") >= 8, out.stdout[-2000:]
+
+
+@pytest.mark.vllm
+def test_stage_children_of_the_tests_get_the_compile_threads_the_tests_started_with():
+    """``import vllm`` in the test process sets TORCHINDUCTOR_COMPILE_THREADS=1 there, and a ``python -m
+    eagle3`` child would inherit it as if the user had set it (the GPU check's stage=all compiled its
+    training step on one thread so): conftest.child_env gives children the value the tests started with."""
+    import os
+    import subprocess
+    import sys
+
+    import conftest
+    import vllm  # noqa: F401
+
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    env = conftest.child_env()
+    assert env.get("TORCHINDUCTOR_COMPILE_THREADS") == conftest.INDUCTOR_THREADS_AT_START
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    probe = "import torch, torch._inductor.config as c; print(c.compile_threads, min(32, torch._utils.cpu_count()))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    threads, cores = map(int, out.stdout.split())
+    if conftest.INDUCTOR_THREADS_AT_START is None:
+        assert threads == cores
+    else:
+        assert threads == int(conftest.INDUCTOR_THREADS_AT_START)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,14 @@ if not torch.cuda.is_available() and not ON_CPU:
     pytest.skip("the GPU check needs a CUDA device", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from conftest import build_tiny_family, build_tiny_llama, chat_records, perturb_store, write_jsonl  # noqa: E402
+from conftest import (  # noqa: E402
+    build_tiny_family,
+    build_tiny_llama,
+    chat_records,
+    child_env,
+    perturb_store,
+    write_jsonl,
+)
 
 from eagle3.config import ExtractConfig  # noqa: E402
 from eagle3.extract import Samples, extract_store, make_extractor  # noqa: E402
@@ -249,8 +257,7 @@ def test_stage_commands(family, tmp_path):
               f"extract.layer_ids=[{','.join(map(str, LAYER_IDS))}]", "extract.samples_per_shard=8",
               "extract.max_num_batched_tokens=64", "extract.kv_cache_gb=0.25",
               f"extract.gpu_memory_utilization={UTIL}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                            "VLLM_WORKER_MULTIPROC_METHOD")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     failures = []
     for stage, extra in (("prepare", []), ("extract", ["extract.backend=vllm"]),
@@ -291,8 +298,7 @@ def test_pipeline_served_by_gpu_vllm_llama(tmp_path):
            f"extract.layer_ids=[{','.join(map(str, LAYER_IDS))}]", "extract.max_num_batched_tokens=64",
            "extract.kv_cache_gb=0.25", f"extract.gpu_memory_utilization={UTIL}", "export.kv_cache_gb=0.25",
            f"export.gpu_memory_utilization={UTIL}", "export.eval_prompts=8", "export.eval_ks=[1,3]"]
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                                            "VLLM_WORKER_MULTIPROC_METHOD")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
     log = _rows_path().parent / "pipeline.log"  # written as the stages run: a slow or stuck stage shows where
@@ -311,6 +317,11 @@ def test_pipeline_served_by_gpu_vllm_llama(tmp_path):
                    domain_counting=f.domain_counting, by_domain=f.by_domain)
     record(row)
     assert p.returncode == 0, row.get("error")
+    threads = re.search(r"compiling the training step \(torch.compile, (\d+) compile threads\)", text)
+    if threads and "TORCHINDUCTOR_COMPILE_THREADS" not in env:  # vLLM's 1 must not reach the trainer
+        import torch
+
+        assert int(threads.group(1)) == min(32, torch._utils.cpu_count() or 1), threads.group(0)
     assert row["lossless"] and row["prompt_lookup_tokens_per_step"] and set(row["by_domain"]) == {"code", "chat"}
     assert sum(d["num_prompts"] for d in row["by_domain"].values()) == f.num_prompts
     from eagle3.export.vllm_eval import per_request_metrics_supported

@@ -114,7 +114,8 @@ def muon_flops(model, impl: str) -> int:
     muon, _ = split_for_muon(model.named_parameters())
     if impl != "fast":
         return sum(ns_flops(*p.shape, 5, False) for _, p in muon)
-    return sum(ns_flops(*p.shape, 5, use_gram(*p.shape, 5), panels=sym_panels(min(p.shape))) for _, p in muon)
+    return sum(ns_flops(*p.shape, 5, g, panels=sym_panels(min(p.shape)) if g else 1)
+               for _, p in muon for g in [use_gram(*p.shape, 5)])
 
 
 def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
@@ -190,7 +191,7 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
             return ((Y.double() - ref).norm() / ref.norm()).item()
 
         e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5, panels=1)[0])
-        pd = sym_panels(m)
+        pd = sym_panels(m) if use_gram(m, n, 5) else 1  # FastMuon's default panels for its form
         fast = (gram_newton_schulz(xg, COEFFS, 5) if use_gram(m, n, 5) else newton_schulz(xg, COEFFS, 5))[0]
         f_std, f_gram = B * ns_flops(m, n, 5, False), B * ns_flops(m, n, 5, True)
         rows.append({"what": "ns", "shape": f"{B} x {m}x{n}", "matrices": ",".join(names),

@@ -25,11 +25,15 @@ the one of fewer FLOPs (:func:`ns_flops`):
   its square < 2^15), the coefficients adjusted to match.
 * **Standard form** (:func:`newton_schulz`), for square-ish matrices: torch's bf16 iteration.
 
-**Symmetric products** (:func:`sym_baddbmm`): every m x m result in both forms is symmetric (``X X^T``,
-and in the Gram form products of polynomials in the same R, which commute), so for m >= 2048 only its
-upper block-triangle is computed, in row panels of >= 1024 rows (at most :data:`SYM_MAX_PANELS`), and
-mirrored: with 4 panels 62.5% of those GEMMs' FLOPs. Only the ``Q X`` / ``B X`` products stay whole.
-The 8B draft's Newton-Schulz FLOPs per step fall from 20.4 to 14.7 TFLOP (:func:`ns_flops`).
+**Symmetric products** (:func:`sym_baddbmm`): every m x m result of the Gram form is symmetric
+(``X X^T``, and products of polynomials in the same R, which commute), so for m >= 4096 only its upper
+block-triangle is computed, in row panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), and
+mirrored: with 2 panels 75% of those GEMMs' FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a
+step, :func:`ns_flops`). Only ``Q X`` stays whole. On one H200 (bench/optimizer.py,
+bench/results/muon_h200_202612.md) 2 panels took the 8B draft's Gram groups from 5.98 / 5.01 / 21.47 ms
+(fc, q, gate/up/down) to 5.59 / 4.53 / 17.07; 4 and 8 panels saved more FLOPs but ran slower on fc and
+q, and the standard form's products (o_proj, square) ran slower in any panels, so the standard form
+keeps whole GEMMs by default.
 
 Measured on CPU against a float64 iteration (tests/test_optim_muon.py): the Gram form's distance
 from torch's bf16 result is below torch's own distance from float64, on Gaussian, power-law and
@@ -53,15 +57,15 @@ from torch import Tensor
 
 RESTART = 2
 """Iteration before which the Gram form recomputes R from the current iterate."""
-SYM_PANEL_ROWS = 1024
+SYM_PANEL_ROWS = 2048
 """Rows per panel of a symmetric product (:func:`sym_panels`): smaller panels save more FLOPs but run
-as smaller, less efficient GEMMs."""
+as smaller, less efficient GEMMs (measured: 2048 rows beat 1024 and 512 at m = 4096)."""
 SYM_MAX_PANELS = 4
 
 
 def sym_panels(m: int) -> int:
-    """Row panels for a symmetric m x m product: 1 (one whole GEMM) below 2 x :data:`SYM_PANEL_ROWS`
-    rows, else panels of >= that many rows, at most :data:`SYM_MAX_PANELS`."""
+    """Row panels for a symmetric m x m product of the Gram form: 1 (one whole GEMM) below
+    2 x :data:`SYM_PANEL_ROWS` rows, else panels of >= that many rows, at most :data:`SYM_MAX_PANELS`."""
     return max(1, min(SYM_MAX_PANELS, m // SYM_PANEL_ROWS))
 
 
@@ -100,9 +104,11 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
 
 
 def use_gram(m: int, n: int, steps: int, panels: int | None = None) -> bool:
-    """Whether the Gram form takes fewer FLOPs than the standard iteration at this shape (both with
-    ``panels``, default :func:`sym_panels`)."""
-    p = sym_panels(min(m, n)) if panels is None else panels
+    """Whether the Gram form takes fewer FLOPs than the standard iteration at this shape, both with
+    ``panels`` (default: whole GEMMs; the choice the H200 timings bear out: at 4096 x 4096 the
+    standard form in whole GEMMs, 3.14 ms, beat the Gram form in 2 panels, 3.72 ms, though the latter
+    has 7% fewer FLOPs)."""
+    p = 1 if panels is None else panels
     return ns_flops(m, n, steps, True, panels=p) < ns_flops(m, n, steps, False, panels=p)
 
 
@@ -137,11 +143,11 @@ def normalised(X: Tensor, eps: float) -> Tensor:
     return X / norm.clamp(min=eps)
 
 
-def newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int, panels: int | None = None) -> Tensor:
+def newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int, panels: int = 1) -> Tensor:
     """torch's quintic iteration on a (B, m, n) stack of normalised bf16 matrices (m <= n); the
-    symmetric products in ``panels`` (default :func:`sym_panels`)."""
+    symmetric products (X X^T, A^2) in ``panels`` (default: whole, measured faster for this form)."""
     a, b, c = coeffs
-    p = sym_panels(X.shape[-2]) if panels is None else panels
+    p = panels
     for _ in range(steps):
         A = sym_baddbmm(None, X, X.mT, panels=p)
         B = sym_baddbmm(A, A, A, beta=b, alpha=c, panels=p)
@@ -207,7 +213,7 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
     """torch's ``_zeropower_via_newtonschulz`` of each matrix (bf16, in the matrix's own orientation),
     same-shape matrices batched; ``gram``: auto (the Gram form where it takes fewer FLOPs) | always
     | never; ``dtype``: the Gram form's (default :func:`gram_dtype`); ``panels``: the symmetric
-    products' (default :func:`sym_panels` of each shape)."""
+    products' (default: :func:`sym_panels` of each shape in the Gram form, whole in the standard form)."""
     groups: dict[tuple, list[int]] = defaultdict(list)  # by (m, n) after the transpose: gate/up with down
     for i, g in enumerate(mats):
         groups[(min(g.shape), max(g.shape), g.device)].append(i)
@@ -219,7 +225,7 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
         if gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels)):
             X = gram_newton_schulz(X, coeffs, steps, dtype, panels=panels)
         else:
-            X = newton_schulz(X, coeffs, steps, panels)
+            X = newton_schulz(X, coeffs, steps, 1 if panels is None else panels)
         for j, (i, t) in enumerate(zip(idx, tall)):
             out[i] = X[j].mT if t else X[j]
     return out

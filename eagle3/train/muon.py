@@ -31,9 +31,10 @@ block-triangle is computed, in row panels of >= 2048 rows (at most :data:`SYM_MA
 mirrored: with 2 panels 75% of those GEMMs' FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a
 step, :func:`ns_flops`). Only ``Q X`` stays whole. On one H200 (bench/optimizer.py,
 bench/results/muon_h200_202612.md) 2 panels took the 8B draft's Gram groups from 5.98 / 5.01 / 21.47 ms
-(fc, q, gate/up/down) to 5.59 / 4.53 / 17.07; 4 and 8 panels saved more FLOPs but ran slower on fc and
-q, and the standard form's products (o_proj, square) ran slower in any panels, so the standard form
-keeps whole GEMMs by default.
+(fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two calls 2 panels were the fastest count on fc,
+fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
+(o_proj's square shape) the two calls disagreed on whether panels help at all, so it keeps whole
+GEMMs by default.
 
 Measured on CPU against a float64 iteration (tests/test_optim_muon.py): the Gram form's distance
 from torch's bf16 result is below torch's own distance from float64, on Gaussian, power-law and
@@ -59,7 +60,8 @@ RESTART = 2
 """Iteration before which the Gram form recomputes R from the current iterate."""
 SYM_PANEL_ROWS = 2048
 """Rows per panel of a symmetric product (:func:`sym_panels`): smaller panels save more FLOPs but run
-as smaller, less efficient GEMMs (measured: 2048 rows beat 1024 and 512 at m = 4096)."""
+as smaller, less efficient GEMMs (at m = 4096, 2048-row panels were the best or near-best choice on
+every group of the 8B draft; see the module docstring)."""
 SYM_MAX_PANELS = 4
 
 
@@ -105,9 +107,9 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
 
 def use_gram(m: int, n: int, steps: int, panels: int | None = None) -> bool:
     """Whether the Gram form takes fewer FLOPs than the standard iteration at this shape, both with
-    ``panels`` (default: whole GEMMs; the choice the H200 timings bear out: at 4096 x 4096 the
-    standard form in whole GEMMs, 3.14 ms, beat the Gram form in 2 panels, 3.72 ms, though the latter
-    has 7% fewer FLOPs)."""
+    ``panels`` (default: whole GEMMs. On one H200 call at 4096 x 4096, the standard form in whole
+    GEMMs took 3.14 ms and the Gram form in 2 panels 3.72 ms, although the Gram form has 7% fewer
+    FLOPs there)."""
     p = 1 if panels is None else panels
     return ns_flops(m, n, steps, True, panels=p) < ns_flops(m, n, steps, False, panels=p)
 
@@ -145,12 +147,11 @@ def normalised(X: Tensor, eps: float) -> Tensor:
 
 def newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int, panels: int = 1) -> Tensor:
     """torch's quintic iteration on a (B, m, n) stack of normalised bf16 matrices (m <= n); the
-    symmetric products (X X^T, A^2) in ``panels`` (default: whole, measured faster for this form)."""
+    symmetric products (X X^T, A^2) in ``panels`` (default: whole; see the module docstring)."""
     a, b, c = coeffs
-    p = panels
     for _ in range(steps):
-        A = sym_baddbmm(None, X, X.mT, panels=p)
-        B = sym_baddbmm(A, A, A, beta=b, alpha=c, panels=p)
+        A = sym_baddbmm(None, X, X.mT, panels=panels)
+        B = sym_baddbmm(A, A, A, beta=b, alpha=c, panels=panels)
         X = torch.baddbmm(X, B, X, beta=a)
     return X
 

@@ -809,3 +809,44 @@ def test_muon_is_refused_under_fsdp():
         check_optimizer_distribution(fsdp, TrainConfig(optimizer="muon"))
     check_optimizer_distribution(fsdp, TrainConfig())  # AdamW shards as before
     check_optimizer_distribution(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), TrainConfig(optimizer="muon"))
+
+
+def test_targets_made_ahead_train_the_same_model(store_dir, target_dir, tmp_path, monkeypatch):
+    """The loop's ahead path (train.overlap_targets: each next step's batches copied and its first
+    micro-batch's targets computed while this step's clip and optimizer step run; on a GPU on a side
+    stream) gives the same losses, evals and weights as computing them in line, with gradient
+    accumulation and evals between steps. Off CUDA there is no side stream: the ahead path runs in
+    line at the point where the stream would start (``in_line_ahead``)."""
+    import functools
+
+    from safetensors.torch import load_file
+
+    import eagle3.train.loop as loop
+    from eagle3.train.ahead import TargetsAhead
+
+    prepared = []
+
+    class Counting(TargetsAhead):
+        def prepare(self, host_batches, after):
+            prepared.append(len(host_batches))
+            return super().prepare(host_batches, after)
+
+    kw = dict(ttt_steps=2, max_steps=9, lr=1e-3, warmup_steps=2, batch_size=1, grad_accum=2, max_seq_len=128,
+              log_every=1, eval_every=4, save_every=100)
+    train = loop.train
+    train(TrainConfig(**kw, overlap_targets=False), make_inputs(store_dir, target_dir, eval_split="eval"),
+          tmp_path / "inline", progress=False)
+    assert prepared == []
+    monkeypatch.setattr(loop, "TargetsAhead", functools.partial(Counting, in_line_ahead=True))
+    train(TrainConfig(**kw), make_inputs(store_dir, target_dir, eval_split="eval"), tmp_path / "ahead", progress=False)
+    assert prepared == [2] * 8  # every step but the first was made ready during the one before
+    assert _losses(tmp_path / "ahead") == _losses(tmp_path / "inline")
+    a, b = load_file(tmp_path / "inline" / "draft.safetensors"), load_file(tmp_path / "ahead" / "draft.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overlap_targets_is_not_hashed():
+    from eagle3.hashing import semantic_dict
+
+    assert "overlap_targets" not in semantic_dict(TrainConfig(overlap_targets=False))
+    assert semantic_dict(TrainConfig(overlap_targets=False)) == semantic_dict(TrainConfig())

@@ -22,8 +22,7 @@ The rows:
   optimizer) in its flex_compiled variant (sdpa, not compiled, on CPU). AdamW as bench/train.py
   builds it (fused, the clip folded in); Muon = train.optimizer=muon (FastMuon on the 2-D
   hidden-path weights + fused AdamW; clip_grad_norm_). fp32 weights, bf16 autocast; no LR schedule
-  step (as bench/train.py). On CUDA the next batch's target head runs beside the clip and optimizer
-  step, as the train loop runs it (train.overlap_targets, eagle3/train/ahead.py).
+  step (as bench/train.py).
 - speculators 0.9 step: its Eagle3DraftModel built by its own CLI code (TrainConfig.resolve, so its
   schema's defaults: 1 layer, norm_before_fc, norm_output, kl_div, sliding window 2048, TTT loss
   decay 1.0, lr 1e-3; build_draft_model on a random verifier written to a temporary directory), its
@@ -247,12 +246,9 @@ def eagle3_rows(a, device, emit, work: Path) -> None:
             tcfg = bench_train.loop_config(a, "auto", optimizer=opt, muon_impl="fast")
             optimizer = build_optimizer(model, tcfg, device)
             batch = bench_train.make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen)
-            # as the train loop on CUDA (train.overlap_targets): the next batch's target head beside AdamW
-            ahead = bench_train.BenchAhead(head, torch.bfloat16, device) if cuda and tcfg.overlap_targets else None
 
             def step():
-                loss, _, _ = bench_train.train_step(model, head, batch, optimizer, torch.bfloat16, True, tcfg.grad_clip,
-                                                    ahead=ahead, next_batch=batch)
+                loss, _, _ = bench_train.train_step(model, head, batch, optimizer, torch.bfloat16, True, tcfg.grad_clip)
                 return loss
             return step, [p for p in model.parameters() if p.requires_grad]
 

@@ -57,33 +57,8 @@ VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TT
 # "+torchclip": clip with torch.nn.utils.clip_grad_norm_ (a separate pass over the gradients)
 # instead of folding the clip into fused AdamW; "+eagerhead": the target head not compiled;
 # "+fp8": the batch as an fp8 store gives it (float8 e4m3 states + float32 scales per token and
-# layer, eagle3.fp8), dequantised inside the step by model_inputs as in the train stage;
-# "+ahead": the next batch's target head on a side stream beside the clip and AdamW
-# (eagle3.train.ahead, what the train loop does on CUDA with train.overlap_targets, its default)
-OPTIONS = ("torchclip", "eagerhead", "fp8", "ahead")
-
-
-class BenchAhead:
-    """bench's batches are on the device already: :class:`TargetsAhead` for the target head alone.
-    ``give(batch, event)`` starts ``batch``'s head on the side stream after the event; ``take(batch)``
-    returns its model inputs (the ones made ahead if they are this batch's, else computed now)."""
-
-    def __init__(self, head, dtype, device):
-        from eagle3.train.ahead import TargetsAhead
-
-        self.t, self.pending = TargetsAhead(head, dtype, device), None
-
-    def mark(self):
-        return self.t.mark()
-
-    def take(self, batch):
-        pending, self.pending = self.pending, None
-        if pending is not None and pending[0] is batch:
-            return self.t.inputs(pending[1], 0)
-        return model_inputs(self.t.head, batch, self.t.dtype)
-
-    def give(self, batch, after) -> None:
-        self.pending = (batch, self.t.prepare([batch], after))
+# layer, eagle3.fp8), dequantised inside the step by model_inputs as in the train stage
+OPTIONS = ("torchclip", "eagerhead", "fp8")
 
 
 def to_fp8(batch: dict, n_aux: int) -> dict:
@@ -138,26 +113,22 @@ PHASES = ("target head", "forward", "backward", "clip", "adamw")
 
 
 def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float, fold: bool = True,
-               marks: list | None = None, ahead: BenchAhead | None = None, next_batch: dict | None = None):
+               marks: list | None = None):
     """One step as the train loop runs it. ``fold``: clipping folded into fused AdamW's kernel
     (eagle3/train/optim.py, what the loop does on one GPU) or torch's clip_grad_norm_.
     ``marks``: CUDA events appended at the phase boundaries (PHASES), which time each phase on
-    the GPU without a host sync. ``ahead``: this batch's target head made during the previous
-    step, and ``next_batch``'s started after this step's backward (its "target head" phase is then
-    the wait for it)."""
+    the GPU without a host sync."""
     def mark():
         if marks is not None:
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record()
     mark()
-    inputs = model_inputs(head, batch, compute_dtype) if ahead is None else ahead.take(batch)
+    inputs = model_inputs(head, batch, compute_dtype)
     mark()
     with torch.autocast(batch["loss_mask"].device.type, dtype=torch.bfloat16, enabled=autocast):
         loss, stats = model(**inputs)
-    del inputs
     mark()
     loss.backward()
-    after = ahead.mark() if ahead is not None else None
     mark()
     if opt is not None and fold and can_fold(opt):
         gnorm = fold_clip(opt, model.parameters(), clip)
@@ -167,8 +138,6 @@ def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: flo
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if ahead is not None and next_batch is not None:
-        ahead.give(next_batch, after)
     mark()
     return loss.detach(), stats, gnorm
 
@@ -194,14 +163,9 @@ def run_variant(a, name, device) -> dict:
     batches = [make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen) for _ in range(2)]
     if "fp8" in opts:
         batches = [to_fp8(b, cfg.num_aux_hidden_states) for b in batches]
-    ah = BenchAhead(head, torch.bfloat16, device) if "ahead" in opts else None
-
-    def step(i, marks=None, model=model, head=head, batches=batches, opt=opt, ah=ah):
-        return train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold, marks, ah,
-                          batches[(i + 1) % 2])
     t0 = time.time()
     for i in range(a.warmup):
-        step(i)
+        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
     torch.cuda.synchronize()
     warm_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
@@ -210,7 +174,7 @@ def run_variant(a, name, device) -> dict:
     for i in range(a.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss, _, _ = step(i)
+        loss, _, _ = train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
         end.record()
         end.synchronize()
         synced.append(start.elapsed_time(end) / 1e3)
@@ -223,7 +187,7 @@ def run_variant(a, name, device) -> dict:
         start.record()
         h0 = time.perf_counter()
         for i in range(a.steps):
-            step(i)
+            train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
         host.append((time.perf_counter() - h0) / a.steps)  # host time to issue a step (no sync inside)
         end.record()
         end.synchronize()
@@ -232,7 +196,7 @@ def run_variant(a, name, device) -> dict:
     # GPU time per phase: events at the phase boundaries of back-to-back steps (no host sync)
     marks = []
     for i in range(a.steps):
-        step(i, marks)
+        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold, marks)
     marks[-1].synchronize()
     n = len(PHASES) + 1
     phases = {p: statistics.median(marks[s * n + k].elapsed_time(marks[s * n + k + 1]) for s in range(a.steps))
@@ -245,7 +209,7 @@ def run_variant(a, name, device) -> dict:
             last = dequantize(last, batches[0]["last_scales"])
         in_vocab = float(head.targets(last, torch.bfloat16)[1].float().mean())
     if a.profile:
-        profile_steps(step)
+        profile_steps(model, head, batches[0], opt, fold)
     syncs = sync_check(model, head, batches[0], opt, fold) if a.sync_check else None
     tokens = a.batch * a.seq
     flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
@@ -255,7 +219,7 @@ def run_variant(a, name, device) -> dict:
            "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
            "mfu": flops / med / peak if peak else None, "phase_ms": phases, "warmup_s": warm_s, "in_vocab": in_vocab, "sync_sites": syncs, "losses": losses}
-    del step, ah, model, draft, head, opt, batches
+    del model, draft, head, opt, batches
     return res
 
 
@@ -313,7 +277,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                  muon_adjust_lr_fn="match_rms_adamw", overlap_targets=True)
+                  muon_adjust_lr_fn="match_rms_adamw")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -337,12 +301,11 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon (FastMuon,
     # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch)
-    # "+inline": train.overlap_targets=false (the next batch's copy and target head in line)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw",
-                       muon_impl="torch" if "muontorch" in opts else "fast", overlap_targets="inline" not in opts)
+                       muon_impl="torch" if "muontorch" in opts else "fast")
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)
@@ -380,7 +343,7 @@ def sync_check(model, head, batch, opt, fold):
     return len(seen)
 
 
-def profile_steps(step):
+def profile_steps(model, head, batch, opt, fold):
     """torch.profiler over two steps: GPU kernel time by class and the idle gaps between kernels
     (host launch overhead shows up as gaps, not as kernel time)."""
     import collections
@@ -389,8 +352,8 @@ def profile_steps(step):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(2):
-            step(i)
+        for _ in range(2):
+            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5, fold)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")

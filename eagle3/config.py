@@ -482,11 +482,6 @@ class TrainConfig:
     """Steps per logged window (metrics.jsonl, wandb, the progress bar)."""
     num_workers: int = 0
     """DataLoader worker processes reading the store."""
-    overlap_targets: bool = True
-    """On CUDA: the next step's batch copied to the GPU and its target head computed on a side stream
-    while this step's clipping and optimizer step run (eagle3/train/ahead.py); false: in line. The
-    numbers are the same either way. Not for items already on the GPU (an online colocated producer):
-    in line there. Speed only: not hashed."""
     packing: bool = True
     """Pack several samples into each ``max_seq_len`` row: no padding waste."""
     compile: str = "auto"
@@ -525,7 +520,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl", "overlap_targets")
+                    "hidden_states", "online", "muon_impl")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 

@@ -29,7 +29,6 @@ from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG
 from ..atomic import atomic_write_bytes, atomic_write_text
 from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
-from .ahead import Ready, TargetsAhead
 from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
 from .data import Epochs, MicroBatches, Prefetcher, epoch_order, to_device
@@ -129,9 +128,6 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     last_train = last_eval = None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
     batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
-    # the next step's copy and target head beside this step's clip and optimizer step (CUDA only)
-    ahead = TargetsAhead(head, dtype, device, enabled=tcfg.overlap_targets and not inputs.train_store.on_device)
-    ready: Optional[Ready] = None  # this step's micro-batches on the device, made ahead or not
     first = state.step + 1
     if compile_ and state.step < total and accelerator.is_main_process:
         import torch._inductor.config as inductor_config
@@ -143,14 +139,9 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         # SIGTERM / SIGINT: finish the step, save a checkpoint, raise Interrupted
         with StopRequests() as stop:
             while state.step < total:
-                if ready is None:
-                    ready = ahead.inline([next(batches) for _ in range(tcfg.grad_accum)])
-                follow = None
-                if ahead.active and state.step + 1 < total:
-                    def follow(after):
-                        return ahead.prepare([next(batches) for _ in range(tcfg.grad_accum)], after)
+                micro = [next(batches) for _ in range(tcfg.grad_accum)]
                 lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-                grad_norm, ready = _optimizer_step(accelerator, model, optimizer, ahead, ready, window, tcfg, follow)
+                grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
                 scheduler.step()
                 state.step += 1
                 bar.update(1)
@@ -274,35 +265,29 @@ class Window:
         self.started = time.perf_counter()
 
 
-def _optimizer_step(accelerator, model, optimizer, ahead: TargetsAhead, ready: Ready, window: Window, tcfg,
-                    follow: Optional[Callable] = None) -> tuple:
+def _optimizer_step(accelerator, model, optimizer, head: TargetHead, micro: list, window: Window, tcfg,
+                    dtype: torch.dtype) -> torch.Tensor:
     """One optimizer step over this process's micro-batches: forward and backward of each, then
-    clip and step on the last. ``follow(event)``, where given, makes the next step's batches ready
-    (:meth:`TargetsAhead.prepare`) once the event recorded after the last backward has happened; it
-    is called after this step's optimizer step is issued, so the two run side by side. Returns
-    (the gradient norm before clipping, what ``follow`` returned or None)."""
-    ahead.use(ready)
-    micro = ready.batches
+    clip and step on the last; returns the gradient norm before clipping."""
+    micro = [to_device(b, accelerator.device) for b in micro]
     # the loss positions of the global batch (padding, negative doc ids, has none), known before the
     # first backward; scaled down by what Accelerate (1/grad_accum per micro-batch) and DDP (mean
     # over processes) divide the gradients by, so that the step's gradient is the global batch's
     den = sum(loss_denominators(b["loss_mask"] * (b["doc_ids"] >= 0), b["doc_ids"], tcfg.ttt_steps) for b in micro)
     den = accelerator.reduce(den, reduction="sum") / (accelerator.num_processes * tcfg.grad_accum)
-    grad_norm = after = None
-    for k, b in enumerate(micro):
+    grad_norm = None
+    for b in micro:
         with accelerator.accumulate(model):
-            mi = ahead.inputs(ready, k)  # outside autocast: the target head keeps its own dtype
+            mi = model_inputs(head, b, dtype)  # outside autocast: the target head keeps its own dtype
             with accelerator.autocast():
                 loss, stats = model(**mi, denominators=den)
             accelerator.backward(loss)
-            del mi, loss
             if accelerator.sync_gradients:  # the step's last micro-batch
-                after = ahead.mark()
                 grad_norm = clip_gradients(accelerator, model, optimizer, tcfg.grad_clip)
             optimizer.step()  # skipped by Accelerate until then
             optimizer.zero_grad(set_to_none=True)
         window.add(stats, b["num_tokens"])
-    return grad_norm, (follow(after) if follow is not None else None)
+    return grad_norm
 
 
 def _log(accelerator, sinks: tuple, record: dict) -> None:

@@ -13,6 +13,10 @@ events (perf_counter on CPU) around ``opt.step()``, median of ``--steps`` after 
 FLOPs: the Newton-Schulz matmuls (eagle3.train.muon.ns_flops), standard form for torch's Muon,
 the chosen form per shape for FastMuon. Also checks, per shape, the distance of FastMuon's and
 torch's orthogonalisation from a float64 iteration on ill-conditioned inputs (``error`` columns).
+Also FastMuon's Newton-Schulz split over W processes (``train.muon_shard``, DDP): each process's
+share (eagle3.train.muon.shard_owners) orthogonalised alone, the shares one after another on this one
+device; a step waits for the slowest share, then for the broadcasts of the others' results (their
+bytes are given; the broadcasts are not timed: that needs W devices, bench/train_dist.py).
 Prints a table last; writes $OUT/bench_optimizer.json when OUT is set. No hydra needed.
 """
 from __future__ import annotations
@@ -31,7 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised, ns_flops, sym_panels, use_gram  # noqa: E402
+from eagle3.train.muon import (  # noqa: E402
+    gram_newton_schulz,
+    newton_schulz,
+    normalised,
+    ns_cost,
+    ns_flops,
+    orthogonalise,
+    shard_owners,
+    sym_panels,
+    use_gram,
+)
 from eagle3.train.optim import build_optimizer, split_for_muon  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -137,6 +151,26 @@ def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def bench_shards(a, shape, device, timer, worlds=(1, 2, 4, 8)) -> list[dict]:
+    """The Muon matrices' Newton-Schulz as FastMuon splits it over W processes: each share timed."""
+    model = make_draft(shape, device, torch.bfloat16)
+    mats = [p.grad for _, p in split_for_muon(model.named_parameters())[0]]
+    costs = [ns_cost(m.shape, 5) for m in mats]
+    rows = []
+    for world in worlds:
+        owner = shard_owners(costs, world)
+        shares = [[m for m, o in zip(mats, owner) if o == r] for r in range(world)]
+        ms = [timer(lambda mine=mine: orthogonalise(mine, COEFFS, 5, 1e-7), a.warmup, a.steps) for mine in shares]
+        received = [sum(m.numel() * 2 for m, o in zip(mats, owner) if o != r) for r in range(world)]
+        rows.append({"what": "shard", "processes": world, "slowest_ms": max(ms), "share_ms": ms,
+                     "matrices": [len(x) for x in shares],
+                     "slowest_tflop": max(sum(c for c, o in zip(costs, owner) if o == r) for r in range(world)) / 1e12,
+                     "received_mb": max(received) / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+    del model
     return rows
 
 
@@ -277,6 +311,7 @@ def main(argv=None):
         out["tf32"] = torch.backends.cuda.matmul.allow_tf32
     out["steps"] = [r for d in dtypes for r in bench_steps(a, shape, device, d, timer)]
     out["ns"] = bench_ns(a, shape, device, timer)
+    out["shards"] = bench_shards(a, shape, device, timer)
     out["wall_s"] = time.perf_counter() - t0
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
@@ -307,6 +342,15 @@ def main(argv=None):
               + f"{r['fast_panels']:>9}{r['fast_ms']:>8.2f}{r['err_fast_vs_f64']:>10.2e}")
     print(f"{'all, FastMuon default':<43}{sum(r['fast_ms'] for r in out['ns']):>8.2f} ms, "
           f"{sum(r['fast_tflop'] for r in out['ns']):.3f} TFLOP")
+    print("\nFastMuon's Newton-Schulz split over W processes (train.muon_shard; shares timed one after another "
+          "here):")
+    print(f"{'processes':>9}{'matrices per process':>24}{'slowest ms':>12}{'of 1 process':>14}{'slowest TFLOP':>15}"
+          f"{'received MB':>13}  share ms")
+    one = out["shards"][0]["slowest_ms"]
+    for r in out["shards"]:
+        print(f"{r['processes']:>9}{','.join(map(str, r['matrices'])):>24}{r['slowest_ms']:>12.2f}"
+              f"{r['slowest_ms'] / one:>14.2f}{r['slowest_tflop']:>15.3f}{r['received_mb']:>13.0f}  "
+              + " ".join(f"{x:.2f}" for x in r["share_ms"]))
     print("\nOne optimizer step (all the draft's parameters, random gradients):")
     print(f"{'variant':<22}{'params':<10}{'ms':>9}{'NS TFLOP':>10}{'NS TF/s':>9}{'peak GiB':>10}")
     for r in out["steps"]:

@@ -277,7 +277,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                  muon_adjust_lr_fn="match_rms_adamw")
+                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True)
     fields.update(overrides)
     return SimpleNamespace(**fields)
 

@@ -21,6 +21,13 @@ Two parts, each printed as a table:
     python3 bench/train_dist.py --parts check --modes fsdp
     python3 bench/train_dist.py --cpu --parts check --modes ddp --gpus 2   # gloo smoke test, no GPU
 
+A mode may carry options: ``ddp+muon`` trains with train.optimizer=muon (FastMuon, its Newton-Schulz
+split over the processes, train.muon_shard), ``ddp+muon+noshard`` with every process computing all
+of it (train.muon_shard=false); ``one+muon`` is the one-process Muon run the Muon rows scale against.
+
+    python3 bench/train_dist.py --parts speed --modes ddp+muon,ddp+muon+noshard --gpus 8
+    python3 bench/train_dist.py --cpu --parts check --modes ddp+muon --gpus 8   # 8 gloo processes
+
 Raw numbers go to $OUT/bench_train_dist.json when OUT is set. Measurements: bench/results/train_h200_202611.md.
 """
 from __future__ import annotations
@@ -85,6 +92,17 @@ def launch(mode: str, n: int, spec: dict, cpu: bool, port: int, log: Path) -> No
         raise RuntimeError(f"{mode} run failed (exit {r.returncode}); end of {log}:\n{tail}")
 
 
+def parse_mode(mode: str) -> tuple[str, dict]:
+    """'ddp+muon+noshard' -> ('ddp', the train overrides of its options)."""
+    base, *opts = mode.split("+")
+    if base not in ("one", "ddp", "fsdp") or not set(opts) <= {"muon", "noshard"} or ("noshard" in opts) > ("muon" in opts):
+        raise SystemExit(f"bench/train_dist.py: unknown mode {mode!r}: one, ddp or fsdp, with +muon[+noshard]")
+    over = {}
+    if "muon" in opts:
+        over = dict(optimizer="muon", muon_impl="fast", muon_shard="noshard" not in opts)
+    return base, over
+
+
 def records(out: Path) -> list:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
 
@@ -114,10 +132,19 @@ def check(args, root: Path, log: Path) -> list:
     rows.append({"mode": "one", "processes": 1, "batch_per_process": n, "steps": len(ref_recs),
                  "loss_first_last": [ref_recs[0]["train/loss"], ref_recs[-1]["train/loss"]]})
     for mode in args.modes.split(","):
+        kind, over = parse_mode(mode)
+        if over:  # the one-process reference with the same optimizer
+            ref = root / f"check-one-{mode}"
+            port += 1
+            launch("one", 1, dict(shape=dict(shape, batch=n), train=dict(base, batch_size=n, **over), dtype="float32",
+                                  out=str(ref)), args.cpu, port, log)
+            ref_recs = records(ref)
+        else:
+            ref, ref_recs = root / "check-one", records(root / "check-one")
         out = root / f"check-{mode}"
-        spec = dict(shape=shape, train=dict(base, batch_size=1), dtype="float32", out=str(out))
+        spec = dict(shape=shape, train=dict(base, batch_size=1, **over), dtype="float32", out=str(out))
         port += 1
-        launch(mode, n, spec, args.cpu, port, log)
+        launch(kind, n, spec, args.cpu, port, log)
         recs = records(out)
         row = {"mode": mode, "processes": n, "batch_per_process": 1, "steps": len(recs),
                "loss_rel_diff": max_rel([r["train/loss"] for r in recs], [r["train/loss"] for r in ref_recs]),
@@ -131,7 +158,7 @@ def check(args, root: Path, log: Path) -> list:
         shutil.rmtree(last[-1])
         (resumed / "draft.safetensors").unlink()
         port += 1
-        launch(mode, n, dict(spec, out=str(resumed)), args.cpu, port, log)
+        launch(kind, n, dict(spec, out=str(resumed)), args.cpu, port, log)
         rrecs = records(resumed)
         row["resumed_steps_logged"] = len(rrecs)
         row["resumed_loss_rel_diff"] = max_rel([r["train/loss"] for r in rrecs], [r["train/loss"] for r in recs])
@@ -148,13 +175,14 @@ def speed(args, root: Path, log: Path) -> list:
     shape = {k: getattr(args, k) for k in SMALL}
     rows, port = [], 29711
     for mode in ([] if args.no_single else ["one"]) + args.modes.split(","):
-        n = 1 if mode == "one" else args.gpus
+        kind, over = parse_mode(mode)
+        n = 1 if kind == "one" else args.gpus
         out = root / f"speed-{mode}"
-        spec = dict(shape=shape, train=dict(max_steps=args.loop_steps, compile=args.compile), dtype="bfloat16",
+        spec = dict(shape=shape, train=dict(max_steps=args.loop_steps, compile=args.compile, **over), dtype="bfloat16",
                     out=str(out))
         port += 1
         try:
-            launch(mode, n, spec, args.cpu, port, log)
+            launch(kind, n, spec, args.cpu, port, log)
         except RuntimeError as e:  # report and go on: the table is the point of the call
             rows.append({"mode": mode, "processes": n, "error": str(e)[-600:]})
             print(json.dumps(rows[-1]), flush=True)
@@ -164,8 +192,9 @@ def speed(args, root: Path, log: Path) -> list:
         r.update(mode=mode, processes=n, tokens_per_s_per_gpu=r["tokens_per_s"] / n)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    one = next((r for r in rows if r["mode"] == "one" and "error" not in r), None)
-    for r in rows:
+    for r in rows:  # against the one-process run with the same optimizer, where there is one
+        muon = "muon" in r["mode"].split("+")
+        one = next((x for x in rows if x["mode"] == ("one+muon" if muon else "one") and "error" not in x), None)
         if one and "error" not in r:
             r["scaling"] = r["tokens_per_s"] / (r["processes"] * one["tokens_per_s"])
     return rows
@@ -215,22 +244,22 @@ def main(argv=None):
         print(f"check: H {SMALL['hidden']}, vocab {SMALL['vocab']}->{SMALL['draft_vocab']}, TTT {SMALL['ttt']}, "
               f"{SMALL['seq']} tokens per row, float32, {args.check_steps} steps, global batch {args.gpus} rows; "
               "differences against one process")
-        print(f"{'mode':<6}{'procs':>6}{'steps':>6}{'loss rel':>11}{'gnorm rel':>11}{'weights abs':>13}"
+        print(f"{'mode':<18}{'procs':>6}{'steps':>6}{'loss rel':>11}{'gnorm rel':>11}{'weights abs':>13}"
               f"{'resumed: loss rel':>19}{'weights abs':>13}{'ok':>5}")
         for r in out["check"][1:]:
-            print(f"{r['mode']:<6}{r['processes']:>6}{r['steps']:>6}{r['loss_rel_diff']:>11.1e}"
+            print(f"{r['mode']:<18}{r['processes']:>6}{r['steps']:>6}{r['loss_rel_diff']:>11.1e}"
                   f"{r['grad_norm_rel_diff']:>11.1e}{r['draft_max_abs_diff']:>13.1e}"
                   f"{r['resumed_loss_rel_diff']:>19.1e}{r['resumed_draft_max_abs_diff']:>13.1e}{str(r['ok']):>5}")
     if "speed" in out:
         print(f"speed: {bench.describe_shape(args)} tokens per GPU, bf16, compile={args.compile}; median over "
               "windows of 5 steps after the first")
-        print(f"{'mode':<6}{'procs':>6}{'tokens/s':>11}{'per GPU':>10}{'step ms':>9}{'scaling':>9}{'MFU':>7}"
+        print(f"{'mode':<18}{'procs':>6}{'tokens/s':>11}{'per GPU':>10}{'step ms':>9}{'scaling':>9}{'MFU':>7}"
               f"{'peak GiB/GPU':>14}{'wall s':>8}")
         for r in out["speed"]:
             if "error" in r:
-                print(f"{r['mode']:<6}{r['processes']:>6}  {r['error'][-200:]!r}")
+                print(f"{r['mode']:<18}{r['processes']:>6}  {r['error'][-200:]!r}")
                 continue
-            print(f"{r['mode']:<6}{r['processes']:>6}{r['tokens_per_s']:>11.0f}{r['tokens_per_s_per_gpu']:>10.0f}"
+            print(f"{r['mode']:<18}{r['processes']:>6}{r['tokens_per_s']:>11.0f}{r['tokens_per_s_per_gpu']:>10.0f}"
                   f"{r['step_ms']:>9.1f}{r.get('scaling', float('nan')):>9.2f}{100 * r['mfu']:>6.1f}%"
                   f"{r['peak_alloc_gib']:>14.2f}{r['wall_s']:>8.0f}")
     bad = [r["mode"] for r in out.get("check", [])[1:] if not r["ok"]]

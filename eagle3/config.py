@@ -509,6 +509,11 @@ class TrainConfig:
     """fast: eagle3.train.muon.FastMuon, torch's Muon update in fewer FLOPs (a Gram-form
     Newton-Schulz on wide matrices, same-shape matrices batched; equal to torch's within its bf16
     rounding, tests/test_optim_muon.py) | torch: ``torch.optim.Muon`` itself. Speed only: not hashed."""
+    muon_shard: bool = True
+    """With several processes (DDP) and ``muon_impl=fast``: each process runs Newton-Schulz for its
+    share of the matrices (balanced by FLOPs) and broadcasts the results, instead of every process
+    computing all of them: the same update, split over the processes. false: every process computes
+    every matrix. Speed only: not hashed."""
 
     hidden_states: str = "store"
     """Where the target's hidden states come from: store (the extract stage's complete store) |
@@ -520,7 +525,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl")
+                    "hidden_states", "online", "muon_impl", "muon_shard")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 

@@ -15,9 +15,11 @@ from eagle3.train.muon import (
     gram_newton_schulz,
     newton_schulz,
     normalised,
+    ns_cost,
     ns_flops,
     orthogonalise,
     panel_edges,
+    shard_owners,
     sym_baddbmm,
     sym_fraction,
     sym_panels,
@@ -394,3 +396,84 @@ if os.environ.get("EAGLE3_MUON_TEST_CUDA") and torch.cuda.is_available():  # pra
                 ref, t = ns_float64(G), torch_ns(G, COEFFS, 5, 1e-7)
                 (g,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="always")
                 assert rel(g, ref, ref) < 1.05 * rel(t, ref, ref) + 1e-3, name
+
+
+SHARD_RUNNER = """
+import json, sys
+import torch
+import torch.distributed as dist
+from eagle3.train.muon import FastMuon, ns_cost, shard_owners
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+shapes = [(96, 256), (256, 96), (96, 256), (64, 192), (192, 64), (128, 128), (32, 256), (48, 48)]
+g = torch.Generator().manual_seed(0)
+init = [torch.randn(s, generator=g) for s in shapes]
+grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+
+def run(shard):
+    ps = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = FastMuon(ps, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw", shard=shard)
+    for gs in grads:
+        for p, x in zip(ps, gs):
+            p.grad = x.clone()
+        opt.step()
+    return [p.detach() for p in ps], opt.shared
+
+sharded, counts = run(True)
+whole, whole_counts = run(False)
+gathered = [None] * world
+dist.all_gather_object(gathered, [p.tolist() for p in sharded])
+owner = shard_owners([ns_cost(s, 5) for s in shapes], world)
+if rank == 0:
+    json.dump({"same_on_every_rank": all(x == gathered[0] for x in gathered),
+               "max_diff": max((a - b).abs().max().item() for a, b in zip(sharded, whole)),
+               "max_update": max((a - x).abs().max().item() for a, x in zip(whole, init)),
+               "counts": counts, "whole_counts": whole_counts, "mine": owner.count(0)}, open(sys.argv[1], "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fast_muon_sharded_over_processes_is_the_one_process_update(tmp_path):
+    """FastMuon in a group of 2 gloo processes holding the same gradients (as DDP leaves them): each
+    process orthogonalises its share of the matrices (:func:`shard_owners`) and receives the others;
+    the weights come out identical on both processes and equal to every process computing every
+    matrix (up to the float32 rounding of batching matrices in other groups)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = tmp_path / "shard.py"
+    script.write_text(SHARD_RUNNER)
+    out = tmp_path / "out.json"
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29583",
+                    str(script), str(out)], check=True, env=env, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["same_on_every_rank"]
+    assert r["max_update"] > 1e-2 and r["max_diff"] <= 1e-6 * r["max_update"], r  # bitwise on the CPUs seen
+    steps, n = 4, 8
+    assert r["whole_counts"] == {"computed": steps * n, "received": 0}
+    assert 0 < r["mine"] < n and r["counts"] == {"computed": steps * r["mine"], "received": steps * (n - r["mine"])}
+
+
+def test_shard_owners_balance_the_newton_schulz_flops():
+    """The 8B draft's 8 Muon matrices over 1, 2 and 8 processes: every matrix has one owner, the
+    costliest go first, and no process carries more than the largest matrix above an even split."""
+    # fc, q, k, v (over the embedding and hidden halves), o, gate, up, down
+    shapes = [(4096, 12288), (4096, 8192), (1024, 8192), (1024, 8192), (4096, 4096), (14336, 4096),
+              (14336, 4096), (4096, 14336)]
+    costs = [ns_cost(s, 5) for s in shapes]
+    assert shard_owners(costs, 1) == [0] * 8
+    for world in (2, 4, 8):
+        owner = shard_owners(costs, world)
+        load = [sum(c for c, o in zip(costs, owner) if o == r) for r in range(world)]
+        assert sorted(set(owner)) == list(range(min(world, 8)))
+        assert max(load) <= sum(costs) / world + max(costs)
+    assert len(set(shard_owners(costs, 8))) == 8  # one matrix each on 8 processes
+    assert shard_owners(costs, 2) == shard_owners(list(costs), 2)  # a pure function of the costs
+    # the form and panels orthogonalise uses: the Gram form's (2 panels) for the MLP's 4096 x 14336
+    assert ns_cost((14336, 4096), 5) == ns_flops(4096, 14336, 5, True, panels=2)
+    assert ns_cost((4096, 4096), 5) == ns_flops(4096, 4096, 5, False)

@@ -42,6 +42,13 @@ low-rank-plus-noise spectra.
 
 Same-shape matrices (after the transpose) are stacked and orthogonalised in batched calls
 (``torch.bmm``/``baddbmm``): the 8B draft's 8 matrices make 5 groups (gate/up/down, k/v, q, o, fc).
+**Several processes** (DDP: every process holds the same all-reduced gradients, so the same
+momentum): with ``shard`` each process orthogonalises only its share of the matrices
+(:func:`shard_owners`: the costliest first, each to the least-loaded process, by :func:`ns_cost`)
+and broadcasts the results, so the Newton-Schulz work of a step is split over the processes
+instead of repeated on each (the 8B draft's 8 matrices: one or two per process on 8 GPUs). Every
+process then applies the same bf16 updates: the weights stay identical across processes.
+
 Everything else is torch's Muon: ``FastMuon`` subclasses ``torch.optim.Muon`` (the same arguments,
 group keys and ``{"momentum_buffer"}`` state, so a checkpoint of either loads into the other) and
 applies momentum (``lerp``, Nesterov), decoupled weight decay and ``adjust_lr_fn`` as torch does,
@@ -232,6 +239,36 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
     return out
 
 
+def ns_cost(shape, steps: int, gram: str = "auto") -> int:
+    """Newton-Schulz FLOPs :func:`orthogonalise` spends on one matrix of ``shape`` (its form and
+    panels), the measure :func:`shard_owners` balances."""
+    m, n = min(shape), max(shape)
+    g = gram == "always" or (gram == "auto" and use_gram(m, n, steps))
+    return ns_flops(m, n, steps, g, panels=sym_panels(m) if g else 1)
+
+
+def shard_owners(costs: list, world: int) -> list[int]:
+    """Each matrix's process for ``world`` processes: the costliest first, each to the least-loaded
+    process (ties: the lower index, then the lower rank). A pure function of the costs: every process
+    computes the same plan."""
+    load = [0] * world
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+    return owner
+
+
+def _world() -> tuple[int, int]:
+    """(processes, this one's rank) of the default process group; (1, 0) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     """torch.optim._muon._adjust_lr (the same formula; torch's is private)."""
     A, B = shape[:2]
@@ -246,13 +283,55 @@ class FastMuon(torch.optim.Muon):
     """``torch.optim.Muon`` with :func:`orthogonalise` (the Gram form where it takes fewer FLOPs,
     same-shape matrices batched) and foreach momentum/update ops. The same arguments, groups,
     state and state_dict; ``gram``: auto | always | never (never: torch's iteration, batched);
-    ``gram_dtype``: the Gram form's (default float16 on CUDA, float32 elsewhere)."""
+    ``gram_dtype``: the Gram form's (default float16 on CUDA, float32 elsewhere); ``shard``: in a
+    default process group of several processes holding the same gradients (DDP), each orthogonalises
+    its share of the matrices and broadcasts them (see the module docstring); False: every process
+    computes every matrix. ``shared`` counts, per step, the matrices this process orthogonalised and
+    the ones it received."""
 
-    def __init__(self, params, *args, gram: str = "auto", gram_dtype: torch.dtype | None = None, **kwargs):
+    def __init__(self, params, *args, gram: str = "auto", gram_dtype: torch.dtype | None = None,
+                 shard: bool = True, **kwargs):
         super().__init__(params, *args, **kwargs)
         if gram not in ("auto", "always", "never"):
             raise ValueError(f"gram must be auto, always or never, got {gram!r}")
-        self.gram, self.gram_dtype = gram, gram_dtype
+        self.gram, self.gram_dtype, self.shard = gram, gram_dtype, shard
+        self.shared = {"computed": 0, "received": 0}
+        self._said = False
+
+    def _orthogonalise(self, updates: list[Tensor], group: dict) -> list[Tensor]:
+        """:func:`orthogonalise` of a group's updates: all here, or this process's share of them
+        and the others' broadcast from their owners (:func:`shard_owners`)."""
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.gram, self.gram_dtype)
+        world, rank = _world() if self.shard else (1, 0)
+        if world == 1:
+            self.shared["computed"] += len(updates)
+            return orthogonalise(updates, *args)
+        import torch.distributed as dist
+
+        costs = [ns_cost(u.shape, group["ns_steps"], self.gram) for u in updates]
+        owner = shard_owners(costs, world)
+        mine = [i for i, o in enumerate(owner) if o == rank]
+        if not self._said and rank == 0:
+            import logging
+
+            logging.getLogger("eagle3.train").info(
+                "train: Muon's Newton-Schulz split over %d processes (train.muon_shard): process 0 orthogonalises "
+                "%d of %d matrices, %.0f%% of the FLOPs, and receives the others", world, len(mine), len(updates),
+                100 * sum(costs[i] for i in mine) / max(1, sum(costs)))
+            self._said = True
+        out: list = [None] * len(updates)
+        for i, x in zip(mine, orthogonalise([updates[i] for i in mine], *args)):
+            out[i] = x.contiguous()
+        works = []
+        for i, u in enumerate(updates):  # the same order on every process
+            if out[i] is None:
+                out[i] = torch.empty(u.shape, dtype=torch.bfloat16, device=u.device)
+            works.append(dist.broadcast(out[i], src=owner[i], async_op=True))
+        for w in works:
+            w.wait()
+        self.shared["computed"] += len(mine)
+        self.shared["received"] += len(updates) - len(mine)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -282,8 +361,7 @@ class FastMuon(torch.optim.Muon):
             momentum, wd = group["momentum"], group["weight_decay"]
             torch._foreach_lerp_(bufs, grads, 1 - momentum)  # buf.lerp_(grad, 1 - momentum)
             updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            ortho = orthogonalise(updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.gram,
-                                  self.gram_dtype)
+            ortho = self._orthogonalise(updates, group)
             del updates
             torch._foreach_mul_(params, 1 - lr * wd)  # param.mul_(1 - lr * weight_decay)
             by_lr: dict[float, list[int]] = defaultdict(list)  # param.add_(update, alpha=-adjusted_lr)

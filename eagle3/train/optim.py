@@ -11,7 +11,9 @@ Jordan's Muon leave it) and the norms to AdamW.
 :class:`MuonWithAdamW` is the two as one ``torch.optim.Optimizer`` (the same group dicts, one state),
 so the loop, Accelerate's prepare/save_state/load_state and the LR schedule see one optimizer.
 Muon's update is per parameter, on the whole matrix: with DDP every rank holds the whole all-reduced
-gradient and computes the same update; FSDP shards are refused (:func:`check_optimizer_distribution`).
+gradient, so the update is the same on every rank; FastMuon splits its Newton-Schulz work over the
+ranks and broadcasts the results (``train.muon_shard``), torch's Muon computes all of it on each.
+FSDP shards are refused (:func:`check_optimizer_distribution`).
 
 Clipping: ``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then
 rewrites every gradient (a read and a write of 4 bytes per parameter) to scale it, before AdamW
@@ -65,9 +67,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         impl = getattr(tcfg, "muon_impl", "fast")
         if impl not in ("fast", "torch"):
             raise ValueError(f"train.muon_impl must be fast or torch, got {impl!r}")
-        cls = FastMuon if impl == "fast" else torch.optim.Muon
-        self.muon = cls([p for _, p in muon_params], lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay,
-                        momentum=tcfg.muon_momentum, ns_steps=tcfg.muon_ns_steps, adjust_lr_fn=tcfg.muon_adjust_lr_fn)
+        kw = dict(lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay, momentum=tcfg.muon_momentum,
+                  ns_steps=tcfg.muon_ns_steps, adjust_lr_fn=tcfg.muon_adjust_lr_fn)
+        params = [p for _, p in muon_params]
+        if impl == "fast":
+            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), **kw)
+        else:
+            self.muon = torch.optim.Muon(params, **kw)
         self.adamw = torch.optim.AdamW([p for _, p in adamw_params], lr=tcfg.lr, betas=tuple(tcfg.betas),
                                        weight_decay=tcfg.weight_decay, fused=fused)
         self.muon_names = [n for n, _ in muon_params]

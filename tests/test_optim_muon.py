@@ -297,6 +297,10 @@ def test_muon_with_adamw_uses_the_configured_implementation():
 
     assert "muon_impl" not in semantic_dict(TrainConfig(optimizer="muon", muon_impl="torch"))
     assert semantic_dict(TrainConfig(optimizer="muon", muon_impl="torch")) == semantic_dict(TrainConfig(optimizer="muon"))
+    # train.muon_shard reaches FastMuon, and is speed only too
+    assert fast.muon.shard is True
+    assert build_optimizer(model, TrainConfig(optimizer="muon", muon_shard=False), torch.device("cpu")).muon.shard is False
+    assert semantic_dict(TrainConfig(optimizer="muon", muon_shard=False)) == semantic_dict(TrainConfig(optimizer="muon"))
 
 
 # -- DDP: two gloo ranks, each half the batch, against one process on the whole batch -----------------

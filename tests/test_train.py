@@ -424,7 +424,8 @@ def test_prefetcher_keeps_order_raises_errors_and_stops():
 
 
 RUNNER = """
-import json, sys
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from eagle3.config import TrainConfig
@@ -478,7 +479,8 @@ def test_resume_after_kill9_logs_the_same_losses(store_dir, target_dir, tmp_path
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_two_processes_and_accumulation_train_the_same_model_as_one(optimizer, store_dir, target_dir, tmp_path):
     """muon: each rank holds the whole all-reduced gradient of every matrix, so Muon's per-matrix
-    update is the same on every rank and equals the one-process update."""
+    update is the same on every rank and equals the one-process update; FastMuon computes each
+    matrix's on one rank and broadcasts it (train.muon_shard)."""
     from safetensors.torch import load_file
 
     runner = _runner(tmp_path, store_dir, target_dir)
@@ -488,9 +490,12 @@ def test_two_processes_and_accumulation_train_the_same_model_as_one(optimizer, s
     subprocess.run([sys.executable, str(runner), str(one), json.dumps(dict(base, batch_size=2))], check=True,
                    env=_env(), timeout=600)
     # gloo on CPU; ACCELERATE_USE_CPU is what `accelerate launch --cpu` sets
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-                    str(runner), str(two), json.dumps(dict(base, batch_size=1))], check=True,
-                   env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600)
+    run2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29533", str(runner), str(two), json.dumps(dict(base, batch_size=1))],
+                          env=dict(_env(), ACCELERATE_USE_CPU="1"), timeout=600, capture_output=True, text=True)
+    assert run2.returncode == 0, run2.stdout[-3000:] + run2.stderr[-3000:]
+    # FastMuon split the Newton-Schulz work over the two processes (train.muon_shard, its default)
+    assert ("Newton-Schulz split over 2 processes" in run2.stderr) == (optimizer == "muon"), run2.stderr[-3000:]
     # and one process accumulating two micro-batches of one row
     accum = tmp_path / "accum"
     subprocess.run([sys.executable, str(runner), str(accum), json.dumps(dict(base, batch_size=1, grad_accum=2))],

@@ -464,8 +464,8 @@ def test_fast_muon_sharded_over_processes_is_the_one_process_update(tmp_path):
 
 
 def test_shard_owners_balance_the_newton_schulz_flops():
-    """The 8B draft's 8 Muon matrices over 1, 2 and 8 processes: every matrix has one owner, the
-    costliest go first, and no process carries more than the largest matrix above an even split."""
+    """The 8B draft's 8 Muon matrices over 1, 2, 4 and 8 processes: every process gets a share, no
+    process carries more than the largest matrix above an even split, and 8 processes get one each."""
     # fc, q, k, v (over the embedding and hidden halves), o, gate, up, down
     shapes = [(4096, 12288), (4096, 8192), (1024, 8192), (1024, 8192), (4096, 4096), (14336, 4096),
               (14336, 4096), (4096, 14336)]
@@ -477,7 +477,6 @@ def test_shard_owners_balance_the_newton_schulz_flops():
         assert sorted(set(owner)) == list(range(min(world, 8)))
         assert max(load) <= sum(costs) / world + max(costs)
     assert len(set(shard_owners(costs, 8))) == 8  # one matrix each on 8 processes
-    assert shard_owners(costs, 2) == shard_owners(list(costs), 2)  # a pure function of the costs
     # the form and panels orthogonalise uses: the Gram form's (2 panels) for the MLP's 4096 x 14336
     assert ns_cost((14336, 4096), 5) == ns_flops(4096, 14336, 5, True, panels=2)
     assert ns_cost((4096, 4096), 5) == ns_flops(4096, 4096, 5, False)

@@ -57,11 +57,14 @@ with foreach ops over a group's tensors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import defaultdict
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("eagle3.train")
 
 RESTART = 2
 """Iteration before which the Gram form recomputes R from the current iterate."""
@@ -216,6 +219,14 @@ def gram_newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int
     return out.to(torch.bfloat16).mul_(1.0 / s)
 
 
+def chosen_form(m: int, n: int, steps: int, gram: str = "auto", panels: int | None = None) -> tuple[bool, int]:
+    """(whether the Gram form is used, the symmetric products' panels) for an m x n matrix (m <= n):
+    ``gram`` auto | always | never; ``panels`` None: :func:`sym_panels` in the Gram form, whole GEMMs
+    in the standard form. What :func:`orthogonalise` runs and :func:`ns_cost` counts."""
+    g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels))
+    return g, panels if panels is not None else (sym_panels(m) if g else 1)
+
+
 def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str = "auto",
                   dtype: torch.dtype | None = None, panels: int | None = None) -> list[Tensor]:
     """torch's ``_zeropower_via_newtonschulz`` of each matrix (bf16, in the matrix's own orientation),
@@ -230,10 +241,8 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
         tall = [mats[i].shape[0] > mats[i].shape[1] for i in idx]
         X = torch.stack([(mats[i].mT if t else mats[i]).bfloat16() for i, t in zip(idx, tall)])
         X = normalised(X, eps)
-        if gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels)):
-            X = gram_newton_schulz(X, coeffs, steps, dtype, panels=panels)
-        else:
-            X = newton_schulz(X, coeffs, steps, 1 if panels is None else panels)
+        use, p = chosen_form(m, n, steps, gram, panels)
+        X = gram_newton_schulz(X, coeffs, steps, dtype, panels=p) if use else newton_schulz(X, coeffs, steps, p)
         for j, (i, t) in enumerate(zip(idx, tall)):
             out[i] = X[j].mT if t else X[j]
     return out
@@ -243,8 +252,8 @@ def ns_cost(shape, steps: int, gram: str = "auto") -> int:
     """Newton-Schulz FLOPs :func:`orthogonalise` spends on one matrix of ``shape`` (its form and
     panels), the measure :func:`shard_owners` balances."""
     m, n = min(shape), max(shape)
-    g = gram == "always" or (gram == "auto" and use_gram(m, n, steps))
-    return ns_flops(m, n, steps, g, panels=sym_panels(m) if g else 1)
+    g, p = chosen_form(m, n, steps, gram)
+    return ns_flops(m, n, steps, g, panels=p)
 
 
 def shard_owners(costs: list, world: int) -> list[int]:
@@ -312,9 +321,7 @@ class FastMuon(torch.optim.Muon):
         owner = shard_owners(costs, world)
         mine = [i for i, o in enumerate(owner) if o == rank]
         if not self._said and rank == 0:
-            import logging
-
-            logging.getLogger("eagle3.train").info(
+            log.info(
                 "train: Muon's Newton-Schulz split over %d processes (train.muon_shard): process 0 orthogonalises "
                 "%d of %d matrices, %.0f%% of the FLOPs, and receives the others", world, len(mine), len(updates),
                 100 * sum(costs[i] for i in mine) / max(1, sum(costs)))

@@ -15,8 +15,8 @@ the chosen form per shape for FastMuon. Also checks, per shape, the distance of 
 torch's orthogonalisation from a float64 iteration on ill-conditioned inputs (``error`` columns).
 Also FastMuon's Newton-Schulz split over W processes (``train.muon_shard``, DDP): each process's
 share (eagle3.train.muon.shard_owners) orthogonalised alone, the shares one after another on this one
-device; a step waits for the slowest share, then for the broadcasts of the others' results (their
-bytes are given; the broadcasts are not timed: that needs W devices, bench/train_dist.py).
+device; a step waits for the slowest share, then for the all-reduce that shares the results (the
+bytes of the others' results are given; it is not timed: that needs W devices, bench/train_dist.py).
 Prints a table last; writes $OUT/bench_optimizer.json when OUT is set. No hydra needed.
 """
 from __future__ import annotations

@@ -511,7 +511,7 @@ class TrainConfig:
     rounding, tests/test_optim_muon.py) | torch: ``torch.optim.Muon`` itself. Speed only: not hashed."""
     muon_shard: bool = True
     """With several processes (DDP) and ``muon_impl=fast``: each process runs Newton-Schulz for its
-    share of the matrices (balanced by FLOPs) and broadcasts the results, instead of every process
+    share of the matrices (balanced by FLOPs) and the results are shared in one all-reduce, instead of every process
     computing all of them: the same update, split over the processes. false: every process computes
     every matrix. Speed only: not hashed."""
 

@@ -45,7 +45,8 @@ Same-shape matrices (after the transpose) are stacked and orthogonalised in batc
 **Several processes** (DDP: every process holds the same all-reduced gradients, so the same
 momentum): with ``shard`` each process orthogonalises only its share of the matrices
 (:func:`shard_owners`: the costliest first, each to the least-loaded process, by :func:`ns_cost`)
-and broadcasts the results, so the Newton-Schulz work of a step is split over the processes
+and the results are shared in one all-reduce (zeros where another process owns a matrix: an
+exact sum), so the Newton-Schulz work of a step is split over the processes
 instead of repeated on each (the 8B draft's 8 matrices: one or two per process on 8 GPUs). Every
 process then applies the same bf16 updates: the weights stay identical across processes.
 
@@ -294,7 +295,7 @@ class FastMuon(torch.optim.Muon):
     state and state_dict; ``gram``: auto | always | never (never: torch's iteration, batched);
     ``gram_dtype``: the Gram form's (default float16 on CUDA, float32 elsewhere); ``shard``: in a
     default process group of several processes holding the same gradients (DDP), each orthogonalises
-    its share of the matrices and broadcasts them (see the module docstring); False: every process
+    its share of the matrices and they are shared in one all-reduce (see the module docstring); False: every process
     computes every matrix. ``shared`` counts, per step, the matrices this process orthogonalised and
     the ones it received."""
 
@@ -309,7 +310,7 @@ class FastMuon(torch.optim.Muon):
 
     def _orthogonalise(self, updates: list[Tensor], group: dict) -> list[Tensor]:
         """:func:`orthogonalise` of a group's updates: all here, or this process's share of them
-        and the others' broadcast from their owners (:func:`shard_owners`)."""
+        and the others' from their owners, in one all-reduce (:func:`shard_owners`)."""
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.gram, self.gram_dtype)
         world, rank = _world() if self.shard else (1, 0)
         if world == 1:
@@ -326,16 +327,16 @@ class FastMuon(torch.optim.Muon):
                 "%d of %d matrices, %.0f%% of the FLOPs, and receives the others", world, len(mine), len(updates),
                 100 * sum(costs[i] for i in mine) / max(1, sum(costs)))
             self._said = True
-        out: list = [None] * len(updates)
+        # every result into one flat bf16 buffer, zeros where another process owns the matrix, then
+        # one all-reduce (a sum: each entry has a single non-zero term, so it is exact); the collective
+        # DDP itself uses (broadcasts from several roots aborted gloo processes at exit now and then)
+        sizes = [u.numel() for u in updates]
+        flat = torch.zeros(sum(sizes), dtype=torch.bfloat16, device=updates[0].device)
+        out = list(flat.split(sizes))
         for i, x in zip(mine, orthogonalise([updates[i] for i in mine], *args)):
-            out[i] = x.contiguous()
-        works = []
-        for i, u in enumerate(updates):  # the same order on every process
-            if out[i] is None:
-                out[i] = torch.empty(u.shape, dtype=torch.bfloat16, device=u.device)
-            works.append(dist.broadcast(out[i], src=owner[i], async_op=True))
-        for w in works:
-            w.wait()
+            out[i].copy_(x.reshape(-1))
+        dist.all_reduce(flat)
+        out = [o.view(u.shape) for o, u in zip(out, updates)]
         self.shared["computed"] += len(mine)
         self.shared["received"] += len(updates) - len(mine)
         return out

@@ -12,7 +12,7 @@ Jordan's Muon leave it) and the norms to AdamW.
 so the loop, Accelerate's prepare/save_state/load_state and the LR schedule see one optimizer.
 Muon's update is per parameter, on the whole matrix: with DDP every rank holds the whole all-reduced
 gradient, so the update is the same on every rank; FastMuon splits its Newton-Schulz work over the
-ranks and broadcasts the results (``train.muon_shard``), torch's Muon computes all of it on each.
+ranks and shares the results in one all-reduce (``train.muon_shard``), torch's Muon computes all of it on each.
 FSDP shards are refused (:func:`check_optimizer_distribution`).
 
 Clipping: ``torch.nn.utils.clip_grad_norm_`` reads every gradient once for the norm and then

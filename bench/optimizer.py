@@ -135,9 +135,14 @@ def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
     rows = []
     for name, kw in (("adamw (fused)", dict(optimizer="adamw")),
                      ("torch Muon + AdamW", dict(optimizer="muon", muon_impl="torch")),
-                     ("FastMuon + AdamW", dict(optimizer="muon", muon_impl="fast"))):
+                     ("FastMuon + AdamW", dict(optimizer="muon", muon_impl="fast")),
+                     ("FastMuon (eager)", dict(optimizer="muon", muon_impl="fast", eager=True))):
+        kw = dict(kw)
+        eager = kw.pop("eager", False)
         model = make_draft(shape, device, dtype)
         opt = build_optimizer(model, TrainConfig(**kw), device)
+        if eager:  # the passes before and after the iteration not compiled (the default on CUDA)
+            opt.muon.compile = False
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -296,6 +301,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--train-step", action="store_true", help="a whole CPU train step instead (see above)")
     a = p.parse_args(argv)
+    import torch._dynamo.config as dynamo_config
+
+    # FastMuon's compiled passes get one graph per shape group and parameter dtype; this bench builds
+    # the draft in two dtypes (a train run has one), more than dynamo's default limit of graphs per function
+    dynamo_config.recompile_limit = max(64, dynamo_config.recompile_limit)
     device = torch.device(a.device)
     shape = "small" if a.small else "8b"
     if shape == "8b" and device.type != "cuda":

@@ -21,7 +21,7 @@ The rows:
 - eagle3, AdamW / Muon: bench/train.py's train_step (target head, TTTModel, backward, clip,
   optimizer) in its flex_compiled variant (sdpa, not compiled, on CPU). AdamW as bench/train.py
   builds it (fused, the clip folded in); Muon = train.optimizer=muon (FastMuon on the 2-D
-  hidden-path weights + fused AdamW; clip_grad_norm_). fp32 weights, bf16 autocast; no LR schedule
+  hidden-path weights + fused AdamW; the clip folded into both). fp32 weights, bf16 autocast; no LR schedule
   step (as bench/train.py).
 - speculators 0.9 step: its Eagle3DraftModel built by its own CLI code (TrainConfig.resolve, so its
   schema's defaults: 1 layer, norm_before_fc, norm_output, kl_div, sliding window 2048, TTT loss

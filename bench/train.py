@@ -306,12 +306,23 @@ def run_loop(a, device, compile_mode: str) -> dict:
     muon = "muon" in opts or "muontorch" in opts
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw",
                        muon_impl="torch" if "muontorch" in opts else "fast")
+    # what earlier runs in this process left allocated (compiled code holds on to their models) is not
+    # this run's: the peak is counted from a reset, less that base
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) / 2**30
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)
         wall = time.time() - t0
         recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
+    r = loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
+    r["peak_alloc_gib"] -= base
+    r["base_alloc_gib"] = base
+    return r
 
 
 def sync_check(model, head, batch, opt, fold):
@@ -471,7 +482,7 @@ def main(argv=None):
         for r in out["check"]:
             print(json.dumps(r), flush=True)
     out["results"] = []
-    for name in a.variants.split(","):
+    for name in [v for v in a.variants.split(",") if v]:
         try:
             r = run_variant(a, name, device)
         except torch.OutOfMemoryError as e:
@@ -492,7 +503,8 @@ def main(argv=None):
     print("\nstep ms / tokens/s: steps run back to back as in the train loop; synced ms: one step timed "
           "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
-          "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation.")
+          "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation;\n"
+          "their peak memory is the loop's own: less what earlier runs in this process left allocated.")
     print(f"{out['device']}, torch {out['torch']}: {describe_shape(a)} tokens, bf16")
     print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
           f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")

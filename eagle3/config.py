@@ -485,8 +485,8 @@ class TrainConfig:
     packing: bool = True
     """Pack several samples into each ``max_seq_len`` row: no padding waste."""
     compile: str = "auto"
-    """torch.compile of the unrolled TTT forward: auto (on CUDA, off on CPU where compiling is
-    slow) | true | false."""
+    """torch.compile of the unrolled TTT forward and of FastMuon's passes around its iteration: auto
+    (on CUDA, off on CPU where compiling is slow) | true | false."""
     optimizer: str = "adamw"
     """adamw: AdamW on every parameter | muon: ``torch.optim.Muon`` on the 2-D weights of the hidden
     path (fc, q/k/v/o, gate/up/down) and AdamW (``lr``, ``betas``, ``weight_decay``) on the rest

@@ -13,6 +13,7 @@ from eagle3.config import TrainConfig
 from eagle3.train.muon import (
     FastMuon,
     gram_newton_schulz,
+    momentum_stack,
     newton_schulz,
     normalised,
     ns_cost,
@@ -480,3 +481,91 @@ def test_shard_owners_balance_the_newton_schulz_flops():
     # the form and panels orthogonalise uses: the Gram form's (2 panels) for the MLP's 4096 x 14336
     assert ns_cost((14336, 4096), 5) == ns_flops(4096, 14336, 5, True, panels=2)
     assert ns_cost((4096, 4096), 5) == ns_flops(4096, 4096, 5, False)
+
+
+def _muon_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(48, 128), (128, 48), (48, 128), (64, 64), (16, 128)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes], g
+
+
+def test_fast_muon_grad_scale_divides_the_gradients():
+    """FastMuon's ``grad_scale`` (the clip folded in): the same steps as gradients divided by it first."""
+    def run(fold):
+        ps, g = _muon_params()
+        opt = FastMuon(ps, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+        for i in range(4):
+            scale = torch.tensor(1.0 + 2.5 * i)
+            grads = [torch.randn(p.shape, generator=g) for p in ps]
+            for p, x in zip(ps, grads):
+                p.grad = x.clone() if fold else x / scale
+            opt.grad_scale = scale if fold else None
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in ps])
+
+    folded, plain = run(True), run(False)
+    assert torch.allclose(folded, plain, rtol=0, atol=1e-6), (folded - plain).abs().max()
+
+
+def test_clip_folded_into_muon_with_adamw_is_clip_grad_norm():
+    """train.optimizer=muon: fold_clip hands the clip coefficient to FastMuon and fused AdamW; the steps
+    equal clip_grad_norm_ then step, for gradients above and below the clipping norm."""
+    from eagle3.train.optim import MuonWithAdamW, can_fold, fold_clip
+
+    tcfg = TrainConfig(optimizer="muon")
+
+    def run(fold):
+        mats, g = _muon_params(1)
+        rest = [torch.nn.Parameter(torch.randn(40, generator=g))]
+        opt = MuonWithAdamW([(f"m{i}", p) for i, p in enumerate(mats)], [("norm", rest[0])], tcfg, fused=True)
+        assert can_fold(opt)
+        ps, norms = mats + rest, []
+        for i in range(6):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * (3.0 if i % 2 else 1e-3)
+            norms.append(float(fold_clip(opt, ps, 0.5) if fold else torch.nn.utils.clip_grad_norm_(ps, 0.5)))
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().flatten() for p in ps]), norms
+
+    (folded, n1), (plain, n2) = run(True), run(False)
+    assert n1 == pytest.approx(n2, rel=1e-6) and max(n1) > 0.5 > min(n1)  # both regimes occur
+    assert torch.allclose(folded, plain, rtol=0, atol=1e-5), (folded - plain).abs().max()
+    assert not can_fold(MuonWithAdamW([("m", torch.nn.Parameter(torch.ones(4, 4)))], [("n", torch.nn.Parameter(torch.ones(4)))],
+                                      TrainConfig(optimizer="muon", muon_impl="torch"), fused=True))
+
+
+def test_fast_muon_compiled_passes_take_the_eager_steps():
+    """FastMuon's passes before and after the iteration, compiled (as on CUDA; here inductor's CPU
+    code), take the steps of the same passes run eagerly, with the clip folded in and a changing
+    learning rate (which must not recompile them into other numbers)."""
+    def run(compile_):
+        ps, g = _muon_params(2)
+        ps = ps[:2]  # one shape group (48 x 128 and its transpose): a small compile
+        init = torch.cat([p.detach().flatten() for p in ps])
+        opt = FastMuon(ps, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="original", compile=compile_)
+        for i in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.grad_scale = torch.tensor(1.0 + i)
+            opt.param_groups[0]["lr"] = 0.02 / (1 + i)
+            opt.step()
+        return torch.cat([p.detach().flatten() for p in ps]) - init
+
+    compiled, eager = run(True), run(False)
+    # the compiled pass rounds the bf16 update once where eager rounds each op: a few bf16 ulps
+    diff, size = (compiled - eager).abs().max().item(), eager.abs().max().item()
+    assert size > 1e-2 and diff <= 2 ** -5 * size, (diff, size)
+
+
+@pytest.mark.parametrize("mode,expect", [("auto", None), ("true", True), ("false", False)])
+def test_train_compile_decides_whether_fast_muons_passes_are_compiled(mode, expect):
+    """train.compile reaches FastMuon: auto leaves it to the device (compiled on CUDA), true and false
+    force it; an unset FastMuon(compile=None) compiles on CUDA only."""
+    from eagle3.train.optim import MuonWithAdamW
+
+    opt = MuonWithAdamW([("m", torch.nn.Parameter(torch.ones(4, 8)))], [("n", torch.nn.Parameter(torch.ones(4)))],
+                        TrainConfig(optimizer="muon", compile=mode), fused=True)
+    assert opt.muon.compile is expect
+    prep, _ = opt.muon._get_passes(torch.device("cpu"))
+    assert (prep is not momentum_stack) == bool(expect)

@@ -21,6 +21,8 @@ reads them a third time. The fused AdamW kernel already divides each gradient by
 ``grad_scale`` tensor (the hook ``torch.amp.GradScaler`` uses), so the clip coefficient is
 handed to it instead: the same update (g * c == g / (1/c) up to rounding), one pass over the
 gradients less. The norm is computed as torch's clip does, on the device, without a host sync.
+With ``train.optimizer=muon`` and FastMuon the same coefficient goes to both halves: fused AdamW
+divides its gradients by it, FastMuon in the pass that updates the momentum.
 """
 from __future__ import annotations
 
@@ -71,7 +73,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   ns_steps=tcfg.muon_ns_steps, adjust_lr_fn=tcfg.muon_adjust_lr_fn)
         params = [p for _, p in muon_params]
         if impl == "fast":
-            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), **kw)
+            # train.compile: auto compiles FastMuon's two passes on CUDA only, as it does the forward
+            compile_ = {"auto": None, "true": True, "false": False}[str(getattr(tcfg, "compile", "auto")).lower()]
+            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), compile=compile_, **kw)
         else:
             self.muon = torch.optim.Muon(params, **kw)
         self.adamw = torch.optim.AdamW([p for _, p in adamw_params], lr=tcfg.lr, betas=tuple(tcfg.betas),
@@ -79,6 +83,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon_names = [n for n, _ in muon_params]
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
         self._share()
+
+    @property
+    def grad_scale(self):
+        """What the gradients are divided by in the next step (:func:`fold_clip`), for both halves:
+        FastMuon and fused AdamW read it the same way; None: as they are."""
+        return getattr(self.adamw, "grad_scale", None)
+
+    @grad_scale.setter
+    def grad_scale(self, value) -> None:
+        self.adamw.grad_scale = value
+        if isinstance(self.muon, FastMuon):
+            self.muon.grad_scale = value
 
     def _share(self) -> None:
         n = len(self.muon.param_groups)
@@ -139,7 +155,10 @@ def lr_schedule(optimizer, tcfg, total: int) -> torch.optim.lr_scheduler.LambdaL
 
 
 def can_fold(optimizer) -> bool:
-    """Whether ``optimizer`` applies ``grad_scale`` itself: torch's fused Adam/AdamW."""
+    """Whether ``optimizer`` applies ``grad_scale`` itself: torch's fused Adam/AdamW, or FastMuon
+    with fused AdamW (:class:`MuonWithAdamW`)."""
+    if isinstance(optimizer, MuonWithAdamW):
+        return isinstance(optimizer.muon, FastMuon) and can_fold(optimizer.adamw)
     return isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
 
 

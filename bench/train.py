@@ -18,6 +18,8 @@ with its loss over the same positions, backward, grad-norm clipping and fused Ad
     python bench/train.py --variants flex_compiled --loop auto,auto+muon,auto+muontorch
         # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW;
         # +muon: FastMuon (train.muon_impl=fast), +muontorch: torch.optim.Muon
+    python bench/train.py --variants '' --loop auto,auto+nocache --loop-samples 8 --loop-steps 30
+        # several epochs of 8 samples: the target head's in_vocab cache (train.target_cache) on / off
 
 Measurements and what made the difference: bench/results/train_h200_202611.md.
 
@@ -230,13 +232,14 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
 
 def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
-    shape (64 rows of ``a.seq`` tokens cycling over 4 distinct samples; no disk I/O) and a random
+    shape (``a.loop_samples`` rows, default 64, of ``a.seq`` tokens cycling over 4 distinct samples; no disk I/O) and a random
     target head. Seeded: every process builds the same inputs. ``fp8``: the items as an fp8 store
     read raw gives them (float8 values + float32 scales; the loop dequantises on the device)."""
     from eagle3.train.loop import TrainInputs
     from eagle3.train.source import HiddenStateSource
 
     cfg = make_config(a)
+    n = getattr(a, "loop_samples", 64)  # bench/train_dist.py's arguments have no --loop-samples
     gen = torch.Generator().manual_seed(0)
     head, tensors = make_head(cfg, "cpu", dtype, gen)
     items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", dtype, gen).items()
@@ -251,11 +254,11 @@ def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
             it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"])
 
     class Store(HiddenStateSource):
-        lengths = np.full(64, a.seq)
+        lengths = np.full(n, a.seq)
         layer_ids = tuple(cfg.aux_layer_ids)
 
         def __len__(self):
-            return 64
+            return n
 
         def __getitem__(self, i):
             return items[i % 4]
@@ -277,7 +280,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True)
+                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, target_cache=True)
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -300,12 +303,13 @@ def run_loop(a, device, compile_mode: str) -> dict:
     from eagle3.train.loop import train
 
     # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon (FastMuon,
-    # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch)
+    # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch);
+    # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw",
-                       muon_impl="torch" if "muontorch" in opts else "fast")
+                       muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts)
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
     import gc
@@ -472,6 +476,9 @@ def main(argv=None):
     p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
                                                "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
+    p.add_argument("--loop-samples", type=int, default=64,
+                   help="samples in the loop's store (one per step): fewer than --loop-steps makes epochs, and from "
+                        "the second the target head takes in_vocab from its cache (train.target_cache; +nocache: off)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/train.py times a GPU step; no CUDA device is visible")

@@ -515,6 +515,12 @@ class TrainConfig:
     computing all of them: the same update, split over the processes. false: every process computes
     every matrix. Speed only: not hashed."""
 
+    target_cache: bool = True
+    """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
+    draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
+    epoch on the head multiplies only the draft vocabulary's lm_head rows (at the 8B shape a quarter
+    of its FLOPs). Only in runs longer than one epoch. Speed only: not hashed."""
+
     hidden_states: str = "store"
     """Where the target's hidden states come from: store (the extract stage's complete store) |
     online (computed while training, from the prepare stage's dataset: no extract run; ``online``
@@ -525,7 +531,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl", "muon_shard")
+                    "hidden_states", "online", "muon_impl", "muon_shard", "target_cache")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 

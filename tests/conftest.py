@@ -262,3 +262,27 @@ def no_vllm_process_groups_left(request):
     state.destroy_model_parallel()
     state.destroy_distributed_environment()
     pytest.fail(f"{request.node.nodeid} left vLLM's process groups initialized (an engine not shut down)")
+
+
+def fold_against_clip(make, steps: int = 6, max_norm: float = 0.5, big: float = 3.0, small: float = 1e-3):
+    """The clip folded into an optimizer against ``clip_grad_norm_`` then step: ``make()`` ->
+    (optimizer, params, generator), called once per way; each step's gradients alternate between
+    ``small`` and ``big`` times Gaussian noise (below and above ``max_norm``). Returns, per way
+    (folded first), (the parameters flattened after the steps, the norms each step returned)."""
+    import torch
+
+    from eagle3.train.optim import can_fold, fold_clip
+
+    out = []
+    for fold in (True, False):
+        opt, ps, g = make()
+        assert can_fold(opt)
+        norms = []
+        for i in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g, device=p.device) * (big if i % 2 else small)
+            norms.append(float(fold_clip(opt, ps, max_norm) if fold else torch.nn.utils.clip_grad_norm_(ps, max_norm)))
+            opt.step()
+            opt.zero_grad()
+        out.append((torch.cat([p.detach().flatten() for p in ps]), norms))
+    return out

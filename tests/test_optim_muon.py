@@ -510,25 +510,19 @@ def test_fast_muon_grad_scale_divides_the_gradients():
 def test_clip_folded_into_muon_with_adamw_is_clip_grad_norm():
     """train.optimizer=muon: fold_clip hands the clip coefficient to FastMuon and fused AdamW; the steps
     equal clip_grad_norm_ then step, for gradients above and below the clipping norm."""
-    from eagle3.train.optim import MuonWithAdamW, can_fold, fold_clip
+    from conftest import fold_against_clip
+
+    from eagle3.train.optim import MuonWithAdamW, can_fold
 
     tcfg = TrainConfig(optimizer="muon")
 
-    def run(fold):
+    def make():
         mats, g = _muon_params(1)
         rest = [torch.nn.Parameter(torch.randn(40, generator=g))]
         opt = MuonWithAdamW([(f"m{i}", p) for i, p in enumerate(mats)], [("norm", rest[0])], tcfg, fused=True)
-        assert can_fold(opt)
-        ps, norms = mats + rest, []
-        for i in range(6):
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=g) * (3.0 if i % 2 else 1e-3)
-            norms.append(float(fold_clip(opt, ps, 0.5) if fold else torch.nn.utils.clip_grad_norm_(ps, 0.5)))
-            opt.step()
-            opt.zero_grad()
-        return torch.cat([p.detach().flatten() for p in ps]), norms
+        return opt, mats + rest, g
 
-    (folded, n1), (plain, n2) = run(True), run(False)
+    (folded, n1), (plain, n2) = fold_against_clip(make)
     assert n1 == pytest.approx(n2, rel=1e-6) and max(n1) > 0.5 > min(n1)  # both regimes occur
     assert torch.allclose(folded, plain, rtol=0, atol=1e-5), (folded - plain).abs().max()
     assert not can_fold(MuonWithAdamW([("m", torch.nn.Parameter(torch.ones(4, 4)))], [("n", torch.nn.Parameter(torch.ones(4)))],

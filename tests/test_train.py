@@ -544,23 +544,16 @@ def test_target_head_ties_resolve_as_full_vocab_argmax():
 def test_clip_folded_into_fused_adamw_is_clip_grad_norm():
     """fold_clip + fused AdamW takes the steps clip_grad_norm_ + fused AdamW takes, for gradients
     above and below the clipping norm, and returns the same norm."""
-    from eagle3.train.optim import can_fold, fold_clip
+    from conftest import fold_against_clip
 
-    def run(fold):
+    from eagle3.train.optim import can_fold
+
+    def make():
         g = torch.Generator().manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
-        opt = torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-        assert can_fold(opt)
-        norms = []
-        for i in range(6):
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=g) * (3.0 if i % 2 else 1e-3)
-            norms.append(float(fold_clip(opt, ps, 0.5) if fold else torch.nn.utils.clip_grad_norm_(ps, 0.5)))
-            opt.step()
-            opt.zero_grad()
-        return torch.cat([p.detach().flatten() for p in ps]), norms
+        return torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, fused=True), ps, g
 
-    (folded, n1), (plain, n2) = run(True), run(False)
+    (folded, n1), (plain, n2) = fold_against_clip(make)
     assert n1 == pytest.approx(n2, rel=1e-6) and max(n1) > 0.5 > min(n1)  # both regimes occur
     assert torch.allclose(folded, plain, rtol=0, atol=1e-6)
     assert not can_fold(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True))
@@ -589,15 +582,20 @@ def test_ttt_forward_traces_as_one_graph():
     assert all(p.grad is not None for p in draft.parameters())
 
 
+def _random_head(seed: int, n_kept: int, lead: tuple, V: int = 97, H: int = 16, **chunks):
+    """(a TargetHead of random V x H tensors keeping ``n_kept`` random ids, random last hidden states
+    [*lead, H])."""
+    g = torch.Generator().manual_seed(seed)
+    kept = torch.randperm(V, generator=g)[:n_kept].sort().values
+    head = TargetHead(torch.randn(V, H, generator=g), torch.rand(H, generator=g) + 0.5, torch.randn(V, H, generator=g),
+                      1e-6, kept, **chunks)
+    return head, torch.randn(*lead, H, generator=g)
+
+
 def test_compiled_target_head_traces_as_one_graph_and_equals_eager():
     """The target head is compiled on GPU with the TTT model (train.compile=auto): traced whole
     (fullgraph, AOTAutograd) it gives what the eager head gives, several row and vocab chunks."""
-    g = torch.Generator().manual_seed(3)
-    V, H = 97, 16
-    kept = torch.randperm(V, generator=g)[:30].sort().values
-    head = TargetHead(torch.randn(V, H, generator=g), torch.rand(H, generator=g) + 0.5, torch.randn(V, H, generator=g),
-                      1e-6, kept, vocab_chunk=16, row_chunk=7)
-    x = torch.randn(3, 10, H, generator=g)
+    head, x = _random_head(3, 30, (3, 10), vocab_chunk=16, row_chunk=7)
     probs, in_vocab = head.targets(x)
     head.compile = True
     head._compiled = torch.compile(head._targets, fullgraph=True, backend="aot_eager", dynamic=False)
@@ -814,3 +812,94 @@ def test_muon_is_refused_under_fsdp():
         check_optimizer_distribution(fsdp, TrainConfig(optimizer="muon"))
     check_optimizer_distribution(fsdp, TrainConfig())  # AdamW shards as before
     check_optimizer_distribution(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), TrainConfig(optimizer="muon"))
+
+
+# -- the target head's in_vocab cache ------------------------------------------------------------------
+
+def test_target_head_given_in_vocab_skips_the_other_rows_and_returns_it():
+    """targets(in_vocab=...) returns the same probabilities and the mask it was given, without
+    multiplying the lm_head rows outside the draft vocabulary."""
+    head, x = _random_head(0, 40, (2, 23), vocab_chunk=7, row_chunk=5)
+    probs, in_vocab = head.targets(x)
+    rows = []
+    head.head_rows = _RowWatch(head.head_rows, rows)  # records which rows each matmul reads
+    probs2, given = head.targets(x, in_vocab=~in_vocab)
+    assert torch.equal(probs2, probs) and torch.equal(given, ~in_vocab)
+    assert rows and all(stop <= head.draft_vocab_size for stop in rows), rows
+
+
+class _RowWatch(torch.Tensor):
+    """A tensor that records the stop row of every slice taken from it (what the head multiplies)."""
+
+    @staticmethod
+    def __new__(cls, t, log):
+        r = t.as_subclass(cls)
+        r._log = log
+        return r
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            self._log.append(key.stop if key.stop is not None else self.shape[0])
+        return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), key)
+
+
+def test_in_vocab_cache_gives_a_repacked_batch_what_the_head_computes():
+    """Samples scored in one packing, looked up in another (other rows, other offsets, one sample
+    cut shorter): the cached bits equal the head's own on every token; a batch with a sample not yet
+    scored, or with more of a sample's tokens than were scored, is a miss."""
+    from eagle3.train.target_head import InVocabCache, model_inputs
+
+    g = torch.Generator().manual_seed(1)
+    V, H = 61, 8
+    kept = torch.randperm(V, generator=g)[:20].sort().values
+    head = TargetHead(torch.randn(V, H, generator=g), torch.ones(H), torch.randn(V, H, generator=g), 1e-6, kept)
+    lengths = [5, 7, 4, 9]
+    items = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool),
+              "aux_hidden_states": torch.zeros(n, 3, H), "last_hidden_state": torch.randn(n, H, generator=g)}
+             for n in lengths]
+
+    def batch(rows, max_len=16):
+        return collate([[items[i] for i in r] for r in rows], max_len, pad_to_multiple=4, ids=rows)
+
+    cache = InVocabCache(lengths, 16, "cpu")
+    first = batch([[0, 1], [2]])
+    model_inputs(head, first, torch.float32, cache)  # a miss: computed and stored
+    assert (cache.hits, cache.misses) == (0, 1)
+    again = batch([[2, 1], [0]])
+    assert again["docs"] == (((2, 4), (1, 7)), ((0, 5),))
+    cached = cache.lookup(again)
+    _, fresh = head.targets(again["last_hidden_state"])
+    real = again["doc_ids"] >= 0
+    assert cached is not None and torch.equal(cached[real], fresh[real])
+    assert 0 < fresh[real].float().mean() < 1  # both values occur
+    assert cache.lookup(batch([[0, 3]])) is None  # sample 3 never scored
+    short = batch([[2, 1]], max_len=8)  # sample 1 cut to 4 tokens: known
+    assert short["docs"] == (((2, 4), (1, 4)),) and cache.lookup(short) is not None
+    mi = model_inputs(head, again, torch.float32, cache)
+    assert torch.equal(mi["in_vocab"][real], fresh[real])
+    assert (cache.hits, cache.misses) == (3, 2)
+
+
+def test_in_vocab_cache_trains_the_same_model_and_is_used_from_the_second_epoch(store_dir, target_dir, tmp_path,
+                                                                                 caplog):
+    """A run of several epochs with train.target_cache (the default) logs the losses and writes the
+    weights of the same run without it; its later epochs took in_vocab from the cache."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from eagle3.train.loop import train
+
+    tcfg = dict(ttt_steps=2, max_steps=8, lr=1e-3, warmup_steps=2, batch_size=2, max_seq_len=128, log_every=1,
+                eval_every=100, save_every=100)
+    with caplog.at_level(logging.INFO, logger="eagle3.train"):
+        for name, on in (("cached", True), ("plain", False)):
+            train(TrainConfig(**tcfg, target_cache=on), make_inputs(store_dir, target_dir, eval_split=None),
+                  tmp_path / name, progress=False)
+    said = [r.getMessage() for r in caplog.records if r.name == "eagle3.train"]
+    used = [m for m in said if m.startswith("train: the target head took in_vocab from its cache")]
+    assert len(used) == 1 and not used[0].startswith("train: the target head took in_vocab from its cache for 0 "), said
+    assert sum(m.startswith("train: caching the target head's in_vocab bit") for m in said) == 1, said
+    assert _losses(tmp_path / "cached") == _losses(tmp_path / "plain")
+    a, b = load_file(tmp_path / "cached" / "draft.safetensors"), load_file(tmp_path / "plain" / "draft.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

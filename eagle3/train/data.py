@@ -11,7 +11,7 @@ within it, epoch after epoch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -110,7 +110,8 @@ class Epochs:
         return rows
 
 
-def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin: bool = False) -> dict:
+def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin: bool = False,
+            ids: Optional[List[List[int]]] = None) -> dict:
     """Rows of store items -> batch tensors [B, T]: a packed row holds several documents with
     their own positions (from 0) and document ids; padding has doc id -1 and no loss.
 
@@ -120,7 +121,9 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin:
 
     The batch is built where the items are (host memory, or the GPU for an online colocated
     producer's items); ``pin``: host batches in pinned memory, ready for an async copy to the GPU
-    (instead of the DataLoader copying them into pinned memory afterwards)."""
+    (instead of the DataLoader copying them into pinned memory afterwards). ``ids``: the items'
+    sample ids, row by row; then ``docs`` holds each row's (sample id, tokens kept) in order (not a
+    tensor: it stays on the host), what eagle3.train.target_head.InVocabCache files the batch by."""
     row_lens = [sum(min(len(it["input_ids"]), max_len) for it in row) for row in rows]
     T = max(row_lens)
     T = -(-T // pad_to_multiple) * pad_to_multiple
@@ -142,12 +145,16 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin:
     if fp8:
         out["aux_scales"] = torch.ones(B, T, n_aux, dtype=torch.float32, **at)
         out["last_scales"] = torch.ones(B, T, dtype=torch.float32, **at)
+    docs = []
     for b, row in enumerate(rows):
         pos = 0
+        docs.append([])
         for d, it in enumerate(row):
             n = min(len(it["input_ids"]), max_len - pos)
             if n <= 0:
                 break
+            if ids is not None:
+                docs[-1].append((int(ids[b][d]), n))
             sl = slice(pos, pos + n)
             out["input_ids"][b, sl] = it["input_ids"][:n]
             out["loss_mask"][b, sl] = it["loss_mask"][:n].long()
@@ -160,6 +167,8 @@ def collate(rows: List[List[dict]], max_len: int, pad_to_multiple: int = 1, pin:
                 out["last_scales"][b, sl] = it["last_scales"][:n]
             pos += n
     out["num_tokens"] = torch.tensor(sum(row_lens), pin_memory=at["pin_memory"])  # on the host: no device wait
+    if ids is not None:
+        out["docs"] = tuple(tuple(r) for r in docs)
     return out
 
 
@@ -178,12 +187,14 @@ class MicroBatches(torch.utils.data.Dataset):
         return len(self.micro_batches)
 
     def __getitem__(self, k):
-        rows = [[self.store[i] for i in row] for row in self.micro_batches[k]]
-        return collate(rows, self.max_len, self.pad_to_multiple, self.pin)
+        ids = self.micro_batches[k]
+        rows = [[self.store[i] for i in row] for row in ids]
+        return collate(rows, self.max_len, self.pad_to_multiple, self.pin, ids=ids)
 
 
 def to_device(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """The batch's tensors on ``device`` (async from pinned memory); anything else as it is."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class Prefetcher:

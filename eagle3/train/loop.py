@@ -36,7 +36,7 @@ from .inductor import restore_compile_threads
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
 from .source import HiddenStateSource, check_source
-from .target_head import TargetHead, model_inputs
+from .target_head import InVocabCache, TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
 log = logging.getLogger("eagle3.train")
@@ -125,6 +125,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         prefetch = device.type == "cuda" and tcfg.num_workers == 0
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
     window = Window(state, device)
+    cache = _in_vocab_cache(tcfg, inputs, epochs, state.step, total, head, device)
     last_train = last_eval = None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
     batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
@@ -141,7 +142,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
             while state.step < total:
                 micro = [next(batches) for _ in range(tcfg.grad_accum)]
                 lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-                grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype)
+                grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype, cache)
                 scheduler.step()
                 state.step += 1
                 bar.update(1)
@@ -171,6 +172,9 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         if prefetch:
             batches.close()
     bar.close()
+    if cache is not None:
+        log.info("train: the target head took in_vocab from its cache for %d of %d micro-batches (the others "
+                 "were a sample's first pass)", cache.hits, cache.hits + cache.misses)
 
     accelerator.wait_for_everyone()
     full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
@@ -265,8 +269,23 @@ class Window:
         self.started = time.perf_counter()
 
 
+def _in_vocab_cache(tcfg, inputs: TrainInputs, epochs: Epochs, start: int, total: int, head: TargetHead,
+                    device) -> Optional[InVocabCache]:
+    """train.target_cache: an :class:`InVocabCache` when the steps left visit a sample twice (they
+    span more than one epoch) and the draft vocabulary is not the whole vocabulary; else None."""
+    if not getattr(tcfg, "target_cache", True) or start >= total or head.draft_vocab_size == head.vocab_size:
+        return None
+    if epochs.locate(total - 1)[0] == epochs.locate(start)[0]:
+        return None
+    cache = InVocabCache(inputs.train_store.lengths, tcfg.max_seq_len, device)
+    log.info("train: caching the target head's in_vocab bit per token (%.1f MB on %s, train.target_cache): from "
+             "a sample's second epoch on, the lm_head's %d rows outside the draft vocabulary are skipped",
+             cache.nbytes / 2**20, device, head.vocab_size - head.draft_vocab_size)
+    return cache
+
+
 def _optimizer_step(accelerator, model, optimizer, head: TargetHead, micro: list, window: Window, tcfg,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, cache: Optional[InVocabCache] = None) -> torch.Tensor:
     """One optimizer step over this process's micro-batches: forward and backward of each, then
     clip and step on the last; returns the gradient norm before clipping."""
     micro = [to_device(b, accelerator.device) for b in micro]
@@ -278,7 +297,7 @@ def _optimizer_step(accelerator, model, optimizer, head: TargetHead, micro: list
     grad_norm = None
     for b in micro:
         with accelerator.accumulate(model):
-            mi = model_inputs(head, b, dtype)  # outside autocast: the target head keeps its own dtype
+            mi = model_inputs(head, b, dtype, cache)  # outside autocast: the target head keeps its own dtype
             with accelerator.autocast():
                 loss, stats = model(**mi, denominators=den)
             accelerator.backward(loss)

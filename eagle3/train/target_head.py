@@ -4,7 +4,9 @@ The training targets are the target's next-token distribution over the draft voc
 recomputed from the stored last (pre-norm) hidden state: the draft vocabulary's logits in one
 matmul, then the other tokens' logits one chunk at a time (never the full-vocabulary logits at
 once), each chunk only updating a running maximum, to mask the positions whose target token (the
-full-vocabulary argmax) the draft cannot produce. ``model_inputs`` is this head's share of every
+full-vocabulary argmax) the draft cannot produce. That mask is the same for a sample every epoch:
+:class:`InVocabCache` keeps it, and from the second epoch on only the draft vocabulary's rows are
+multiplied (``train.target_cache``). ``model_inputs`` is this head's share of every
 step: a collated batch turned into the TTT model's inputs (shared by the loop and bench/train.py).
 
 Nothing here is trained, and nothing here is the draft's own head (eagle3.model.draft).
@@ -77,26 +79,29 @@ class TargetHead(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(dtype) * self.norm_weight.to(dtype)
 
-    def targets(self, last_hidden: torch.Tensor, out_dtype: torch.dtype = torch.float32):
+    def targets(self, last_hidden: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                in_vocab: Optional[torch.Tensor] = None):
         """(probs [..., draft_vocab] in out_dtype, in_vocab [...] bool) for last hidden [..., H].
 
         probs = softmax of the target's logits restricted to the kept tokens; in_vocab says whether
         the target's argmax over the FULL vocabulary is a kept token (ties resolved as argmax over
-        the full row does: the lowest target id among the maxima).
+        the full row does: the lowest target id among the maxima). ``in_vocab`` given (known from
+        an earlier pass over the same states, :class:`InVocabCache`): returned as it is, and the
+        other tokens' rows of the lm_head are not multiplied at all.
         """
         if self.compile:
             if self._compiled is None:
                 self._compiled = torch.compile(self._targets, dynamic=False)
-            return self._compiled(last_hidden, out_dtype)
-        return self._targets(last_hidden, out_dtype)
+            return self._compiled(last_hidden, out_dtype, in_vocab)
+        return self._targets(last_hidden, out_dtype, in_vocab)
 
     @torch.no_grad()
-    def _targets(self, last_hidden: torch.Tensor, out_dtype: torch.dtype):
+    def _targets(self, last_hidden: torch.Tensor, out_dtype: torch.dtype, known: Optional[torch.Tensor] = None):
         lead = last_hidden.shape[:-1]
         x = last_hidden.reshape(-1, last_hidden.shape[-1])
         N, V, Vd = x.shape[0], self.vocab_size, self.draft_vocab_size
         probs = torch.empty(N, Vd, dtype=out_dtype, device=x.device)
-        in_vocab = torch.empty(N, dtype=torch.bool, device=x.device)
+        in_vocab = torch.empty(N, dtype=torch.bool, device=x.device) if known is None else known.reshape(N)
         for r0 in range(0, N, self.row_chunk):
             h = self._norm(x[r0:r0 + self.row_chunk])
             n = h.shape[0]
@@ -109,6 +114,8 @@ class TargetHead(nn.Module):
                                               else torch.float32)
             if V == Vd:  # the draft vocabulary is the whole vocabulary
                 in_vocab[r0:r0 + n] = True
+                continue
+            if known is not None:
                 continue
             best = torch.full((n,), float("-inf"), device=x.device)
             best_row = torch.full((n,), Vd, dtype=torch.long, device=x.device)
@@ -125,8 +132,58 @@ class TargetHead(nn.Module):
         return probs.reshape(*lead, Vd), in_vocab.reshape(lead)
 
 
+class InVocabCache:
+    """The target head's ``in_vocab`` bit of every token of the samples it has scored, on the device,
+    so that a sample seen again (the next epoch) skips the lm_head's rows outside the draft
+    vocabulary: at the 8B shape (32,000 of 128,256 rows) three quarters of the head's FLOPs. The bit
+    depends only on the sample's stored last hidden state and the frozen lm_head, so it is the one
+    the head would compute again (up to the GEMM's rounding on exact ties). One byte a token.
 
-def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype) -> dict:
+    Whether a batch is known is decided on the host (how many tokens of each sample are stored), so
+    neither lookup nor store reads the device. Batches come from :func:`eagle3.train.data.collate`
+    (``docs``: each row's (sample id, tokens) in order; ``doc_ids`` and ``position_ids`` place them)."""
+
+    def __init__(self, lengths, max_len: int, device):
+        import numpy as np
+
+        lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
+        self.offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), device=device)
+        self.bits = torch.zeros(int(lens.sum()) + 1, dtype=torch.bool, device=device)  # + a slot for padding
+        self.known = np.zeros(len(lens), dtype=np.int64)
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.numel()
+
+    def _index(self, batch: dict) -> torch.Tensor:
+        docs = batch["docs"]
+        D = max(1, max(len(r) for r in docs))
+        sample_of_doc = torch.tensor([[s for s, _ in r] + [0] * (D - len(r)) for r in docs],
+                                     dtype=torch.long).to(self.bits.device, non_blocking=True)
+        doc_ids = batch["doc_ids"]
+        idx = self.offsets[sample_of_doc.gather(1, doc_ids.clamp(min=0))] + batch["position_ids"]
+        return torch.where(doc_ids >= 0, idx, self.bits.numel() - 1)  # padding: the spare slot
+
+    def lookup(self, batch: dict) -> Optional[torch.Tensor]:
+        """The batch's in_vocab [B, T] if every token of it is stored; None otherwise."""
+        if any(self.known[s] < n for row in batch["docs"] for s, n in row):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return self.bits[self._index(batch)]
+
+    def store(self, batch: dict, in_vocab: torch.Tensor) -> None:
+        """Keep a batch's computed in_vocab (padding goes to the spare slot: no mask, no sync)."""
+        self.bits.index_put_((self._index(batch),), in_vocab)
+        for row in batch["docs"]:
+            for s, n in row:
+                self.known[s] = max(self.known[s], n)
+
+
+
+def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype,
+                 cache: Optional[InVocabCache] = None) -> dict:
     """A collated batch (eagle3.train.data.collate) -> the keyword arguments of TTTModel's forward.
 
     The frozen target's share of a step, without gradients: the token embeddings and the
@@ -135,7 +192,9 @@ def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype) -> d
 
     A batch of an fp8 store (float8 states with ``aux_scales`` / ``last_scales``, see collate) is
     dequantised here, on the batch's device (eagle3.fp8.dequantize: float32, then the compute dtype
-    for the aux states; the last state goes to the head in float32, which normalises in float32)."""
+    for the aux states; the last state goes to the head in float32, which normalises in float32).
+    ``cache``: in_vocab taken from it where the batch's samples were scored before, and stored in it
+    where not (:class:`InVocabCache`)."""
     aux, last = batch["aux_hidden_states"], batch["last_hidden_state"]
     if "aux_scales" in batch:
         from ..fp8 import dequantize
@@ -145,7 +204,10 @@ def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype) -> d
         last = dequantize(last, batch["last_scales"])
     with torch.no_grad():
         embeds = head.embed(batch["input_ids"], compute_dtype)
-        probs, in_vocab = head.targets(last, compute_dtype)
+        known = cache.lookup(batch) if cache is not None else None
+        probs, in_vocab = head.targets(last, compute_dtype, known)
+        if cache is not None and known is None:
+            cache.store(batch, in_vocab)
     return dict(aux=aux.to(compute_dtype), embeds=embeds, target_probs=probs,
                 in_vocab=in_vocab, loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
                 doc_ids=batch["doc_ids"])

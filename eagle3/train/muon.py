@@ -59,7 +59,7 @@ it (:func:`apply_updates`: decay and update), ``torch.compile``d on CUDA: a few 
 some ten passes over the gradients and weights. The gradient clip's coefficient is folded into the
 first (``grad_scale``, as fused AdamW takes it). On one H200 at the 8B shape this took the optimizer
 step from 35.4 to 31.3 ms and the train loop's Muon step from 101.8 / 103.2 to 97.6 ms (two calls;
-bench/results/muon_h200_202612.md). The compiled passes round the update once where the eager ones
+bench/results/muon_passes_h200_202612.md). The compiled passes round the update once where the eager ones
 round each op: on CUDA they were closer to a float64 Muon than the eager passes
 (tests/gpu/test_muon_gpu.py).
 """

@@ -232,9 +232,10 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
 
 def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
-    shape (``a.loop_samples`` rows, default 64, of ``a.seq`` tokens cycling over 4 distinct samples; no disk I/O) and a random
-    target head. Seeded: every process builds the same inputs. ``fp8``: the items as an fp8 store
-    read raw gives them (float8 values + float32 scales; the loop dequantises on the device)."""
+    shape (``a.loop_samples`` rows, default 64, of ``a.seq`` tokens cycling over 4 distinct samples;
+    no disk I/O) and a random target head. Seeded: every process builds the same inputs. ``fp8``:
+    the items as an fp8 store read raw gives them (float8 values + float32 scales; the loop
+    dequantises on the device)."""
     from eagle3.train.loop import TrainInputs
     from eagle3.train.source import HiddenStateSource
 

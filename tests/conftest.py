@@ -286,3 +286,25 @@ def fold_against_clip(make, steps: int = 6, max_norm: float = 0.5, big: float = 
             opt.zero_grad()
         out.append((torch.cat([p.detach().flatten() for p in ps]), norms))
     return out
+
+
+MUON_COEFFS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default quintic coefficients
+
+
+def muon64_step(params, bufs, lr, wd, momentum, nesterov, adjust_lr_fn):
+    """torch's Muon step in float64 throughout (the iteration without its bf16 rounding), on
+    float64 parameters whose ``grad`` is set; ``bufs``: their momentum buffers."""
+    import torch
+
+    a, b, c = MUON_COEFFS
+    for p, buf in zip(params, bufs):
+        g = p.grad.double()
+        buf.lerp_(g, 1 - momentum)
+        u = g.lerp(buf, momentum) if nesterov else buf
+        X = u.T if u.shape[0] > u.shape[1] else u
+        X = X / X.norm().clamp(min=1e-7)
+        for _ in range(5):
+            A = X @ X.T
+            X = a * X + (b * A + c * A @ A) @ X
+        X = X.T if u.shape[0] > u.shape[1] else X
+        p.data.mul_(1 - lr * wd).add_(X, alpha=-torch.optim._muon._adjust_lr(lr, adjust_lr_fn, p.shape))

@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from conftest import MUON_COEFFS as COEFFS
+from conftest import muon64_step
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from eagle3.config import TrainConfig
@@ -26,8 +28,6 @@ from eagle3.train.muon import (
     sym_panels,
     use_gram,
 )
-
-COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def torch_ns(G, coeffs, steps, eps):
@@ -175,22 +175,6 @@ def test_batching_groups_same_shapes_and_keeps_each_result():
         alone = [orthogonalise([g], COEFFS, 5, 1e-7, gram=gram)[0] for g in mats]
         for x, y in zip(together, alone):
             assert x.shape == y.shape and torch.allclose(x.float(), y.float(), atol=2e-3)
-
-
-def muon64_step(params, bufs, lr, wd, momentum, nesterov, adjust_lr_fn):
-    """torch's Muon step in float64 throughout (the iteration without its bf16 rounding)."""
-    for p, buf in zip(params, bufs):
-        g = p.grad.double()
-        buf.lerp_(g, 1 - momentum)
-        u = g.lerp(buf, momentum) if nesterov else buf
-        a, b, c = COEFFS
-        X = u.T if u.shape[0] > u.shape[1] else u
-        X = X / X.norm().clamp(min=1e-7)
-        for _ in range(5):
-            A = X @ X.T
-            X = a * X + (b * A + c * A @ A) @ X
-        X = X.T if u.shape[0] > u.shape[1] else X
-        p.data.mul_(1 - lr * wd).add_(X, alpha=-torch.optim._muon._adjust_lr(lr, adjust_lr_fn, p.shape))
 
 
 def _params(shapes, seed):

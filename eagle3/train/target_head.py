@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -144,8 +145,6 @@ class InVocabCache:
     (``docs``: each row's (sample id, tokens) in order; ``doc_ids`` and ``position_ids`` place them)."""
 
     def __init__(self, lengths, max_len: int, device):
-        import numpy as np
-
         lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
         self.offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), device=device)
         self.bits = torch.zeros(int(lens.sum()) + 1, dtype=torch.bool, device=device)  # + a slot for padding
@@ -179,7 +178,6 @@ class InVocabCache:
         for row in batch["docs"]:
             for s, n in row:
                 self.known[s] = max(self.known[s], n)
-
 
 
 def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype,

@@ -11,7 +11,6 @@ if not torch.cuda.is_available():
 
 pytestmark = pytest.mark.gpu
 
-COEFFS = (3.4445, -4.7750, 2.0315)
 # q (Gram form, 2 panels) and its transpose, o (the standard form), k and v (one batch of two)
 SHAPES = [(4096, 8192), (8192, 4096), (4096, 4096), (1024, 8192), (1024, 8192)]
 
@@ -21,29 +20,13 @@ def _params(seed):
     return [torch.nn.Parameter(0.02 * torch.randn(s, generator=gen, device="cuda")) for s in SHAPES]
 
 
-def _muon64_step(params, bufs, lr, wd, mom, scale):
-    """torch's Muon (Nesterov, match_rms_adamw) in float64, gradients divided by ``scale``."""
-    a, b, c = COEFFS
-    for p, buf in zip(params, bufs):
-        g = p.grad / scale
-        buf.lerp_(g, 1 - mom)
-        X = g.lerp(buf, mom)
-        tall = X.shape[0] > X.shape[1]
-        X = X.T if tall else X
-        X = X / X.norm()
-        for _ in range(5):
-            A = X @ X.T
-            X = a * X + (b * A + c * A @ A) @ X
-        X = X.T if tall else X
-        p.mul_(1 - lr * wd).add_(X, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
-
-
 @torch.no_grad()
 def test_compiled_fast_muon_on_cuda_takes_torchs_steps_closer_to_float64():
     """20 steps from the same parameters and gradients, a learning rate and a clip coefficient that
     change every step: FastMuon compiled (the CUDA default) equals its eager passes within a few bf16
     ulps without recompiling, and is as close to the float64 Muon as torch's own bf16 Muon is."""
     import torch._dynamo.config as dynamo_config
+    from conftest import muon64_step
 
     from eagle3.train.muon import FastMuon
 
@@ -64,13 +47,13 @@ def test_compiled_fast_muon_on_cuda_takes_torchs_steps_closer_to_float64():
             for a, b, c, e in zip(comp, eager, ref, exact):
                 g = torch.randn(a.shape, generator=gen, device="cuda") * \
                     torch.rand(1, a.shape[1], generator=gen, device="cuda") ** 4 + a
-                a.grad, b.grad, c.grad, e.grad = g.clone(), g.clone(), g / scale, g.double()
+                a.grad, b.grad, c.grad, e.grad = g.clone(), g.clone(), g / scale, g.double() / scale.double()
             for o in (o_comp, o_eager, o_ref):
                 o.param_groups[0]["lr"] = lr
             o_comp.grad_scale, o_eager.grad_scale = scale, scale
             for o in (o_comp, o_eager, o_ref):
                 o.step()
-            _muon64_step(exact, bufs, lr, 0.1, 0.95, scale.double())
+            muon64_step(exact, bufs, lr, 0.1, 0.95, True, "match_rms_adamw")
     finally:
         dynamo_config.error_on_recompile = False
     for a, b, c, e, s in zip(comp, eager, ref, exact, start):

@@ -28,6 +28,7 @@ Prints a table last; writes raw numbers to $OUT/bench_train.json when OUT is set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -319,7 +320,7 @@ def run_loop(a, device, compile_mode: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) / 2**30
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, loop_trace(a, compile_mode) as traced:
         t0 = time.time()
         train(tcfg, inputs, Path(out), progress=False)
         wall = time.time() - t0
@@ -327,7 +328,83 @@ def run_loop(a, device, compile_mode: str) -> dict:
     r = loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
     r["peak_alloc_gib"] -= base
     r["base_alloc_gib"] = base
+    if traced:
+        r["trace"] = traced
     return r
+
+
+@contextlib.contextmanager
+def loop_trace(a, compile_mode: str):
+    """``--loop-trace N``: torch.profiler over N of the loop's optimizer steps (from the last ones but
+    two, where the host is well ahead of the GPU if it can be), to see whether the loop is held by
+    the GPU or by the host: per step the wall time, the GPU's busy time (the union of its kernels),
+    the host's time inside ``_optimizer_step`` and outside it (the loop's own code between steps).
+    Yields a dict, filled when the loop has run; writes the trace (gzip) to $OUT when set."""
+    n = getattr(a, "loop_trace", 0)
+    result: dict = {}
+    if not n:
+        yield result
+        return
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import eagle3.train.loop as L
+
+    real, calls = L._optimizer_step, [0]
+    first = max(2, a.loop_steps - n - 2)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def step(*args, **kw):
+        i = calls[0]
+        calls[0] += 1
+        if i == first:
+            torch.cuda.synchronize()
+            prof.start()
+        if i == first + n:
+            torch.cuda.synchronize()
+            prof.stop()
+        with record_function("bench.optimizer_step" if first <= i < first + n else "bench.untraced"):
+            return real(*args, **kw)
+    L._optimizer_step = step
+    try:
+        yield result
+    finally:
+        L._optimizer_step = real
+    if calls[0] < first + n + 1:
+        result["error"] = f"the loop ran {calls[0]} steps, fewer than the {first + n + 1} the trace needs"
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        raw = Path(f"{tmp}/trace.json").read_bytes()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"loop_trace_{compile_mode.replace('+', '_')}.json.gz").write_bytes(gzip.compress(raw))
+    result.update(trace_summary(json.loads(raw), n))
+    print(f"loop trace ({compile_mode}, {n} steps): " + json.dumps(result), flush=True)
+
+
+def trace_summary(trace: dict, n: int) -> dict:
+    """Per-step means over a profiled window: wall (first to last traced step start, per step), GPU
+    busy (union of kernel/memcpy/memset intervals), host in the step function and between steps."""
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in ev if e.get("name") == "bench.optimizer_step" and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
+    gpu = sorted(((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")))
+    if len(steps) < 2 or not gpu:
+        return {"error": f"{len(steps)} traced steps, {len(gpu)} GPU events"}
+    t0, t1 = steps[0]["ts"], steps[-1]["ts"]  # n-1 whole step periods, start to start
+    busy, end = 0.0, t0
+    for s, e in gpu:
+        s, e = max(s, end), min(e, t1)
+        if e > s:
+            busy += e - s
+            end = e
+    per = len(steps) - 1
+    inside = sum(e["dur"] for e in steps[:-1])
+    return {"steps": per, "wall_ms": (t1 - t0) / per / 1e3, "gpu_busy_ms": busy / per / 1e3,
+            "gpu_idle_ms": ((t1 - t0) - busy) / per / 1e3, "host_in_step_ms": inside / per / 1e3,
+            "host_between_steps_ms": ((t1 - t0) - inside) / per / 1e3}
 
 
 def sync_check(model, head, batch, opt, fold):
@@ -477,6 +554,8 @@ def main(argv=None):
     p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
                                                "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
+    p.add_argument("--loop-trace", type=int, default=0, metavar="N",
+                   help="profile N of each loop run's last steps: GPU busy and idle, host time in and between steps")
     p.add_argument("--loop-samples", type=int, default=64,
                    help="samples in the loop's store (one per step): fewer than --loop-steps makes epochs, and from "
                         "the second the target head takes in_vocab from its cache (train.target_cache; +nocache: off)")

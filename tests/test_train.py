@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3.config import ExtractConfig, TrainConfig
-from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig, Eagle3MidLayer
 from eagle3.train.attention import TTTMask, _ttt_mask_mod, naive_ttt_attention, ttt_attention
 from eagle3.train.data import collate, epoch_order
 from eagle3.train.metrics import expected_acceptance_lengths
@@ -226,9 +226,27 @@ def test_ttt_loss_equals_hand_computed_reference(architecture, norm_before_resid
     pos = torch.cat([torch.arange(9), torch.arange(12)]).expand(B, T).clone()
     pos[1] = torch.arange(T)
     model = TTTModel(draft, num_steps=S, decay=decay, attention="sdpa")
-    loss, stats = model(aux, embeds, probs, in_vocab, loss_mask, pos, doc)
+    projected = []  # the rows whose embeddings the TTT forward projects
+    real = Eagle3MidLayer.project_embeds
+
+    def spy(self, e, w=None):
+        projected.append(tuple(e.shape))
+        return real(self, e, w)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Eagle3MidLayer, "project_embeds", spy)
+        loss, stats = model(aux, embeds, probs, in_vocab, loss_mask, pos, doc)
+    # once per row, tokens x_1 .. x_{T+S-1} (the steps read windows of it), not once per step
+    assert projected == [(B, T + S - 1, 64)]
     ref_loss, ce, counts, correct = _reference_ttt(draft, aux, embeds, probs, in_vocab, loss_mask, doc, pos, S, decay)
     assert torch.allclose(loss.double(), ref_loss, rtol=1e-9), (float(loss), float(ref_loss))
+    # and every parameter's gradient, through the shared projection's windows. The two agree to
+    # ~1e-7 of the largest entry, not to float64's precision: the rotary tables are float32.
+    named = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True)
+    ref_grads = torch.autograd.grad(ref_loss, [p for _, p in named])
+    for (name, _), g, r in zip(named, grads, ref_grads):
+        err, big = float((g - r).abs().max()), float(r.abs().max())
+        assert big > 0 and err <= 1e-6 * big, (name, err, big)
     assert torch.allclose(stats[:, STAT_NAMES.index("ce_sum")], ce, rtol=1e-9)
     assert torch.equal(stats[:, STAT_NAMES.index("counted")].float(), counts)
     assert torch.equal(stats[:, STAT_NAMES.index("correct")].float(), correct)

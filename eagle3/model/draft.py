@@ -310,13 +310,14 @@ class Eagle3Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def qkv(self, e: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
-        """q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied, from the normalised token
-        embeddings ``e`` and the hidden input ``x`` (vLLM's qkv_proj of concat(e, x), its columns
-        split in two: w['qkv_e'] and w['qkv_h'], each packing q_proj, k_proj, v_proj row-wise)."""
+    def qkv(self, pe: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D], RoPE applied, from the token embeddings' part
+        of the projection ``pe`` (:meth:`Eagle3MidLayer.project_embeds`) and the hidden input ``x``
+        (vLLM's qkv_proj of concat(e, x), its columns split in two: w['qkv_e'] and w['qkv_h'], each
+        packing q_proj, k_proj, v_proj row-wise)."""
         B, T, _ = x.shape
         D, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = (F.linear(e, w["qkv_e"]) + F.linear(x, w["qkv_h"])).split([nq * D, nkv * D, nkv * D], dim=-1)
+        q, k, v = (pe + F.linear(x, w["qkv_h"])).split([nq * D, nkv * D, nkv * D], dim=-1)
         q, k, v = q.view(B, T, nq, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
         if self.q_norm is not None:
             q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
@@ -359,12 +360,13 @@ class Eagle3MLAAttention(nn.Module):
             w.update(q_a_layernorm=self.q_a_layernorm.weight, q_b=self.q_b_proj.weight)
         return w
 
-    def qkv(self, e: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
-        """q, k [B, nh, T, nope+rope] and v [B, nh, T, v_head_dim] (rope part rotated, interleaved)."""
+    def qkv(self, pe: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: dict):
+        """q, k [B, nh, T, nope+rope] and v [B, nh, T, v_head_dim] (rope part rotated, interleaved),
+        from the embeddings' part of the input projection ``pe`` and the hidden input ``x``."""
         B, T, _ = x.shape
         nh, nope, rd = self.num_heads, self.nope, self.rope_dim
         q_width = self.q_lora_rank or nh * self.head_dim
-        q, kv_a = (F.linear(e, w["qkv_e"]) + F.linear(x, w["qkv_h"])).split([q_width, self.kv_lora_rank + rd], -1)
+        q, kv_a = (pe + F.linear(x, w["qkv_h"])).split([q_width, self.kv_lora_rank + rd], -1)
         if self.q_lora_rank:
             q = F.linear(rms_norm(q, w["q_a_layernorm"], self.eps), w["q_b"])
         q = q.view(B, T, nh, nope + rd).transpose(1, 2)
@@ -427,18 +429,31 @@ class Eagle3MidLayer(nn.Module):
             w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
         return {k: cast(v) for k, v in w.items()}
 
-    def pre_attention(self, hidden: torch.Tensor, embeds: torch.Tensor, cos, sin, w: Optional[dict] = None):
-        """(q, k, v, residual) for one step from its hidden input [B,T,H] and token embeddings."""
+    def project_embeds(self, embeds: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:
+        """The token embeddings' part of the attention's input projection, w['qkv_e'] applied to
+        norm(embeds) [..., H] (input_layernorm's weight is folded into w['qkv_e']).
+
+        It depends on the token alone, not on the step: the training-time test, whose step j reads
+        the embedding of token t+j+1 at index t, projects the row's embeddings once and hands each
+        step a shifted window (eagle3/train/ttt.py), where projecting every step's shifted copy
+        would repeat the same rows' product S times, forward and in the weight's gradient."""
+        w = w if w is not None else self.weights()
+        return F.linear(rms_norm(embeds, None, self.hidden_norm.eps), w["qkv_e"])
+
+    def pre_attention(self, hidden: torch.Tensor, embeds: torch.Tensor, cos, sin, w: Optional[dict] = None,
+                      projected: bool = False):
+        """(q, k, v, residual) for one step from its hidden input [B,T,H] and token embeddings
+        [B,T,H] (with ``projected``: their :meth:`project_embeds`)."""
         w = w if w is not None else self.weights()
         eps = self.hidden_norm.eps
-        e = rms_norm(embeds, None, eps)  # input_layernorm's weight is folded into w["qkv_e"]
+        pe = embeds if projected else self.project_embeds(embeds, w)
         if self.norm_before_residual:
             x = rms_norm(hidden, w["hidden_norm"], eps)
             residual = x
         else:
             residual = hidden
             x = rms_norm(hidden, w["hidden_norm"], eps)
-        q, k, v = self.self_attn.qkv(e, x, cos, sin, w)
+        q, k, v = self.self_attn.qkv(pe, x, cos, sin, w)
         return q, k, v, residual
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:

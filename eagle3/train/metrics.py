@@ -56,7 +56,11 @@ def expected_acceptance_lengths(cond_acc) -> list:
 def ttt_flops_per_token(cfg: Eagle3DraftConfig, seq_len: int, num_steps: int, target_vocab: int) -> float:
     """Model FLOPs of one training token: forward + backward of fc, the layer and lm_head at
     every TTT step, attention (causal prefix + diagonals), and the target head's full-vocab
-    forward that makes the targets. Matmuls only (2 FLOPs per multiply-add)."""
+    forward that makes the targets. Matmuls only (2 FLOPs per multiply-add).
+
+    A nominal count, as MFU is usually reported: the layer at every step in full, although the
+    training-time test computes the embeddings' part of q/k/v once per row rather than per step
+    (:meth:`eagle3.model.draft.Eagle3MidLayer.project_embeds`) and no gradient of the embeddings."""
     p = count_matmul_params(cfg)
     flops = 4 * p["fc"]  # forward + weight gradient (its input needs no gradient)
     flops += 6 * (p["layer"] + p["lm_head"]) * num_steps

@@ -138,11 +138,15 @@ class TTTModel(nn.Module):
         norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
         # fc_input: the EAGLE-3.1 norms of the aux states (norm_before_fc, fc_norm), if set
         h = F.linear(draft.fc_input(aux), draft.fc.weight.to(dtype))
+        # the embeddings' part of q/k/v once for the row (tokens x_1 .. x_{T+S-1} and padding); step j
+        # reads the window of tokens x_{j+1} .. x_{j+T}: one matmul, and one weight gradient, instead
+        # of S over shifted copies of the same rows
+        pe = layer.project_embeds(embeds_pad[:, 1: T + S], wl)
         ks, vs = [], []
         outs = []
         for j in range(S):
             cos, sin = draft.rope(position_ids + j, dtype)
-            q, k, v, residual = layer.pre_attention(h, embeds_pad[:, j + 1: j + 1 + T], cos, sin, wl)
+            q, k, v, residual = layer.pre_attention(h, pe[:, j: j + T], cos, sin, wl, projected=True)
             ks.append(k)
             vs.append(v)
             out = layer.post_attention(ttt_attention(q, ks, vs, masks[j], scale=draft.attn_scale), residual, wl)

@@ -62,7 +62,8 @@ def TrainConfig(**overrides):
     from types import SimpleNamespace
 
     fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
-                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast")
+                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast",
+                  adamw_impl="auto")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -134,8 +135,10 @@ def muon_flops(model, impl: str) -> int:
 def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
     rows = []
     for name, kw in (("adamw (fused)", dict(optimizer="adamw")),
+                     ("adamw (compiled)", dict(optimizer="adamw", adamw_impl="compiled")),
                      ("torch Muon + AdamW", dict(optimizer="muon", muon_impl="torch")),
                      ("FastMuon + AdamW", dict(optimizer="muon", muon_impl="fast")),
+                     ("FastMuon + AdamW (compiled)", dict(optimizer="muon", muon_impl="fast", adamw_impl="compiled")),
                      ("FastMuon (eager)", dict(optimizer="muon", muon_impl="fast", eager=True))):
         kw = dict(kw)
         eager = kw.pop("eager", False)
@@ -361,11 +364,11 @@ def main(argv=None):
               f"{r['slowest_ms'] / one:>14.2f}{r['slowest_tflop']:>15.3f}{r['received_mb']:>13.0f}  "
               + " ".join(f"{x:.2f}" for x in r["share_ms"]))
     print("\nOne optimizer step (all the draft's parameters, random gradients):")
-    print(f"{'variant':<22}{'params':<10}{'ms':>9}{'NS TFLOP':>10}{'NS TF/s':>9}{'peak GiB':>10}")
+    print(f"{'variant':<29}{'params':<10}{'ms':>9}{'NS TFLOP':>10}{'NS TF/s':>9}{'peak GiB':>10}")
     for r in out["steps"]:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
         pk = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:<22}{r['params']:<10}{r['ms']:>9.2f}{r['ns_tflop']:>10.3f}{tf:>9}{pk:>10}")
+        print(f"{r['variant']:<29}{r['params']:<10}{r['ms']:>9.2f}{r['ns_tflop']:>10.3f}{tf:>9}{pk:>10}")
 
 
 if __name__ == "__main__":

@@ -515,6 +515,13 @@ class TrainConfig:
     computing all of them: the same update, split over the processes. false: every process computes
     every matrix. Speed only: not hashed."""
 
+    adamw_impl: str = "auto"
+    """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
+    update and state as one ``torch.compile``d kernel per parameter (with train.compile=auto a CPU
+    runs it eagerly; not with FSDP) | auto: compiled on CUDA unless train.compile=false or FSDP
+    shards the parameters, else fused. For AdamW and for Muon's AdamW half (lm_head, the norms).
+    Speed only: not hashed."""
+
     target_cache: bool = True
     """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
     draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
@@ -531,7 +538,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl", "muon_shard", "target_cache")
+                    "hidden_states", "online", "muon_impl", "muon_shard", "adamw_impl", "target_cache")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 
@@ -566,6 +573,7 @@ class TrainConfig:
         _check_positive("train.muon_ns_steps", self.muon_ns_steps)
         _check_choice("train.muon_adjust_lr_fn", self.muon_adjust_lr_fn, ("match_rms_adamw", "original"))
         _check_choice("train.muon_impl", self.muon_impl, ("fast", "torch"))
+        _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
 
 
 @dataclass

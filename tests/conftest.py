@@ -288,6 +288,34 @@ def fold_against_clip(make, steps: int = 6, max_norm: float = 0.5, big: float = 
     return out
 
 
+def compiled_adamw_against_fused(compile_: bool, steps: int = 12, device: str = "cpu"):
+    """CompiledAdamW and fused AdamW from the same parameters, two groups (one with weight decay,
+    one without), over ``steps`` steps whose learning rate and clip coefficient (``grad_scale``)
+    change every step. Returns (compiled params, fused params, compiled optimizer, fused optimizer)."""
+    import torch
+
+    from eagle3.train.optim import CompiledAdamW
+
+    runs = []
+    for cls in ("compiled", "fused"):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(*shape, generator=g).to(device)) for shape in ((64, 33), (300,), (5,))]
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]
+        kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        opt = CompiledAdamW(groups, compile=compile_, **kw) if cls == "compiled" else \
+            torch.optim.AdamW(groups, fused=True, **kw)
+        for i in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(device) * (i + 1)
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * (1 + i) / steps
+            opt.grad_scale = torch.tensor(1.0 + 0.5 * (i % 3), device=device) if i % 4 else None
+            opt.step()
+            opt.zero_grad()
+        runs.append((ps, opt))
+    return runs[0][0], runs[1][0], runs[0][1], runs[1][1]
+
+
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's default quintic coefficients
 
 

@@ -577,6 +577,97 @@ def test_clip_folded_into_fused_adamw_is_clip_grad_norm():
     assert not can_fold(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], foreach=True))
 
 
+@pytest.mark.parametrize("compile_", [False, True])
+def test_compiled_adamw_takes_fused_adamws_steps(compile_):
+    """train.adamw_impl=compiled: the same parameters and state as fused AdamW after steps with a
+    changing rate, clip coefficient and per-group weight decay; compiled (on CPU here, with no
+    recompilation after its first step) and eager alike."""
+    import torch._dynamo
+    from conftest import compiled_adamw_against_fused
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # what earlier tests compiled in this process
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        mine, ref, opt, ref_opt = compiled_adamw_against_fused(compile_)
+    for a, b in zip(mine, ref):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max(), float((a - b).abs().max())
+        sa, sb = opt.state[a], ref_opt.state[b]
+        assert float(sa["step"]) == float(sb["step"]) == 12.0
+        assert sa["step"].dtype == sb["step"].dtype == torch.float32
+        for k in ("exp_avg", "exp_avg_sq"):  # lerp against fused's beta1 m + (1 - beta1) g: float32 rounding apart
+            assert (sa[k] - sb[k]).abs().max() <= 1e-6 * sb[k].abs().max(), k
+    # every step moved the parameters: the comparison is not of two idle optimizers
+    g = torch.Generator().manual_seed(0)
+    assert (mine[0] - torch.randn(64, 33, generator=g)).abs().min() > 0
+    if compile_:  # per group, one graph with grad_scale and one without: 12 rates and step counts, no new graph
+        assert counters["stats"]["unique_graphs"] == 4, dict(counters["stats"])
+
+
+def test_compiled_adamw_checkpoint_resumes_in_fused_adamw_and_folds_the_clip():
+    """Its state_dict loads into fused AdamW (and back) and continues the same run; fold_clip with
+    it is clip_grad_norm_ then the step."""
+    from conftest import fold_against_clip
+
+    from eagle3.train.optim import CompiledAdamW, can_fold
+
+    def run(first, second, n1=3, n2=3):
+        g = torch.Generator().manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(40, 7, generator=g))]
+        kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.05)
+        make = {"compiled": lambda: CompiledAdamW(ps, compile=False, **kw),
+                "fused": lambda: torch.optim.AdamW(ps, fused=True, **kw)}
+        opt = make[first]()
+        for i in range(n1 + n2):
+            if i == n1:
+                state = opt.state_dict()
+                opt = make[second]()
+                opt.load_state_dict(state)
+            ps[0].grad = torch.randn(40, 7, generator=g)
+            opt.step()
+        return ps[0].detach().clone()
+    straight = run("fused", "fused")
+    for first, second in (("compiled", "fused"), ("fused", "compiled"), ("compiled", "compiled")):
+        assert torch.allclose(run(first, second), straight, rtol=0, atol=1e-6), (first, second)
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(300, generator=g)), torch.nn.Parameter(torch.randn(7, 5, generator=g))]
+        return CompiledAdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, compile=False), ps, g
+    assert can_fold(make()[0])
+    (folded, n1), (plain, n2) = fold_against_clip(make)
+    assert n1 == pytest.approx(n2, rel=1e-6) and max(n1) > 0.5 > min(n1)
+    assert torch.allclose(folded, plain, rtol=0, atol=1e-6)
+
+
+def test_adamw_impl_picks_the_optimizer_for_both_recipes():
+    from types import SimpleNamespace
+
+    from eagle3.train.optim import CompiledAdamW, MuonWithAdamW, build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    base = dict(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, compile="false", muon_lr=1e-3, muon_momentum=0.95,
+                muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")
+    cpu = torch.device("cpu")
+    for impl, cls in (("auto", torch.optim.AdamW), ("fused", torch.optim.AdamW), ("compiled", CompiledAdamW)):
+        opt = build_optimizer(model, SimpleNamespace(optimizer="adamw", adamw_impl=impl, **base), cpu)
+        assert type(opt) is cls and (cls is CompiledAdamW or opt.defaults["fused"]), impl
+        muon = build_optimizer(model, SimpleNamespace(optimizer="muon", adamw_impl=impl, **base), cpu)
+        assert isinstance(muon, MuonWithAdamW) and type(muon.adamw) is cls, impl
+    with pytest.raises(ValueError, match="train.adamw_impl must be"):
+        build_optimizer(model, SimpleNamespace(optimizer="adamw", adamw_impl="apex", **base), cpu)
+    # auto: compiled on CUDA when the step is compiled and the parameters are whole; FSDP shards refuse compiled
+    from eagle3.train.optim import adamw_impl
+
+    cuda = torch.device("cuda")
+    for compile_, sharded, want in (("auto", False, "compiled"), ("true", False, "compiled"),
+                                    ("false", False, "fused"), ("auto", True, "fused")):
+        assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile=compile_), cuda, sharded) == want
+    assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile="true"), cpu) == "fused"
+    with pytest.raises(ValueError, match="not supported with FSDP"):
+        adamw_impl(SimpleNamespace(adamw_impl="compiled", compile="auto"), cuda, sharded=True)
+
+
 def test_ttt_forward_traces_as_one_graph():
     """The unrolled TTT forward is compiled as one graph on GPU (train.compile=auto); a graph
     break (an op dynamo cannot trace, e.g. reading a tensor's storage offset) silently splits it

@@ -91,7 +91,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
     head.compile = compile_
     check_optimizer_distribution(accelerator, tcfg)
-    optimizer = build_optimizer(model, tcfg, device)  # train.optimizer: AdamW, or Muon + AdamW
+    # train.optimizer: AdamW, or Muon + AdamW
+    optimizer = build_optimizer(model, tcfg, device, sharded=_fsdp(accelerator))
     epochs = Epochs(inputs.train_store.lengths, tcfg, W)
     total = epochs.total_steps()
     scheduler = lr_schedule(optimizer, tcfg, total)
@@ -222,6 +223,12 @@ def _draft_and_head(tcfg, inputs: TrainInputs, device, head_dtype: Optional[torc
             draft.lm_head.weight.copy_(head.kept_lm_head().float())
     head = head.to(device=device, dtype=head_dtype or head.embed_weight.dtype)
     return draft, head, vocab_mapping
+
+
+def _fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def check_fsdp_wrapping(accelerator) -> None:

@@ -84,6 +84,15 @@ every group of the 8B draft; see the module docstring)."""
 SYM_MAX_PANELS = 4
 
 
+def closure_loss(closure):
+    """What a torch optimizer's ``step(closure)`` returns: ``closure()`` evaluated with gradients
+    enabled (it recomputes the loss), or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def sym_panels(m: int) -> int:
     """Row panels for a symmetric m x m product of the Gram form: 1 (one whole GEMM) below
     2 x :data:`SYM_PANEL_ROWS` rows, else panels of >= that many rows, at most :data:`SYM_MAX_PANELS`."""
@@ -388,10 +397,7 @@ class FastMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params: list[Tensor] = []
             grads: list[Tensor] = []

@@ -1,6 +1,11 @@
-"""The optimizer side of the train loop: fused AdamW (or Muon + AdamW, ``train.optimizer=muon``),
+"""The optimizer side of the train loop: AdamW (or Muon + AdamW, ``train.optimizer=muon``),
 the learning-rate schedule (linear warmup, then cosine decay), and gradient-norm clipping folded
-into the fused AdamW kernel.
+into the AdamW kernel.
+
+AdamW is torch's fused AdamW or :class:`CompiledAdamW` (``train.adamw_impl``; ``auto``: compiled on
+CUDA), the same update and state computed by one compiled kernel per parameter, which moves the
+parameters, gradients and moments at a higher rate than the fused kernel's ``multi_tensor_apply``
+(bench/results/compiled_adamw_h200_202612.md).
 
 Muon orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes only 2-D parameters.
 ``train.muon_impl``: fast (:class:`eagle3.train.muon.FastMuon`: torch's update, a Gram-form
@@ -30,15 +35,101 @@ import math
 
 import torch
 
-from .muon import FastMuon
+from .muon import FastMuon, closure_loss
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
-def adamw(params, tcfg, device: torch.device) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel over all parameters, and what :func:`fold_clip` hands the clip to)."""
-    return torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
-                             fused=device.type in ("cuda", "cpu"))
+def adamw_pass(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, lr: torch.Tensor,
+               beta1: float, beta2: float, weight_decay: float, eps: float, grad_scale) -> None:
+    """torch's AdamW update (``torch.optim.AdamW``, no amsgrad, no maximize), in place, in the order
+    and arithmetic of its fused kernel: the gradient divided by ``grad_scale`` (a tensor, or None),
+    decoupled decay, both moments, then the bias-corrected step. ``steps`` are the parameters'
+    float32 step counters on the device (fused AdamW's), ``lr`` a 0-dim float64 tensor on the host,
+    so that neither a new rate nor a new step count changes the compiled graph."""
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        step += 1
+        if grad_scale is not None:
+            g = g / grad_scale
+        p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = lr / (1 - beta1 ** step)
+        denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
+        p.sub_(step_size * m / denom)
+
+
+class CompiledAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose step is :func:`adamw_pass` compiled by ``torch.compile``
+    (``train.adamw_impl=compiled``): one generated kernel per parameter that reads the parameter,
+    its gradient and both moments once and writes the three back, where torch's fused kernel runs
+    the same update through ``multi_tensor_apply``. The same arguments, param groups and state
+    (``step`` a float32 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``) as fused
+    AdamW, so a checkpoint of either loads into the other; it takes ``grad_scale`` (the clip's
+    coefficient, :func:`fold_clip`) as fused AdamW does. ``compile=False`` runs the pass eagerly
+    (what the CPU tests compare with fused AdamW)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 compile: bool = True):
+        # fused=True: the param groups say what fused AdamW's say, so that a checkpoint of this class
+        # loads into fused AdamW as one of its own, and torch keeps a loaded checkpoint's step counters
+        # on the device as float32, as both hold them. torch's own (fused) step is never called.
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self.grad_scale = None
+        self._pass = torch.compile(adamw_pass, dynamic=False) if compile else adamw_pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        if getattr(self, "found_inf", None) is not None:
+            raise ValueError("CompiledAdamW does not skip steps on found_inf (an fp16 loss scaler): use "
+                             "train.adamw_impl=fused")
+        for group in self.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("CompiledAdamW implements AdamW without amsgrad and maximize")
+            lists = ([], [], [], [], [])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for out, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
+                    out.append(t)
+            if lists[0]:
+                beta1, beta2 = group["betas"]
+                self._pass(*lists, torch.tensor(float(group["lr"]), dtype=torch.float64), float(beta1), float(beta2),
+                           float(group["weight_decay"]), float(group["eps"]), self.grad_scale)
+        return loss
+
+
+def adamw(params, tcfg, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
+    """AdamW: fused (one kernel over all parameters) or :class:`CompiledAdamW`
+    (:func:`adamw_impl`); both take the clip from :func:`fold_clip`."""
+    kw = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
+    if adamw_impl(tcfg, device, sharded) == "compiled":
+        # train.compile: auto compiles on CUDA only (a CPU runs the pass eagerly), as FastMuon's passes
+        mode = str(getattr(tcfg, "compile", "auto")).lower()
+        return CompiledAdamW(params, compile=mode == "true" or (mode == "auto" and device.type == "cuda"), **kw)
+    return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
+
+
+def adamw_impl(tcfg, device: torch.device, sharded: bool = False) -> str:
+    """``train.adamw_impl`` resolved: fused | compiled. ``auto``: compiled on CUDA where the step is
+    compiled too (train.compile auto or true) and the parameters are whole (not FSDP shards:
+    ``sharded``), else fused."""
+    impl = str(getattr(tcfg, "adamw_impl", "auto"))
+    if impl not in ("auto", "fused", "compiled"):
+        raise ValueError(f"train.adamw_impl must be auto, fused or compiled, got {impl!r}")
+    if impl == "compiled" and sharded:
+        raise ValueError("train.adamw_impl=compiled is not supported with FSDP (its parameters are DTensor shards, "
+                         "which CompiledAdamW is not tested on): use train.adamw_impl=auto or fused")
+    if impl == "auto":
+        compiled = str(getattr(tcfg, "compile", "auto")).lower() != "false"
+        return "compiled" if device.type == "cuda" and compiled and not sharded else "fused"
+    return impl
 
 
 def split_for_muon(named_params) -> tuple[list, list]:
@@ -63,7 +154,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``state_dict``/``load_state_dict`` (torch's own, over the combined groups) save and restore both
     exactly; after a load the inner optimizers are pointed at the loaded groups and state again."""
 
-    def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool):
+    def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool, sharded: bool = False):
         if not muon_params:
             raise ValueError("train.optimizer=muon: the draft has no 2-D weight for Muon")
         impl = getattr(tcfg, "muon_impl", "fast")
@@ -78,8 +169,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), compile=compile_, **kw)
         else:
             self.muon = torch.optim.Muon(params, **kw)
-        self.adamw = torch.optim.AdamW([p for _, p in adamw_params], lr=tcfg.lr, betas=tuple(tcfg.betas),
-                                       weight_decay=tcfg.weight_decay, fused=fused)
+        rest = [p for _, p in adamw_params]
+        device = rest[0].device if rest else params[0].device
+        self.adamw = (adamw(rest, tcfg, device, sharded) if fused else
+                      torch.optim.AdamW(rest, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay))
         self.muon_names = [n for n, _ in muon_params]
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
         self._share()
@@ -107,21 +200,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.muon.step()
         self.adamw.step()
         return loss
 
 
-def build_optimizer(model: torch.nn.Module, tcfg, device: torch.device) -> torch.optim.Optimizer:
-    """``train.optimizer``: fused AdamW over every parameter, or :class:`MuonWithAdamW`."""
+def build_optimizer(model: torch.nn.Module, tcfg, device: torch.device, sharded: bool = False) -> torch.optim.Optimizer:
+    """``train.optimizer``: AdamW over every parameter (:func:`adamw`), or :class:`MuonWithAdamW`.
+    ``sharded``: the parameters will be FSDP shards (AdamW then fused)."""
     if getattr(tcfg, "optimizer", "adamw") == "adamw":
-        return adamw(model.parameters(), tcfg, device)
+        return adamw(model.parameters(), tcfg, device, sharded)
     muon, rest = split_for_muon(model.named_parameters())
-    return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"))
+    return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"), sharded=sharded)
 
 
 def check_optimizer_distribution(accelerator, tcfg) -> None:
@@ -159,7 +250,8 @@ def can_fold(optimizer) -> bool:
     with fused AdamW (:class:`MuonWithAdamW`)."""
     if isinstance(optimizer, MuonWithAdamW):
         return isinstance(optimizer.muon, FastMuon) and can_fold(optimizer.adamw)
-    return isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+    return isinstance(optimizer, CompiledAdamW) or (isinstance(optimizer, torch.optim.Adam)
+                                                     and bool(optimizer.defaults.get("fused")))
 
 
 def fold_clip(optimizer, params, max_norm: float) -> torch.Tensor:

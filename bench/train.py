@@ -191,7 +191,10 @@ def run_variant(a, name, device) -> dict:
         h0 = time.perf_counter()
         for i in range(a.steps):
             train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
-        host.append((time.perf_counter() - h0) / a.steps)  # host time to issue a step (no sync inside)
+        # host time per step to issue the block (no sync inside). Once CUDA's launch queue is full the
+        # host waits on it, so where the GPU is slower this reads about (steps - queued) / steps of
+        # the GPU's time, not the host's own cost (--loop-trace measures that)
+        host.append((time.perf_counter() - h0) / a.steps)
         end.record()
         end.synchronize()
         blocks.append(start.elapsed_time(end) / 1e3 / a.steps)
@@ -591,7 +594,8 @@ def main(argv=None):
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(out, indent=2))
     print("\nstep ms / tokens/s: steps run back to back as in the train loop; synced ms: one step timed "
-          "alone\n(host and GPU serialised); host ms: host time to issue one step. Peak memory: "
+          "alone\n(host and GPU serialised); host ms: host time per step to issue --steps steps (it includes waits on a full CUDA\n"
+          "launch queue, so below the step time it does not measure the host's cost: --loop-trace does). Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation;\n"
           "their peak memory is the loop's own: less what earlier runs in this process left allocated.")

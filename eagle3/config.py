@@ -517,8 +517,8 @@ class TrainConfig:
 
     adamw_impl: str = "auto"
     """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
-    update and state as one ``torch.compile``d kernel per parameter (with train.compile=auto a CPU
-    runs it eagerly; not with FSDP) | auto: compiled on CUDA unless train.compile=false or FSDP
+    update and state as one ``torch.compile``d kernel per parameter (compiled where train.compile
+    compiles: auto on CUDA only, elsewhere it runs eagerly; not with FSDP) | auto: compiled on CUDA unless train.compile=false or FSDP
     shards the parameters, else fused. For AdamW and for Muon's AdamW half (lm_head, the norms).
     Speed only: not hashed."""
 

@@ -249,9 +249,11 @@ def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     head, tensors = make_head(cfg, "cpu", dtype, gen)
     items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", dtype, gen).items()
               if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
+    prompt = round((1 - getattr(a, "loop_trainable", 1.0)) * a.seq)
     for it in items:
         it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
         it["loss_mask"] = it["loss_mask"].bool()
+        it["loss_mask"][:prompt] = False  # --loop-trainable: a prompt without loss first
         if fp8:
             from eagle3.fp8 import quantize
 
@@ -286,7 +288,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
                   muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, target_cache=True,
-                  adamw_impl="auto")
+                  adamw_impl="auto", loss_rows_only=True)
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -311,12 +313,13 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon (FastMuon,
     # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch);
     # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass);
-    # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused
+    # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
+    # (the draft head on every position, not only on the loss rows)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
     impl = "compiled" if "cadamw" in opts else "fused" if "fadamw" in opts else "auto"
-    tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl,
+    tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
                        muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts)
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
@@ -560,6 +563,9 @@ def main(argv=None):
     p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
                                                "e.g. 'auto' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
+    p.add_argument("--loop-trainable", type=float, default=1.0, metavar="F",
+                   help="the share of each loop sample's tokens with loss (the rest a prompt before them); "
+                        "default 1: every token, this bench's worst case for train.loss_rows_only")
     p.add_argument("--loop-trace", type=int, default=0, metavar="N",
                    help="profile N of each loop run's last steps: GPU busy and idle, host time in and between steps")
     p.add_argument("--loop-samples", type=int, default=64,

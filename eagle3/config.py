@@ -522,6 +522,12 @@ class TrainConfig:
     shards the parameters, else fused. For AdamW and for Muon's AdamW half (lm_head, the norms).
     Speed only: not hashed."""
 
+    loss_rows_only: bool = True
+    """Run the draft's lm_head and the loss only on the rows the loss reads (each TTT step's loss
+    positions; chosen on the host where the batch is collated), not on every position: prompts and
+    other positions without loss skip a third of the step's matmuls. The same loss, gradients and
+    statistics up to rounding (tests/test_train.py). false: every position. Speed only: not hashed."""
+
     target_cache: bool = True
     """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
     draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
@@ -538,7 +544,7 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl", "muon_shard", "adamw_impl", "target_cache")
+                    "hidden_states", "online", "muon_impl", "muon_shard", "adamw_impl", "loss_rows_only", "target_cache")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 

@@ -1012,3 +1012,146 @@ def test_in_vocab_cache_trains_the_same_model_and_is_used_from_the_second_epoch(
     assert _losses(tmp_path / "cached") == _losses(tmp_path / "plain")
     a, b = load_file(tmp_path / "cached" / "draft.safetensors"), load_file(tmp_path / "plain" / "draft.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the draft head on the loss rows only (train.loss_rows_only) -----------------------------------
+
+def _masked_batch(cfg, B=2, T=37, seed=0, dtype=torch.float64):
+    """A batch with prompts (spans without loss), two documents in a row and right padding."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.tensor([[0] * 15 + [1] * 22, [0] * 30 + [-1] * 7])[:B, :T]
+    pos = torch.cat([torch.arange(15), torch.arange(22)]).expand(B, T).clone()
+    pos[1] = torch.arange(T)
+    loss_mask = torch.ones(B, T, dtype=torch.long)
+    loss_mask[0, :6] = loss_mask[0, 15:24] = loss_mask[1, :11] = 0  # the prompts
+    loss_mask[1, 30:] = 0
+    args = dict(aux=torch.randn(B, T, 3 * cfg.hidden_size, generator=g, dtype=dtype),
+                embeds=torch.randn(B, T, cfg.hidden_size, generator=g, dtype=dtype),
+                target_probs=torch.softmax(3 * torch.randn(B, T, cfg.draft_vocab_size, generator=g, dtype=dtype), -1),
+                in_vocab=torch.rand(B, T, generator=g) > 0.2, loss_mask=loss_mask, position_ids=pos, doc_ids=doc)
+    return args
+
+
+def test_head_rows_are_each_steps_loss_positions_padded_with_a_row_without_loss():
+    from eagle3.train.ttt import HEAD_ROWS_MULTIPLE, head_rows, step_masks
+
+    cfg = _small_cfg()
+    b = _masked_batch(cfg)
+    S = 4
+    rows = head_rows(b["loss_mask"], b["doc_ids"], S)
+    counted, _ = step_masks(b["loss_mask"].bool() & (b["doc_ids"] >= 0), b["doc_ids"],
+                            torch.ones_like(b["in_vocab"]), S)
+    want = counted.flatten().nonzero().squeeze(1)
+    assert rows.dtype == torch.long and len(rows) % HEAD_ROWS_MULTIPLE == 0 and len(rows) >= len(want)
+    assert torch.equal(rows[:len(want)], want)  # every loss position, in order
+    assert not counted.flatten()[rows[len(want):]].any()  # the padding: rows without loss
+    assert 0 < len(want) < counted.numel()  # prompts and padding were left out
+    # a batch whose every position has loss leaves no row out once padded: the head takes every position
+    full = torch.ones(1, 125, dtype=torch.long)
+    assert head_rows(full, torch.zeros_like(full), S) is None
+    assert len(head_rows(full, torch.zeros_like(full), S, multiple=8)) == 4 * 125 - (2 + 3 + 4 + 5) + 2
+
+
+def test_remap_rows_follows_right_padding():
+    from eagle3.train.ttt import remap_rows
+
+    S, B, T, T2 = 3, 2, 5, 8
+    x = torch.arange(S * B * T).view(S, B, T)
+    xp = torch.cat([x, x.new_full((S, B, T2 - T), -1)], dim=2)
+    rows = torch.randperm(S * B * T)[:17]
+    assert torch.equal(xp.flatten()[remap_rows(rows, B, T, T2)], x.flatten()[rows])
+
+
+@pytest.mark.parametrize("architecture", ["llama", "deepseek"])
+def test_ttt_on_head_rows_gives_every_positions_loss_statistics_and_gradients(architecture):
+    """train.loss_rows_only: the head and the loss on the loss rows only give the loss, every
+    statistic and every parameter's gradient of the head on every position (float64)."""
+    from eagle3.train.ttt import head_rows
+
+    torch.manual_seed(0)
+    cfg = _small_cfg()
+    if architecture == "deepseek":
+        cfg = dataclasses.replace(cfg, architecture="deepseek", num_key_value_heads=2, head_dim=48, q_lora_rank=24,
+                                  kv_lora_rank=40, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24)
+    draft = Eagle3Draft(cfg).double()
+    S = 4
+    b = _masked_batch(cfg)
+    model = TTTModel(draft, num_steps=S, attention="sdpa")
+    params = [p for p in draft.parameters() if p.requires_grad]
+    results = []
+    for rows in (None, head_rows(b["loss_mask"], b["doc_ids"], S)):
+        loss, stats = model(**b, head_rows=rows)
+        results.append((loss, stats, torch.autograd.grad(loss, params)))
+    (l0, s0, g0), (l1, s1, g1) = results
+    assert torch.allclose(l1, l0, rtol=1e-12, atol=0)
+    assert torch.allclose(s1, s0, rtol=1e-12, atol=0)
+    assert float(s0[:, STAT_NAMES.index("scored")].sum()) > 0 and float(s0[:, STAT_NAMES.index("correct")].sum()) >= 0
+    for p, a, r in zip(params, g1, g0):
+        assert torch.allclose(a, r, rtol=1e-10, atol=1e-14 * float(r.abs().max())), p.shape
+
+
+def test_ttt_on_head_rows_compiles_one_graph_for_every_row_count():
+    """Compiled, the row count is a dynamic dimension: batches with other numbers of loss rows run
+    in the first graph (fullgraph, traced through AOTAutograd) and equal the eager forward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from eagle3.train.ttt import head_rows
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = _small_cfg()
+    draft = Eagle3Draft(cfg)
+    S = 3
+    eager = TTTModel(draft, num_steps=S, attention="sdpa")
+    compiled = TTTModel(draft, num_steps=S, attention="sdpa", compile=True)
+    compiled._compiled_core = torch.compile(compiled._core, fullgraph=True, backend="aot_eager", dynamic=False)
+    lens = set()
+    for seed, cut in ((0, 8), (1, 12), (2, 26)):
+        b = _masked_batch(cfg, seed=seed, dtype=torch.float32)
+        b["loss_mask"][0, :cut] = 0
+        rows = head_rows(b["loss_mask"], b["doc_ids"], S, multiple=1)
+        lens.add(len(rows))
+        loss, stats = compiled(**b, head_rows=rows)
+        loss.backward()
+        ref_loss, ref_stats = eager(**b)
+        assert torch.allclose(loss, ref_loss, rtol=1e-5) and torch.allclose(stats, ref_stats, rtol=1e-5)
+    assert len(lens) == 3  # three row counts
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_loss_rows_only_trains_the_model_of_every_position(store_dir, target_dir, tmp_path, monkeypatch):
+    """The train loop with train.loss_rows_only (the default) logs the losses and writes the weights
+    of the same run with the head on every position, up to float32 rounding; it gathered rows for
+    most batches, and the run without it never did."""
+    from safetensors.torch import load_file
+
+    from eagle3.train.loop import train
+
+    given = []
+    real = TTTModel.forward
+
+    def spy(self, *args, head_rows=None, **kw):
+        given.append(head_rows is not None)
+        return real(self, *args, head_rows=head_rows, **kw)
+    monkeypatch.setattr(TTTModel, "forward", spy)
+    tcfg = dict(ttt_steps=2, max_steps=6, lr=1e-3, warmup_steps=2, batch_size=2, max_seq_len=128, log_every=1,
+                eval_every=3, save_every=100)
+    seen = {}
+    for name, on in (("rows", True), ("all", False)):
+        given.clear()
+        train(TrainConfig(**tcfg, loss_rows_only=on), make_inputs(store_dir, target_dir), tmp_path / name,
+              progress=False)
+        seen[name] = list(given)
+    # most batches here leave rows out; a batch whose padded rows would be all of them runs whole
+    assert sum(seen["rows"]) > len(seen["rows"]) / 2 and not any(seen["all"]), seen
+    a, b = _losses(tmp_path / "rows"), _losses(tmp_path / "all")
+    assert len(a) == len(b) == 8, (a, b)  # 6 training steps, evals at 3 and 6
+    for (sa, la, ga), (sb, lb, gb) in zip(a, b):
+        assert sa == sb and la == pytest.approx(lb, rel=1e-4), (a, b)
+        assert (ga is None) == (gb is None) and (ga is None or ga == pytest.approx(gb, rel=1e-3)), (a, b)
+    wa, wb = load_file(tmp_path / "rows" / "draft.safetensors"), load_file(tmp_path / "all" / "draft.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        if wa[k].is_floating_point():
+            assert torch.allclose(wa[k].float(), wb[k].float(), rtol=1e-3, atol=1e-5), k

@@ -176,12 +176,15 @@ class MicroBatches(torch.utils.data.Dataset):
     """Item k = the collated k-th micro-batch of a list of micro-batches (rows of sample ids)."""
 
     def __init__(self, store: HiddenStateSource, micro_batches: List[List[List[int]]], max_len: int,
-                 pad_to_multiple: int = 1, pin: bool = False):
+                 pad_to_multiple: int = 1, pin: bool = False, head_rows_steps: Optional[int] = None):
         self.store = store
         self.micro_batches = micro_batches
         self.max_len = max_len
         self.pad_to_multiple = pad_to_multiple
         self.pin = pin  # collate into pinned host memory (see collate)
+        # TTT steps: a host batch also gets ``head_rows`` (eagle3.train.ttt.head_rows), the rows the
+        # draft head then runs on (train.loss_rows_only); None, or a batch on the device: not added
+        self.head_rows_steps = head_rows_steps
 
     def __len__(self):
         return len(self.micro_batches)
@@ -189,7 +192,14 @@ class MicroBatches(torch.utils.data.Dataset):
     def __getitem__(self, k):
         ids = self.micro_batches[k]
         rows = [[self.store[i] for i in row] for row in ids]
-        return collate(rows, self.max_len, self.pad_to_multiple, self.pin, ids=ids)
+        batch = collate(rows, self.max_len, self.pad_to_multiple, self.pin, ids=ids)
+        if self.head_rows_steps and batch["loss_mask"].device.type == "cpu":
+            from .ttt import head_rows
+
+            r = head_rows(batch["loss_mask"], batch["doc_ids"], self.head_rows_steps)
+            if r is not None:  # None: every position has loss, nothing to leave out
+                batch["head_rows"] = r.pin_memory() if self.pin else r
+        return batch
 
 
 def to_device(batch: dict, device) -> dict:

@@ -119,7 +119,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     # store's items are on the GPU already
     pin = device.type == "cuda" and not inputs.train_store.on_device
     loader = torch.utils.data.DataLoader(
-        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0),
+        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0,
+                     head_rows_steps=S if getattr(tcfg, "loss_rows_only", True) else None),
         batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
         worker_init_fn=ignore_stop_signals if tcfg.num_workers else None)
     if prefetch is None:
@@ -355,7 +356,8 @@ def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pa
     was_training = model.training
     model.eval()
     ds = MicroBatches(store, [rows[i:i + tcfg.batch_size] for i in range(0, len(rows), tcfg.batch_size)],
-                      tcfg.max_seq_len, pad)
+                      tcfg.max_seq_len, pad, head_rows_steps=tcfg.ttt_steps if getattr(tcfg, "loss_rows_only", True)
+                      else None)
     for k in range(len(ds)):
         b = to_device(ds[k], device)
         mi = model_inputs(head, b, dtype)

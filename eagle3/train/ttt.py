@@ -9,6 +9,10 @@ Indexing (one row of T tokens x_0..x_{T-1}; p_t = target's distribution of x_{t+
 Loss = sum_j decay**j * (sum of scored CE at step j) / denominators[j], where the caller passes
 the number of loss positions of step j in the whole global batch (all ranks, all accumulation
 micro-batches), so any split of a global batch over processes optimises the same objective.
+
+The layer runs at every position (later positions attend to all of them); the draft head (lm_head)
+and the loss, which only the loss positions need, run on those rows alone when the batch brings
+them (:func:`head_rows`, ``train.loss_rows_only``).
 """
 from __future__ import annotations
 
@@ -53,6 +57,37 @@ def step_masks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, in_vocab: torch.T
     return torch.stack(counted), torch.stack(scored)
 
 
+HEAD_ROWS_MULTIPLE = 64
+
+
+def head_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_steps: int,
+              multiple: int = HEAD_ROWS_MULTIPLE) -> Optional[torch.Tensor]:
+    """The rows of the draft head's input [S, B, T], flattened, that the loss and the statistics
+    read: every step's loss positions (``counted``; the scored ones are among them). Computed
+    where the batch is collated, on the host, so that the forward needs no device sync to gather
+    them. Padded to a multiple of ``multiple`` with a row that is no loss position (every step has
+    one: its last index), which adds nothing to the loss, its gradient or the statistics. int64 [N].
+
+    None where that leaves no row out (a batch whose every position has loss): the head then runs
+    on every position, with nothing to gather. A run whose batches are of both kinds compiles the
+    forward once for each."""
+    lm = loss_mask.bool() & (doc_ids >= 0)
+    counted, _ = step_masks(lm, doc_ids, torch.ones_like(lm), num_steps)
+    flat = counted.flatten()
+    rows = flat.nonzero().squeeze(1)
+    n = max(multiple, -(-rows.numel() // multiple) * multiple)
+    if n >= flat.numel():
+        return None
+    spare = int((~flat).nonzero()[0, 0])
+    return torch.cat([rows, rows.new_full((n - rows.numel(),), spare)])
+
+
+def remap_rows(rows: torch.Tensor, B: int, T: int, T_new: int) -> torch.Tensor:
+    """Flat [S, B, T] row indices as indices of [S, B, T_new] (T_new >= T: the rows padded on the right)."""
+    j, rem = rows // (B * T), rows % (B * T)
+    return (j * B + rem // T) * T_new + rem % T
+
+
 def loss_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
     """Loss positions per step [S] (float) of a batch, from its raw fields only."""
     dummy = torch.ones_like(loss_mask, dtype=torch.bool)
@@ -82,11 +117,15 @@ class TTTModel(nn.Module):
 
     def forward(self, aux: torch.Tensor, embeds: torch.Tensor, target_probs: torch.Tensor,
                 in_vocab: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
-                doc_ids: torch.Tensor, denominators: Optional[torch.Tensor] = None):
+                doc_ids: torch.Tensor, denominators: Optional[torch.Tensor] = None,
+                head_rows: Optional[torch.Tensor] = None):
         """aux [B,T,n_aux*H]; embeds [B,T,H] of x_0..x_{T-1} (their dtype is the compute dtype);
         target_probs [B,T,V_draft] = p_t; in_vocab, loss_mask, position_ids, doc_ids [B,T].
+        ``head_rows``: :func:`head_rows` of the batch, on its device; then the draft head and the
+        loss run on those rows only (what the loss and statistics read), else on every position.
         Returns (loss, stats [S, len(STAT_NAMES)] float64 sums)."""
         S, T = self.num_steps, loss_mask.shape[1]
+        T_in, B = T, loss_mask.shape[0]
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
         if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():
@@ -100,6 +139,8 @@ class TTTModel(nn.Module):
             in_vocab, loss_mask, position_ids = (_pad_right(x, extra, 0) for x in (in_vocab, loss_mask, position_ids))
             doc_ids = _pad_right(doc_ids, extra, int(doc_ids.min()) - 1)
             T = T + extra
+            if head_rows is not None:
+                head_rows = remap_rows(head_rows, B, T_in, T)
         with torch.no_grad():
             mask = TTTMask(doc_ids, S, backend, block_size=FLEX_BLOCK)
             if backend == "flex":
@@ -116,9 +157,13 @@ class TTTModel(nn.Module):
             core = self._compiled_core
             if self.compile == "cudagraphs":
                 torch.compiler.cudagraph_mark_step_begin()
-        return core(aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks)
+            if head_rows is not None:  # its length changes from batch to batch: one graph for all
+                torch._dynamo.mark_dynamic(head_rows, 0)
+        return core(aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks,
+                    head_rows)
 
-    def _core(self, aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks):
+    def _core(self, aux, embeds, target_probs, in_vocab, loss_mask, position_ids, doc_ids, denominators, masks,
+              head_rows=None):
         S, (B, T) = self.num_steps, loss_mask.shape
         dtype = embeds.dtype
         draft, layer = self.draft, self.draft.midlayer
@@ -155,17 +200,31 @@ class TTTModel(nn.Module):
         # The draft head of all steps at once: no step needs another's logits (step j+1 is fed the
         # pre-norm output), so the lm_head runs as one matmul over S*B*T rows, and its weight
         # gradient as one matmul too, instead of S matmuls whose S outputs are then summed.
-        logits = draft.logits(torch.stack(outs), norm_w, lm_head_w)  # [S, B, T, Vd]
-        # step j's targets are rows j+1 .. j+T of the padded targets: windows of one view, not a copy
-        target = target_pad.unfold(1, T, 1)[:, 1:S + 1].permute(1, 0, 3, 2)  # [S, B, T, Vd]
         acc = torch.promote_types(dtype, torch.float32)
-        # per-row cross-entropy once, for the loss and (detached) for the statistics: one pass of
-        # reductions (logsumexp, <p, logits> and the argmax) over all steps' logits
-        ce = soft_cross_entropy_rows(logits, target)  # [S, B, T]
+        if head_rows is None:
+            logits = draft.logits(torch.stack(outs), norm_w, lm_head_w)  # [S, B, T, Vd]
+            # step j's targets are rows j+1 .. j+T of the padded targets: windows of one view, not a copy
+            target = target_pad.unfold(1, T, 1)[:, 1:S + 1].permute(1, 0, 3, 2)  # [S, B, T, Vd]
+            # per-row cross-entropy once, for the loss and (detached) for the statistics: one pass of
+            # reductions (logsumexp, <p, logits> and the argmax) over all steps' logits
+            ce = soft_cross_entropy_rows(logits, target)  # [S, B, T]
+            with torch.no_grad():
+                correct = logits.detach().argmax(-1) == target_arg.unfold(1, T, 1)[:, 1:S + 1].transpose(0, 1)
+        else:
+            # only the rows the loss and the statistics read (a batch's loss positions): the head's
+            # matmuls, the loss and their gradients shrink with them; the results go back to their
+            # places in [S, B, T] (zeros elsewhere, which nothing reads: scored is a subset of counted)
+            logits = draft.logits(torch.stack(outs).flatten(0, 2)[head_rows], norm_w, lm_head_w)  # [N, Vd]
+            j, rem = head_rows // (B * T), head_rows % (B * T)
+            tgt = (rem // T) * (T + pad) + rem % T + j + 1  # the row's target: p_{t+j+1} of its batch row
+            ce_rows = soft_cross_entropy_rows(logits, target_pad.flatten(0, 1)[tgt])
+            ce = ce_rows.new_zeros(S * B * T).index_put((head_rows,), ce_rows).view(S, B, T)
+            with torch.no_grad():
+                hit = logits.detach().argmax(-1) == target_arg.flatten()[tgt]
+                correct = hit.new_zeros(S * B * T).index_put((head_rows,), hit).view(S, B, T)
         coef = (self.decay ** torch.arange(S, device=aux.device, dtype=acc)) / denominators.to(acc)
         loss = (ce * (scored.to(acc) * coef[:, None, None])).sum()
         with torch.no_grad():
-            correct = logits.detach().argmax(-1) == target_arg.unfold(1, T, 1)[:, 1:S + 1].transpose(0, 1)
             ok = scored & correct
             # chain[j]: steps 0..j-1 all scored and correct (what conditional accuracy is given)
             chain = torch.cat([torch.ones_like(ok[:1]), ok[:-1].int().cumprod(0).bool()])

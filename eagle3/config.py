@@ -518,9 +518,10 @@ class TrainConfig:
     adamw_impl: str = "auto"
     """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
     update and state as one ``torch.compile``d kernel per parameter (compiled where train.compile
-    compiles: auto on CUDA only, elsewhere it runs eagerly; not with FSDP) | auto: compiled on CUDA unless train.compile=false or FSDP
-    shards the parameters, else fused. For AdamW and for Muon's AdamW half (lm_head, the norms).
-    Speed only: not hashed."""
+    compiles: auto on CUDA only, elsewhere it runs eagerly; not with FSDP) | auto: compiled for
+    train.optimizer=adamw on CUDA unless train.compile=false or FSDP shards the parameters, else
+    fused (Muon's AdamW half, lm_head and the norms, stays fused under auto: its step measured the
+    same both ways; compiled applies to it too). Speed only: not hashed."""
 
     loss_rows_only: bool = True
     """Run the draft's lm_head and the loss only on the rows the loss reads (each TTT step's loss

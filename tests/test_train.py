@@ -664,6 +664,9 @@ def test_adamw_impl_picks_the_optimizer_for_both_recipes():
                                     ("false", False, "fused"), ("auto", True, "fused")):
         assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile=compile_), cuda, sharded) == want
     assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile="true"), cpu) == "fused"
+    # Muon's AdamW half: fused under auto, compiled when asked for
+    assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile="auto"), cuda, auto_compiled=False) == "fused"
+    assert adamw_impl(SimpleNamespace(adamw_impl="compiled", compile="auto"), cuda, auto_compiled=False) == "compiled"
     with pytest.raises(ValueError, match="not supported with FSDP"):
         adamw_impl(SimpleNamespace(adamw_impl="compiled", compile="auto"), cuda, sharded=True)
 

@@ -105,21 +105,22 @@ class CompiledAdamW(torch.optim.AdamW):
         return loss
 
 
-def adamw(params, tcfg, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
-    """AdamW: fused (one kernel over all parameters) or :class:`CompiledAdamW`
-    (:func:`adamw_impl`); both take the clip from :func:`fold_clip`."""
+def adamw(params, tcfg, device: torch.device, sharded: bool = False, auto_compiled: bool = True) -> torch.optim.AdamW:
+    """AdamW on ``device`` (where the parameters will be when it steps): fused (one kernel over all
+    parameters) or :class:`CompiledAdamW` (:func:`adamw_impl`); both take the clip from :func:`fold_clip`."""
     kw = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
-    if adamw_impl(tcfg, device, sharded) == "compiled":
+    if adamw_impl(tcfg, device, sharded, auto_compiled) == "compiled":
         # train.compile: auto compiles on CUDA only (a CPU runs the pass eagerly), as FastMuon's passes
         mode = str(getattr(tcfg, "compile", "auto")).lower()
         return CompiledAdamW(params, compile=mode == "true" or (mode == "auto" and device.type == "cuda"), **kw)
     return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
 
 
-def adamw_impl(tcfg, device: torch.device, sharded: bool = False) -> str:
+def adamw_impl(tcfg, device: torch.device, sharded: bool = False, auto_compiled: bool = True) -> str:
     """``train.adamw_impl`` resolved: fused | compiled. ``auto``: compiled on CUDA where the step is
     compiled too (train.compile auto or true) and the parameters are whole (not FSDP shards:
-    ``sharded``), else fused."""
+    ``sharded``), else fused; fused too where ``auto_compiled`` is false (Muon's AdamW half: its
+    131M parameters' step measured the same either way, and compiling it would cost a compile)."""
     impl = str(getattr(tcfg, "adamw_impl", "auto"))
     if impl not in ("auto", "fused", "compiled"):
         raise ValueError(f"train.adamw_impl must be auto, fused or compiled, got {impl!r}")
@@ -128,7 +129,7 @@ def adamw_impl(tcfg, device: torch.device, sharded: bool = False) -> str:
                          "which CompiledAdamW is not tested on): use train.adamw_impl=auto or fused")
     if impl == "auto":
         compiled = str(getattr(tcfg, "compile", "auto")).lower() != "false"
-        return "compiled" if device.type == "cuda" and compiled and not sharded else "fused"
+        return "compiled" if auto_compiled and device.type == "cuda" and compiled and not sharded else "fused"
     return impl
 
 
@@ -154,7 +155,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ``state_dict``/``load_state_dict`` (torch's own, over the combined groups) save and restore both
     exactly; after a load the inner optimizers are pointed at the loaded groups and state again."""
 
-    def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool, sharded: bool = False):
+    def __init__(self, muon_params: list, adamw_params: list, tcfg, fused: bool, sharded: bool = False,
+                 device: torch.device | None = None):
         if not muon_params:
             raise ValueError("train.optimizer=muon: the draft has no 2-D weight for Muon")
         impl = getattr(tcfg, "muon_impl", "fast")
@@ -170,8 +172,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         else:
             self.muon = torch.optim.Muon(params, **kw)
         rest = [p for _, p in adamw_params]
-        device = rest[0].device if rest else params[0].device
-        self.adamw = (adamw(rest, tcfg, device, sharded) if fused else
+        # where the parameters will step (the loop builds the optimizer before Accelerate moves them)
+        device = device if device is not None else params[0].device
+        self.adamw = (adamw(rest, tcfg, device, sharded, auto_compiled=False) if fused else
                       torch.optim.AdamW(rest, lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay))
         self.muon_names = [n for n, _ in muon_params]
         super().__init__(self.muon.param_groups + self.adamw.param_groups, defaults={})
@@ -212,7 +215,7 @@ def build_optimizer(model: torch.nn.Module, tcfg, device: torch.device, sharded:
     if getattr(tcfg, "optimizer", "adamw") == "adamw":
         return adamw(model.parameters(), tcfg, device, sharded)
     muon, rest = split_for_muon(model.named_parameters())
-    return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"), sharded=sharded)
+    return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"), sharded=sharded, device=device)
 
 
 def check_optimizer_distribution(accelerator, tcfg) -> None:

@@ -1082,13 +1082,15 @@ def test_ttt_on_head_rows_gives_every_positions_loss_statistics_and_gradients(ar
     model = TTTModel(draft, num_steps=S, attention="sdpa")
     params = [p for p in draft.parameters() if p.requires_grad]
     results = []
-    for rows in (None, head_rows(b["loss_mask"], b["doc_ids"], S)):
+    gathered = head_rows(b["loss_mask"], b["doc_ids"], S)
+    assert gathered is not None and len(gathered) < S * b["loss_mask"].numel()  # the gather leaves rows out
+    for rows in (None, gathered):
         loss, stats = model(**b, head_rows=rows)
         results.append((loss, stats, torch.autograd.grad(loss, params)))
     (l0, s0, g0), (l1, s1, g1) = results
     assert torch.allclose(l1, l0, rtol=1e-12, atol=0)
     assert torch.allclose(s1, s0, rtol=1e-12, atol=0)
-    assert float(s0[:, STAT_NAMES.index("scored")].sum()) > 0 and float(s0[:, STAT_NAMES.index("correct")].sum()) >= 0
+    assert float(s0[:, STAT_NAMES.index("scored")].sum()) > 0
     for p, a, r in zip(params, g1, g0):
         assert torch.allclose(a, r, rtol=1e-10, atol=1e-14 * float(r.abs().max())), p.shape
 

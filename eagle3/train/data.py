@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .source import HiddenStateSource
+from .ttt import head_rows
 
 
 @dataclass
@@ -194,8 +195,6 @@ class MicroBatches(torch.utils.data.Dataset):
         rows = [[self.store[i] for i in row] for row in ids]
         batch = collate(rows, self.max_len, self.pad_to_multiple, self.pin, ids=ids)
         if self.head_rows_steps and batch["loss_mask"].device.type == "cpu":
-            from .ttt import head_rows
-
             r = head_rows(batch["loss_mask"], batch["doc_ids"], self.head_rows_steps)
             if r is not None:  # None: every position has loss, nothing to leave out
                 batch["head_rows"] = r.pin_memory() if self.pin else r

@@ -34,7 +34,7 @@ from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
 from .data import Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .inductor import restore_compile_threads
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
-from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, lr_schedule
+from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, compiles, lr_schedule
 from .source import HiddenStateSource, check_source
 from .target_head import InVocabCache, TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
@@ -85,7 +85,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     # CPU too when asked for: the full-vocabulary target head is a third of a CPU step in float32)
     head_dtype = dtype if torch.cuda.is_available() or mp == "bf16" else None
     draft, head, vocab_mapping = _draft_and_head(tcfg, inputs, device, head_dtype)
-    compile_ = tcfg.compile == "true" or (tcfg.compile == "auto" and device.type == "cuda")
+    compile_ = compiles(tcfg, device)
     if compile_:
         restore_compile_threads()  # vLLM's TORCHINDUCTOR_COMPILE_THREADS=1, where it ran in this process
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)

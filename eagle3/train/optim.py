@@ -105,14 +105,19 @@ class CompiledAdamW(torch.optim.AdamW):
         return loss
 
 
+def compiles(tcfg, device: torch.device) -> bool:
+    """Whether ``train.compile`` compiles on ``device``: true, or auto on CUDA (the loop's rule for
+    the TTT step, and the optimizer's for its passes)."""
+    mode = str(getattr(tcfg, "compile", "auto")).lower()
+    return mode == "true" or (mode == "auto" and device.type == "cuda")
+
+
 def adamw(params, tcfg, device: torch.device, sharded: bool = False, auto_compiled: bool = True) -> torch.optim.AdamW:
     """AdamW on ``device`` (where the parameters will be when it steps): fused (one kernel over all
     parameters) or :class:`CompiledAdamW` (:func:`adamw_impl`); both take the clip from :func:`fold_clip`."""
     kw = dict(lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay)
     if adamw_impl(tcfg, device, sharded, auto_compiled) == "compiled":
-        # train.compile: auto compiles on CUDA only (a CPU runs the pass eagerly), as FastMuon's passes
-        mode = str(getattr(tcfg, "compile", "auto")).lower()
-        return CompiledAdamW(params, compile=mode == "true" or (mode == "auto" and device.type == "cuda"), **kw)
+        return CompiledAdamW(params, compile=compiles(tcfg, device), **kw)  # else the pass runs eagerly
     return torch.optim.AdamW(params, fused=device.type in ("cuda", "cpu"), **kw)
 
 
@@ -128,8 +133,8 @@ def adamw_impl(tcfg, device: torch.device, sharded: bool = False, auto_compiled:
         raise ValueError("train.adamw_impl=compiled is not supported with FSDP (its parameters are DTensor shards, "
                          "which CompiledAdamW is not tested on): use train.adamw_impl=auto or fused")
     if impl == "auto":
-        compiled = str(getattr(tcfg, "compile", "auto")).lower() != "false"
-        return "compiled" if auto_compiled and device.type == "cuda" and compiled and not sharded else "fused"
+        return "compiled" if auto_compiled and device.type == "cuda" and compiles(tcfg, device) and not sharded \
+            else "fused"
     return impl
 
 

@@ -6,6 +6,8 @@ eagle3/train/muon.py), and the Newton-Schulz orthogonalisation alone per matrix 
                                               # fc 3 x 4096 -> 4096, draft vocab 32000), bf16 and fp32 params
     python bench/optimizer.py --small         # a small shape (runs on CPU; what the CPU tests run)
     python bench/optimizer.py --train-step    # CPU: a whole train step, AdamW vs Muon (bench/results/train_h200_202611.md)
+    python bench/optimizer.py --sym           # CUDA: FastMuon's symmetric products, the Triton tile triangle
+                                              # (train.muon_sym=triton) against cuBLAS row panels and whole GEMMs
 
 The parameter set is the real Eagle3Draft's at that shape, with random gradients; split as the
 loop splits it (Muon on fc, q/k/v/o, gate/up/down; AdamW on lm_head and the norms). Times: CUDA
@@ -22,6 +24,7 @@ Prints a table last; writes $OUT/bench_optimizer.json when OUT is set. No hydra 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -36,12 +39,14 @@ import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.muon import (  # noqa: E402
+    chosen_form,
     gram_newton_schulz,
     newton_schulz,
     normalised,
     ns_cost,
     ns_flops,
     orthogonalise,
+    resolve_sym,
     shard_owners,
     sym_panels,
     use_gram,
@@ -62,7 +67,7 @@ def TrainConfig(**overrides):
     from types import SimpleNamespace
 
     fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
-                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast",
+                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_sym="auto",
                   adamw_impl="auto")
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -125,11 +130,11 @@ def make_draft(shape: str, device, dtype) -> Eagle3Draft:
     return model
 
 
-def muon_flops(model, impl: str) -> int:
+def muon_flops(model, impl: str, sym: str = "panels") -> int:
     muon, _ = split_for_muon(model.named_parameters())
     if impl != "fast":
         return sum(ns_flops(*p.shape, 5, False) for _, p in muon)
-    return sum(ns_cost(p.shape, 5) for _, p in muon)
+    return sum(ns_cost(p.shape, 5, sym=sym) for _, p in muon)
 
 
 def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
@@ -150,7 +155,7 @@ def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         ms = timer(opt.step, a.warmup, a.steps)
-        flops = muon_flops(model, kw.get("muon_impl", "")) if kw["optimizer"] == "muon" else 0
+        flops = muon_flops(model, kw.get("muon_impl", ""), resolve_sym("auto", device)) if kw["optimizer"] == "muon" else 0
         rows.append({"what": "step", "variant": name, "params": str(dtype).removeprefix("torch."), "ms": ms,
                      "ns_tflop": flops / 1e12, "tflops": flops / ms / 1e9 if flops else None,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None})
@@ -252,6 +257,127 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
     return rows
 
 
+def bench_sym(a, device, timer) -> dict:
+    """FastMuon's symmetric products: (1) one product per shape and kernel configuration, the Triton
+    tile triangle (eagle3.train.symmm) against cuBLAS whole and in row panels, each checked against a
+    float64 product; (2) each shape group's whole Newton-Schulz, triton against panels (FastMuon's
+    form choice for each), with FLOPs and the distance from a float64 iteration; (3) one optimizer
+    step of the draft, train.muon_sym=triton against panels."""
+    from eagle3.train import symmm
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    out = {"products": [], "groups": [], "steps": []}
+    # (1) products: (batch, m, k, kind) -- X X^T of the MLP / fc / q groups, an m x m product with C
+    for nb, m, k, kind in ((3, 4096, 14336, "gram"), (1, 4096, 12288, "gram"), (1, 4096, 8192, "gram"),
+                           (1, 4096, 4096, "gram"), (1, 4096, 4096, "square+C"), (3, 4096, 4096, "square+C")):
+        X = (torch.randn(nb, m, k, generator=gen, device=device) / k ** 0.5).half()
+        if kind == "gram":
+            A, B, C = X, X.mT, None
+        else:
+            R = torch.bmm(X.float(), X.float().mT).half()
+            A, B, C = R, R, R
+        ref = torch.bmm(A.double(), B.double()) * 0.5 + (0.25 * C.double() if C is not None else 0)
+        row = {"shape": f"{nb} x {m}x{m} (k {k}, {kind})", "whole_flop": 2 * nb * m * m * k,
+               "picked": symmm.pick_config(m, k)}
+        out["products"].append(time_product(a, timer, A, B, C, ref, row))
+        print(json.dumps(row), flush=True)
+    # (2) Newton-Schulz per shape group
+    model = make_draft("8b", torch.device("meta"), torch.bfloat16)
+    groups = defaultdict(list)
+    for n_, p in split_for_muon(model.named_parameters())[0]:
+        groups[(min(p.shape), max(p.shape))].append(n_.split(".")[-2])
+    for (m, n), names in groups.items():
+        nb = len(names)
+        X = normalised(torch.stack([torch.randn(m, n, generator=gen, device=device).bfloat16() for _ in range(nb)]), 1e-7)
+        G = ill_conditioned(m, n, device, gen)
+        ref = ns_float64(G)
+        xg = normalised(G.bfloat16()[None], 1e-7)
+        row = {"shape": f"{nb} x {m}x{n}", "matrices": ",".join(names)}
+        for sym in ("panels", "triton"):
+            g, p = chosen_form(m, n, 5, sym=sym)
+            run = functools.partial(gram_newton_schulz, coeffs=COEFFS, steps=5, panels=p, sym=sym) if g else \
+                functools.partial(newton_schulz, coeffs=COEFFS, steps=5, panels=p, sym=sym)
+            row[sym] = {"form": "gram" if g else "standard", "panels": p,
+                        "ms": timer(functools.partial(run, X), a.warmup, a.steps),
+                        "tflop": nb * ns_flops(m, n, 5, g, panels=p, sym=sym) / 1e12,
+                        "err_vs_f64": ((run(xg)[0].double() - ref).norm() / ref.norm()).item()}
+        row["err_torch_vs_f64"] = ((torch_ns(G).double() - ref).norm() / ref.norm()).item()
+        out["groups"].append(row)
+        print(json.dumps(row), flush=True)
+        del X, G, ref
+    # (3) one optimizer step
+    for sym in ("panels", "triton"):
+        model = make_draft("8b", device, torch.bfloat16)
+        opt = build_optimizer(model, TrainConfig(optimizer="muon", muon_impl="fast", muon_sym=sym), device)
+        torch.cuda.synchronize()
+        ms = timer(opt.step, a.warmup, a.steps)
+        out["steps"].append({"sym": sym, "ms": ms, "ns_tflop": muon_flops(model, "fast", sym) / 1e12})
+        print(json.dumps(out["steps"][-1]), flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
+    """bench_sym's (1) for one product: cuBLAS whole, two row panels, each Triton configuration."""
+    from eagle3.train import symmm
+    from eagle3.train.muon import sym_baddbmm
+
+    nb, m = A.shape[:2]
+    beta = 0.25 if C is not None else 0.0
+    Cb = C if C is not None else A.new_zeros(nb, m, m)
+    row["cublas_ms"] = timer(lambda: torch.baddbmm(Cb, A, B, beta=beta, alpha=0.5), a.warmup, a.steps)
+    row["panels2_ms"] = timer(lambda: sym_baddbmm(C, A, B, beta=beta, alpha=0.5, panels=2), a.warmup, a.steps)
+    for name in symmm.CONFIGS:
+        Y = torch.full((nb, m, m), float("nan"), dtype=A.dtype, device=A.device)
+        try:
+            symmm.sym_mm(A, B, C, alpha=0.5, beta=beta, config=name, out=Y)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a configuration that does not build here is a row, not the end
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        err = ((Y.double() - ref).norm() / ref.norm()).item()
+        ms = timer(functools.partial(symmm.sym_mm, A, B, C, alpha=0.5, beta=beta, config=name), a.warmup, a.steps)
+        flop = row["whole_flop"] * symmm.tri_fraction(m, symmm.CONFIGS[name][1])
+        row[name] = {"ms": ms, "err": err, "tflops": flop / ms / 1e9, "nan": bool(Y.isnan().any())}
+    row["cublas_tflops"] = row["whole_flop"] / row["cublas_ms"] / 1e9
+    row["cublas_err"] = ((torch.baddbmm(Cb, A, B, beta=beta, alpha=0.5).double() - ref).norm() / ref.norm()).item()
+    return row
+
+
+def print_sym(res: dict) -> None:
+    from eagle3.train import symmm
+
+    print("\nOne symmetric product: ms | TFLOP/s on the FLOPs each computes | error vs float64 "
+          "(* the configuration sym_mm picks):")
+    shapes = [r["shape"].replace(" (k ", "/").replace(", ", " ").rstrip(")") for r in res["products"]]
+    print(f"{'':<22}" + "".join(f"{x:>26}" for x in shapes))
+    rows = [("cuBLAS whole", [f"{r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {r['cublas_err']:.1e}"
+                              for r in res["products"]]),
+            ("cuBLAS 2 panels", [f"{r['panels2_ms']:.3f}" for r in res["products"]])]
+    for n in symmm.CONFIGS:
+        rows.append((n, [("*" if r["picked"] == n else "") + (
+            f"{r[n]['ms']:.3f} | {r[n]['tflops']:.0f} | {r[n]['err']:.1e}{' NaN' if r[n]['nan'] else ''}"
+            if "ms" in r[n] else "failed") for r in res["products"]]))
+    for name, cells in rows:
+        print(f"{name:<22}" + "".join(f"{c:>26}" for c in cells))
+    for r in res["products"]:
+        for n in symmm.CONFIGS:
+            if "error" in r[n]:
+                print(f"  {r['shape']} {n}: {r[n]['error']}")
+    print("\nNewton-Schulz per shape group, FastMuon's form for each (ms / TFLOP / error vs float64; torch's error):")
+    print(f"{'group':<18}{'panels':>34}{'triton':>34}{'torch err':>11}")
+    for r in res["groups"]:
+        c = [f"{r[k]['form']} {r[k]['ms']:.2f} / {r[k]['tflop']:.2f} / {r[k]['err_vs_f64']:.2e}" for k in ("panels", "triton")]
+        print(f"{r['shape']:<18}{c[0]:>34}{c[1]:>34}{r['err_torch_vs_f64']:>11.2e}")
+    tot = {k: sum(r[k]["ms"] for r in res["groups"]) for k in ("panels", "triton")}
+    tf = {k: sum(r[k]["tflop"] for r in res["groups"]) for k in ("panels", "triton")}
+    print(f"{'all':<18}{tot['panels']:>22.2f} ms {tf['panels']:.2f} TFLOP{tot['triton']:>18.2f} ms {tf['triton']:.2f} TFLOP")
+    print("\nOne optimizer step, FastMuon + AdamW (bf16 params):")
+    for r in res["steps"]:
+        print(f"  train.muon_sym={r['sym']:<8}{r['ms']:>8.2f} ms  (Newton-Schulz {r['ns_tflop']:.2f} TFLOP)")
+
+
 def train_step_cpu(argv) -> None:
     """The former CPU comparison: a whole train step (bench/train.py's train_step) + the step alone."""
     from bench.train import add_shape_args, describe_shape, make_batch, make_config, make_head, train_step
@@ -303,6 +429,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed repeats (default 10 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--train-step", action="store_true", help="a whole CPU train step instead (see above)")
+    p.add_argument("--sym", action="store_true", help="only the symmetric products: Triton against cuBLAS (CUDA)")
     a = p.parse_args(argv)
     import torch._dynamo.config as dynamo_config
 
@@ -317,6 +444,17 @@ def main(argv=None):
     dtypes = [getattr(torch, d) for d in (a.dtypes or ("bfloat16,float32" if device.type == "cuda" else "float32")).split(",")]
     timer = Timer(device)
     t0 = time.perf_counter()
+    if a.sym:
+        if device.type != "cuda":
+            sys.exit("--sym needs CUDA (the Triton kernel)")
+        res = bench_sym(a, device, timer)
+        res.update(device=torch.cuda.get_device_name(), torch=torch.__version__, wall_s=time.perf_counter() - t0)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["OUT"]) / "bench_sym.json").write_text(json.dumps(res, indent=1))
+        print(f"\n{res['device']}, torch {res['torch']}, median of {a.steps} after {a.warmup} warm-up; "
+              f"{res['wall_s']:.0f} s")
+        return print_sym(res)
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
            "torch": torch.__version__, "shape": shape, "dims": SHAPES[shape], "args": vars(a)}
     if device.type == "cuda":

@@ -287,8 +287,8 @@ def loop_config(a, compile_mode: str, **overrides):
                   mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, target_cache=True,
-                  adamw_impl="auto", loss_rows_only=True)
+                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, muon_sym="auto",
+                  target_cache=True, adamw_impl="auto", loss_rows_only=True)
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -314,13 +314,15 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch);
     # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass);
     # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
-    # (the draft head on every position, not only on the loss rows)
+    # (the draft head on every position, not only on the loss rows); "+panels": train.muon_sym=panels
+    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
     impl = "compiled" if "cadamw" in opts else "fused" if "fadamw" in opts else "auto"
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
-                       muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts)
+                       muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
+                       muon_sym="panels" if "panels" in opts else "auto")
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
     import gc

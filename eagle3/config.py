@@ -514,6 +514,11 @@ class TrainConfig:
     share of the matrices (balanced by FLOPs) and the results are shared in one all-reduce, instead of every process
     computing all of them: the same update, split over the processes. false: every process computes
     every matrix. Speed only: not hashed."""
+    muon_sym: str = "auto"
+    """How FastMuon's symmetric m x m products run: triton (one Triton kernel that multiplies only the
+    tiles on and above the diagonal and writes each twice: eagle3/train/symmm.py) | panels (cuBLAS
+    row panels of the upper block-triangle) | auto: triton on CUDA where Triton imports, else panels.
+    Speed only: not hashed."""
 
     adamw_impl: str = "auto"
     """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
@@ -545,7 +550,8 @@ class TrainConfig:
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
-                    "hidden_states", "online", "muon_impl", "muon_shard", "adamw_impl", "loss_rows_only", "target_cache")
+                    "hidden_states", "online", "muon_impl", "muon_shard", "muon_sym", "adamw_impl", "loss_rows_only",
+                    "target_cache")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 
@@ -580,6 +586,7 @@ class TrainConfig:
         _check_positive("train.muon_ns_steps", self.muon_ns_steps)
         _check_choice("train.muon_adjust_lr_fn", self.muon_adjust_lr_fn, ("match_rms_adamw", "original"))
         _check_choice("train.muon_impl", self.muon_impl, ("fast", "torch"))
+        _check_choice("train.muon_sym", self.muon_sym, ("auto", "triton", "panels"))
         _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
 
 

@@ -286,6 +286,77 @@ def test_muon_with_adamw_uses_the_configured_implementation():
     assert fast.muon.shard is True
     assert build_optimizer(model, TrainConfig(optimizer="muon", muon_shard=False), torch.device("cpu")).muon.shard is False
     assert semantic_dict(TrainConfig(optimizer="muon", muon_shard=False)) == semantic_dict(TrainConfig(optimizer="muon"))
+    # train.muon_sym reaches FastMuon, is refused when misspelt, and is speed only
+    assert fast.muon.sym == "auto"
+    assert build_optimizer(model, TrainConfig(optimizer="muon", muon_sym="panels"), torch.device("cpu")).muon.sym == "panels"
+    with pytest.raises(ValueError, match="train.muon_sym"):
+        TrainConfig(optimizer="muon", muon_sym="cublas")
+    assert semantic_dict(TrainConfig(optimizer="muon", muon_sym="panels")) == semantic_dict(TrainConfig(optimizer="muon"))
+
+
+# -- the symmetric products: the Triton tile triangle (GPU tests: tests/gpu/test_symmm_gpu.py) --------
+
+def test_tile_pairs_cover_the_upper_triangle_once_in_row_groups():
+    from eagle3.train.symmm import tile_pairs
+
+    for tiles, group in ((1, 8), (5, 2), (32, 8), (9, 8)):
+        pairs = tile_pairs(tiles, group)
+        assert sorted(pairs) == [(i, j) for i in range(tiles) for j in range(i, tiles)], (tiles, group)
+        # the launch order: every pair of a row group before the next group's
+        groups = [i // group for i, _ in pairs]
+        assert groups == sorted(groups)
+    # tiles twice as wide as tall: every tile that reaches the diagonal or above it, once
+    pairs = tile_pairs(8, 2, cols=4)
+    assert sorted(pairs) == [(i, j) for i in range(8) for j in range(4) if i < 2 * (j + 1)]
+
+
+def test_muon_sym_resolves_per_device_and_triton_is_refused_where_it_cannot_run():
+    from eagle3.train.muon import resolve_sym
+
+    cpu = torch.device("cpu")
+    assert resolve_sym("auto", cpu) == "panels" and resolve_sym("panels", cpu) == "panels"
+    with pytest.raises(ValueError, match="not on a CUDA device.*train.muon_sym=auto or panels"):
+        resolve_sym("triton", cpu)
+    with pytest.raises(ValueError, match="sym must be one of"):
+        FastMuon([torch.nn.Parameter(torch.zeros(4, 4))], sym="cublas")
+    # asked for on the CPU: refused at the first step, not silently run as panels
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    p.grad = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="train.muon_sym=triton cannot run here"):
+        FastMuon([p], sym="triton").step()
+
+
+def test_ns_flops_count_the_tile_triangle_and_pick_the_form_with_it():
+    from eagle3.train.muon import chosen_form, sym_kind
+    from eagle3.train.symmm import tri_fraction
+
+    assert tri_fraction(4096) == 32 * 33 / 2 / 32 ** 2 and tri_fraction(128) == 1.0
+    assert sym_kind(4096, "triton") == "triton" and sym_kind(4000, "triton") == "panels"
+    assert sym_kind(2048, "triton") == "triton" and sym_kind(1024, "triton") == "panels"  # too few tiles
+    assert sym_kind(4096, "panels") == "panels"
+    for m, n in ((4096, 14336), (4096, 12288), (4096, 8192), (2048, 8192), (4096, 4096)):
+        for gram in (True, False):
+            tri, pan = ns_flops(m, n, 5, gram, sym="triton"), ns_flops(m, n, 5, gram, panels=2)
+            assert tri < pan, (m, n, gram)
+    # the 8B draft's Newton-Schulz: 16.93 TFLOP in 2 panels, 13.01 with the tile triangle (k/v's
+    # 1024-row Gram products stay whole cuBLAS GEMMs)
+    groups = {(4096, 12288): 1, (4096, 8192): 1, (1024, 8192): 2, (4096, 4096): 1, (4096, 14336): 3}
+    assert abs(sum(c * ns_cost((m, n), 5) for (m, n), c in groups.items()) / 1e12 - 16.93) < 0.01
+    assert abs(sum(c * ns_cost((m, n), 5, sym="triton") for (m, n), c in groups.items()) / 1e12 - 13.01) < 0.01
+    # o_proj's square shape: the standard form either way (panels unused with the triangle)
+    assert chosen_form(4096, 4096, 5, sym="triton") == (False, 1)
+    assert chosen_form(4096, 14336, 5, sym="triton") == (True, 1)
+
+
+def test_sym_product_on_the_panels_adds_the_diagonal():
+    from eagle3.train.muon import sym_product
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2, 64, 96, generator=g, dtype=torch.float64)
+    R = X @ X.mT
+    got = sym_product(R, R, R, beta=-0.5, alpha=0.25, panels=2, diag=3.0)
+    want = -0.5 * R + 0.25 * R @ R + 3.0 * torch.eye(64, dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-10)
 
 
 # -- DDP: two gloo ranks, each half the batch, against one process on the whole batch -----------------

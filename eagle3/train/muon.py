@@ -25,11 +25,16 @@ the one of fewer FLOPs (:func:`ns_flops`):
   its square < 2^15), the coefficients adjusted to match.
 * **Standard form** (:func:`newton_schulz`), for square-ish matrices: torch's bf16 iteration.
 
-**Symmetric products** (:func:`sym_baddbmm`): every m x m result of the Gram form is symmetric
-(``X X^T``, and products of polynomials in the same R, which commute), so for m >= 4096 only its upper
-block-triangle is computed, in row panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), and
-mirrored: with 2 panels 75% of those GEMMs' FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a
-step, :func:`ns_flops`). Only ``Q X`` stays whole. On one H200 (bench/optimizer.py,
+**Symmetric products** (:func:`sym_product`): every m x m result of the Gram form is symmetric
+(``X X^T``, and products of polynomials in the same R, which commute), as are the standard form's
+``X X^T`` and ``A^2``, so only their upper triangle is computed. On CUDA (``sym`` triton,
+``train.muon_sym=auto``) one Triton kernel (:mod:`eagle3.train.symmm`) multiplies only the 128 x 128
+tiles on and above the diagonal and writes each twice, for m >= 2048: 52% of those GEMMs' FLOPs (the
+8B draft's Newton-Schulz: 13.0 TFLOP a step, and o_proj's standard form too; one H200: 30.9 -> 24.5 ms
+an optimizer step, 94.1 -> 87.0-87.5 ms a train-loop step, bench/results/muon_sym_h200_202612.md).
+Elsewhere (``sym`` panels, :func:`sym_baddbmm`), for m >= 4096, the upper block-triangle in cuBLAS row
+panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), mirrored: with 2 panels 75% of those GEMMs'
+FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays whole. On one H200 (bench/optimizer.py,
 bench/results/muon_h200_202612.md) 2 panels took the 8B draft's Gram groups from 5.98 / 5.01 / 21.47 ms
 (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two calls 2 panels were the fastest count on fc,
 fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
@@ -84,6 +89,22 @@ every group of the 8B draft; see the module docstring)."""
 SYM_MAX_PANELS = 4
 
 
+SYM_CHOICES = ("auto", "triton", "panels")
+
+
+def resolve_sym(sym: str, device: torch.device) -> str:
+    """``train.muon_sym``: auto -> triton on CUDA where Triton imports (:mod:`eagle3.train.symmm`),
+    panels elsewhere; triton asked for where it cannot run is an error that says why."""
+    from eagle3.train import symmm
+
+    if sym == "auto":
+        return "triton" if device.type == "cuda" and symmm.available() else "panels"
+    if sym == "triton" and (device.type != "cuda" or not symmm.available()):
+        why = "the parameters are not on a CUDA device" if device.type != "cuda" else "Triton cannot be imported"
+        raise ValueError(f"train.muon_sym=triton cannot run here: {why}; use train.muon_sym=auto or panels")
+    return sym
+
+
 def closure_loss(closure):
     """What a torch optimizer's ``step(closure)`` returns: ``closure()`` evaluated with gradients
     enabled (it recomputes the loss), or None without one."""
@@ -110,14 +131,32 @@ def sym_fraction(m: int, panels: int) -> float:
     return sum((r1 - r0) * (m - r0) for r0, r1 in zip(e, e[1:])) / m ** 2
 
 
-def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, panels: int = 1) -> int:
+def sym_kind(m: int, sym: str) -> str:
+    """How the symmetric products of an m x m result run for ``sym`` (triton | panels): the Triton
+    tile triangle (:mod:`eagle3.train.symmm`) where asked for and m is a multiple of its tile and at
+    least its ``MIN_ROWS``, else cuBLAS row panels."""
+    from eagle3.train import symmm
+
+    if sym not in ("triton", "panels"):
+        raise ValueError(f"sym must be triton or panels, got {sym!r}")
+    return "triton" if sym == "triton" and m % symmm.BLOCK == 0 and m >= symmm.MIN_ROWS else "panels"
+
+
+def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, panels: int = 1,
+             sym: str = "panels") -> int:
     """Matmul FLOPs of ``steps`` Newton-Schulz iterations on one m x n matrix, standard form or
     :func:`gram_newton_schulz` (a multiply-add = 2 FLOPs; elementwise terms left out), the symmetric
-    products computed in ``panels`` (:func:`sym_baddbmm`; 1: whole)."""
+    products computed in ``panels`` (:func:`sym_baddbmm`; 1: whole) or, with ``sym`` triton, as
+    the Triton kernel's tile triangle (:func:`eagle3.train.symmm.tri_fraction`)."""
+    from eagle3.train import symmm
+
     m, n = min(m, n), max(m, n)
-    f = sym_fraction(m, panels)
+    if sym_kind(m, sym) == "triton":  # the tile triangle of the configuration the kernel picks for (m, k)
+        fg, f = symmm.tri_fraction(m, symmm.tile_width(m, n)), symmm.tri_fraction(m, symmm.tile_width(m, m))
+    else:
+        fg = f = sym_fraction(m, panels)
     if not gram:  # X X^T (symmetric), A^2 (symmetric), B X
-        return round(steps * ((1 + f) * 2 * m * m * n + f * 2 * m ** 3))
+        return round(steps * ((1 + fg) * 2 * m * m * n + f * 2 * m ** 3))
     grams, rect, square = 1, 0, 0  # X X^T GEMMs (R_0 first), other m x n GEMMs, m x m GEMMs (all symmetric)
     fresh = True  # Q is the identity (after the start or a restart)
     for k in range(steps):
@@ -130,16 +169,16 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
         if k < steps - 1 and k + 1 != restart:
             square += 2  # R <- P R P
     rect += 1  # Q X
-    return round((f * grams + rect) * 2 * m * m * n + f * square * 2 * m ** 3)
+    return round((fg * grams + rect) * 2 * m * m * n + f * square * 2 * m ** 3)
 
 
-def use_gram(m: int, n: int, steps: int, panels: int | None = None) -> bool:
+def use_gram(m: int, n: int, steps: int, panels: int | None = None, sym: str = "panels") -> bool:
     """Whether the Gram form takes fewer FLOPs than the standard iteration at this shape, both with
     ``panels`` (default: whole GEMMs. On one H200 call at 4096 x 4096, the standard form in whole
     GEMMs took 3.14 ms and the Gram form in 2 panels 3.72 ms, although the Gram form has 7% fewer
     FLOPs there)."""
     p = 1 if panels is None else panels
-    return ns_flops(m, n, steps, True, panels=p) < ns_flops(m, n, steps, False, panels=p)
+    return ns_flops(m, n, steps, True, panels=p, sym=sym) < ns_flops(m, n, steps, False, panels=p, sym=sym)
 
 
 def sym_baddbmm(C: Tensor | None, A: Tensor, B: Tensor, beta: float = 1.0, alpha: float = 1.0,
@@ -167,19 +206,36 @@ def sym_baddbmm(C: Tensor | None, A: Tensor, B: Tensor, beta: float = 1.0, alpha
     return out
 
 
+def sym_product(C: Tensor | None, A: Tensor, B: Tensor, beta: float = 1.0, alpha: float = 1.0, panels: int = 1,
+                diag: float = 0.0, sym: str = "panels") -> Tensor:
+    """``beta C + alpha A B + diag I`` for a symmetric (batch, m, m) product (as :func:`sym_baddbmm`):
+    with ``sym`` triton and inputs the kernel takes, one launch of the Triton tile triangle
+    (:func:`eagle3.train.symmm.sym_mm`); else cuBLAS row panels."""
+    from eagle3.train import symmm
+
+    if sym == "triton" and symmm.supported(A, B):
+        return symmm.sym_mm(A, B, C, alpha=alpha, beta=beta if C is not None else 0.0, diag=diag)
+    out = sym_baddbmm(C, A, B, beta=beta, alpha=alpha, panels=panels)
+    if diag:
+        out.diagonal(dim1=-2, dim2=-1).add_(diag)
+    return out
+
+
 def normalised(X: Tensor, eps: float) -> Tensor:
     """(B, m, n) bf16 -> each matrix divided by its Frobenius norm (clamped to eps), as torch's Muon."""
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     return X / norm.clamp(min=eps)
 
 
-def newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int, panels: int = 1) -> Tensor:
+def newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int, panels: int = 1,
+                  sym: str = "panels") -> Tensor:
     """torch's quintic iteration on a (B, m, n) stack of normalised bf16 matrices (m <= n); the
-    symmetric products (X X^T, A^2) in ``panels`` (default: whole; see the module docstring)."""
+    symmetric products (X X^T, A^2) in ``panels`` (default: whole) or the Triton tile triangle
+    (``sym`` triton; see :func:`sym_product` and the module docstring)."""
     a, b, c = coeffs
     for _ in range(steps):
-        A = sym_baddbmm(None, X, X.mT, panels=panels)
-        B = sym_baddbmm(A, A, A, beta=b, alpha=c, panels=panels)
+        A = sym_product(None, X, X.mT, panels=panels, sym=sym)
+        B = sym_product(A, A, A, beta=b, alpha=c, panels=panels, sym=sym)
         X = torch.baddbmm(X, B, X, beta=a)
     return X
 
@@ -205,14 +261,15 @@ def gram_dtype(device: torch.device) -> torch.dtype:
 
 
 def gram_newton_schulz(X: Tensor, coeffs: tuple[float, float, float], steps: int,
-                       dtype: torch.dtype | None = None, restart: int = RESTART, panels: int | None = None) -> Tensor:
+                       dtype: torch.dtype | None = None, restart: int = RESTART, panels: int | None = None,
+                       sym: str = "panels") -> Tensor:
     """The iterate of :func:`newton_schulz` (equal in exact arithmetic) on a (B, m, n) stack of
     normalised matrices (m <= n), through m x m matrices, in ``dtype`` (default :func:`gram_dtype`);
     returns bf16 like it. The symmetric products in ``panels`` (default :func:`sym_panels`)."""
     dtype = dtype or gram_dtype(X.device)
     s = gram_scale(*X.shape[-2:])
     Xs = (X * s).to(dtype)  # a power of two: exact in bf16, before fp16 could flush small entries
-    return gram_newton_schulz_scaled(Xs, s, coeffs, steps, restart, panels).to(torch.bfloat16).mul_(1.0 / s)
+    return gram_newton_schulz_scaled(Xs, s, coeffs, steps, restart, panels, sym).to(torch.bfloat16).mul_(1.0 / s)
 
 
 def gram_scale(m: int, n: int) -> float:
@@ -222,7 +279,7 @@ def gram_scale(m: int, n: int) -> float:
 
 
 def gram_newton_schulz_scaled(Xs: Tensor, s: float, coeffs: tuple[float, float, float], steps: int,
-                              restart: int = RESTART, panels: int | None = None) -> Tensor:
+                              restart: int = RESTART, panels: int | None = None, sym: str = "panels") -> Tensor:
     """:func:`gram_newton_schulz` on ``Xs`` = s X (already in the Gram dtype, s = :func:`gram_scale`);
     returns s times the iterate, in that dtype."""
     a, b, c = coeffs
@@ -232,35 +289,43 @@ def gram_newton_schulz_scaled(Xs: Tensor, s: float, coeffs: tuple[float, float, 
     bh, ch = b / gamma, c / gamma ** 2  # P = a I + b R + c R^2 = a I + bh R_hat + ch R_hat^2
     with _full_fp16_accumulation(Xs.is_cuda):
         def gram(Y):  # gamma (Y / s)(Y / s)^T, scaled in the GEMM's float32 epilogue
-            return sym_baddbmm(None, Y, Y.mT, alpha=gamma / s ** 2, panels=p)
+            return sym_product(None, Y, Y.mT, alpha=gamma / s ** 2, panels=p, sym=sym)
+
+        def mul(U, V):  # a product of two polynomials in one R: they commute, it is symmetric
+            return sym_product(None, U, V, panels=p, sym=sym)
 
         R, Q = gram(Xs), None
         for k in range(steps):
             if k == restart and k > 0:
                 Xs, Q = torch.bmm(Q, Xs), None
                 R = gram(Xs)
-            P = sym_baddbmm(R, R, R, beta=bh, alpha=ch, panels=p)
-            P.diagonal(dim1=-2, dim2=-1).add_(a)
-            Q = P if Q is None else sym_baddbmm(None, P, Q, panels=p)  # polynomials in one R: they commute
+            P = sym_product(R, R, R, beta=bh, alpha=ch, panels=p, diag=a, sym=sym)
+            Q = P if Q is None else mul(P, Q)
             if k < steps - 1 and k + 1 != restart:
-                R = sym_baddbmm(None, sym_baddbmm(None, P, R, panels=p), P, panels=p)
+                R = mul(mul(P, R), P)
         return torch.bmm(Q, Xs)
 
 
-def chosen_form(m: int, n: int, steps: int, gram: str = "auto", panels: int | None = None) -> tuple[bool, int]:
+def chosen_form(m: int, n: int, steps: int, gram: str = "auto", panels: int | None = None,
+                sym: str = "panels") -> tuple[bool, int]:
     """(whether the Gram form is used, the symmetric products' panels) for an m x n matrix (m <= n):
     ``gram`` auto | always | never; ``panels`` None: :func:`sym_panels` in the Gram form, whole GEMMs
-    in the standard form. What :func:`orthogonalise` runs and :func:`ns_cost` counts."""
+    in the standard form; with ``sym`` triton (where :func:`sym_kind` takes it) the form of fewer
+    FLOPs with the tile triangle, and the panels are unused. What :func:`orthogonalise` runs and
+    :func:`ns_cost` counts."""
+    if sym_kind(m, sym) == "triton":
+        return gram == "always" or (gram == "auto" and use_gram(m, n, steps, sym="triton")), 1
     g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels))
     return g, panels if panels is not None else (sym_panels(m) if g else 1)
 
 
 def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str = "auto",
-                  dtype: torch.dtype | None = None, panels: int | None = None) -> list[Tensor]:
+                  dtype: torch.dtype | None = None, panels: int | None = None, sym: str = "panels") -> list[Tensor]:
     """torch's ``_zeropower_via_newtonschulz`` of each matrix (bf16, in the matrix's own orientation),
     same-shape matrices batched; ``gram``: auto (the Gram form where it takes fewer FLOPs) | always
     | never; ``dtype``: the Gram form's (default :func:`gram_dtype`); ``panels``: the symmetric
-    products' (default: :func:`sym_panels` of each shape in the Gram form, whole in the standard form)."""
+    products' (default: :func:`sym_panels` of each shape in the Gram form, whole in the standard form);
+    ``sym``: triton | panels (:func:`sym_kind`)."""
     groups: dict[tuple, list[int]] = defaultdict(list)  # by (m, n) after the transpose: gate/up with down
     for i, g in enumerate(mats):
         groups[(min(g.shape), max(g.shape), g.device)].append(i)
@@ -269,19 +334,20 @@ def orthogonalise(mats: list[Tensor], coeffs, steps: int, eps: float, gram: str 
         tall = [mats[i].shape[0] > mats[i].shape[1] for i in idx]
         X = torch.stack([(mats[i].mT if t else mats[i]).bfloat16() for i, t in zip(idx, tall)])
         X = normalised(X, eps)
-        use, p = chosen_form(m, n, steps, gram, panels)
-        X = gram_newton_schulz(X, coeffs, steps, dtype, panels=p) if use else newton_schulz(X, coeffs, steps, p)
+        use, p = chosen_form(m, n, steps, gram, panels, sym)
+        X = gram_newton_schulz(X, coeffs, steps, dtype, panels=p, sym=sym) if use else \
+            newton_schulz(X, coeffs, steps, p, sym)
         for j, (i, t) in enumerate(zip(idx, tall)):
             out[i] = X[j].mT if t else X[j]
     return out
 
 
-def ns_cost(shape, steps: int, gram: str = "auto") -> int:
+def ns_cost(shape, steps: int, gram: str = "auto", sym: str = "panels") -> int:
     """Newton-Schulz FLOPs :func:`orthogonalise` spends on one matrix of ``shape`` (its form and
-    panels), the measure :func:`shard_owners` balances."""
+    panels or tile triangle), the measure :func:`shard_owners` balances."""
     m, n = min(shape), max(shape)
-    g, p = chosen_form(m, n, steps, gram)
-    return ns_flops(m, n, steps, g, panels=p)
+    g, p = chosen_form(m, n, steps, gram, sym=sym)
+    return ns_flops(m, n, steps, g, panels=p, sym=sym)
 
 
 def shard_owners(costs: list, world: int) -> list[int]:
@@ -361,11 +427,13 @@ class FastMuon(torch.optim.Muon):
     process orthogonalised and the ones it received."""
 
     def __init__(self, params, *args, gram: str = "auto", gram_dtype: torch.dtype | None = None,
-                 shard: bool = True, compile: bool | None = None, **kwargs):
+                 shard: bool = True, compile: bool | None = None, sym: str = "auto", **kwargs):
         super().__init__(params, *args, **kwargs)
         if gram not in ("auto", "always", "never"):
             raise ValueError(f"gram must be auto, always or never, got {gram!r}")
-        self.gram, self.gram_dtype, self.shard, self.compile = gram, gram_dtype, shard, compile
+        if sym not in SYM_CHOICES:
+            raise ValueError(f"sym must be one of {', '.join(SYM_CHOICES)}, got {sym!r}")
+        self.gram, self.gram_dtype, self.shard, self.compile, self.sym = gram, gram_dtype, shard, compile, sym
         self.grad_scale: Tensor | None = None
         self.shared = {"computed": 0, "received": 0}
         self._said = False
@@ -380,11 +448,11 @@ class FastMuon(torch.optim.Muon):
                 self._passes = (momentum_stack, apply_updates)
         return self._passes
 
-    def _iterate(self, X: Tensor, gram: bool, s: float, panels: int, group: dict) -> Tensor:
+    def _iterate(self, X: Tensor, gram: bool, s: float, panels: int, sym: str, group: dict) -> Tensor:
         """The iteration on a group's stacked input (:func:`momentum_stack`'s), in the chosen form."""
         if gram:
-            return gram_newton_schulz_scaled(X, s, group["ns_coefficients"], group["ns_steps"], panels=panels)
-        return newton_schulz(X, group["ns_coefficients"], group["ns_steps"], panels)
+            return gram_newton_schulz_scaled(X, s, group["ns_coefficients"], group["ns_steps"], panels=panels, sym=sym)
+        return newton_schulz(X, group["ns_coefficients"], group["ns_steps"], panels, sym)
 
     def _say_shards(self, world: int, mine: list, costs: list) -> None:
         if self._said:
@@ -425,9 +493,10 @@ class FastMuon(torch.optim.Muon):
         prep, apply = self._get_passes(params[0].device)
         inv = None if self.grad_scale is None else torch.reciprocal(self.grad_scale)
         world, rank = _world() if self.shard else (1, 0)
+        sym = resolve_sym(self.sym, params[0].device)
         owner = None
         if world > 1:
-            costs = [ns_cost(p.shape, steps, self.gram) for p in params]
+            costs = [ns_cost(p.shape, steps, self.gram, sym) for p in params]
             owner = shard_owners(costs, world)
             if rank == 0:
                 self._say_shards(world, [i for i, o in enumerate(owner) if o == rank], costs)
@@ -439,19 +508,19 @@ class FastMuon(torch.optim.Muon):
             flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16, device=params[0].device)
         for (m, n, device), idx in shapes.items():
             tall = [params[i].shape[0] > params[i].shape[1] for i in idx]
-            gram, panels = chosen_form(m, n, steps, self.gram)
+            gram, panels = chosen_form(m, n, steps, self.gram, sym=sym)
             dtype = (self.gram_dtype or gram_dtype(device)) if gram else torch.bfloat16
             s = gram_scale(m, n) if gram else 1.0
             X = prep([grads[i] for i in idx], [bufs[i] for i in idx], tall, group["momentum"], group["nesterov"],
                      inv, group["eps"], s, dtype)  # every process: each keeps its own momentum buffers
             mine = [j for j, i in enumerate(idx) if owner is None or owner[i] == rank]
             if flat is None:
-                Y = self._iterate(X, gram, s, panels, group)
+                Y = self._iterate(X, gram, s, panels, sym, group)
             else:
                 Y = flat[off:off + len(idx) * m * n].view(len(idx), m, n)
                 off += len(idx) * m * n
                 if mine:  # bf16 here as apply_updates rounds it: the same values as computed in place
-                    Y[mine] = self._iterate(X[mine], gram, s, panels, group).to(torch.bfloat16)
+                    Y[mine] = self._iterate(X[mine], gram, s, panels, sym, group).to(torch.bfloat16)
             self.shared["computed"] += len(mine)
             self.shared["received"] += len(idx) - len(mine)
             done.append((idx, Y, tall, 1.0 / s))

@@ -173,7 +173,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if impl == "fast":
             # train.compile: auto compiles FastMuon's two passes on CUDA only, as it does the forward
             compile_ = {"auto": None, "true": True, "false": False}[str(getattr(tcfg, "compile", "auto")).lower()]
-            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), compile=compile_, **kw)
+            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), compile=compile_,
+                                 sym=getattr(tcfg, "muon_sym", "auto"), **kw)
         else:
             self.muon = torch.optim.Muon(params, **kw)
         rest = [p for _, p in adamw_params]

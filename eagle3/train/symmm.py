@@ -1,0 +1,174 @@
+"""Symmetric batched matrix products on the GPU in one Triton kernel: only the tiles on and above
+the diagonal are multiplied; each tile above the diagonal is written twice, as itself and transposed.
+
+Every m x m product of Muon's Gram-form Newton-Schulz is symmetric (``X X^T``, and products of
+polynomials in one Gram matrix, which commute), as are ``X X^T`` and ``A^2`` of the standard form.
+Multiplying only the upper tile-triangle costs ``T (T + 1) / 2`` of the ``T^2`` tiles (T = m / 128:
+51.6% at m = 4096), against 75% for two cuBLAS row panels (:func:`eagle3.train.muon.sym_baddbmm`),
+in one launch instead of one smaller GEMM per panel, with the panels' mirror copy folded into the
+kernel's stores. Each element of the result is written once, by one program (deterministic).
+
+:func:`sym_mm` computes ``alpha A B + beta C + diag I`` for a contiguous A (batch, m, k) and B
+(batch, k, m) that is ``X.mT`` of a contiguous X (a Gram product) or a contiguous symmetric matrix,
+whose product is symmetric (C symmetric too: only its upper tiles are read). Both operands are read
+as rows (TMA tensor descriptors on Hopper), float32 accumulation, the scalars applied in float32 in
+the epilogue (as cuBLAS's ``baddbmm``), the result rounded once to the inputs' dtype.
+:func:`supported` says whether a product can run here (CUDA, Triton importable, float16/bfloat16,
+m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step); where not, callers use
+the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares;
+:func:`pick_config` the one used per shape.
+
+On one H200 (bench/results/muon_sym_h200_202612.md) it runs at ~650 TFLOP/s on the long-k Gram
+products and 360-520 on the k = m ones (cuBLAS's whole product: 640-780), which took the 8B draft's
+Newton-Schulz from 29.9 to 24.1 ms.
+
+The tile schedule (:func:`tile_pairs`) walks groups of :data:`GROUP` tile-rows, column by column
+inside a group, so the programs running together share their A rows and B columns in L2.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+BLOCK = 128
+"""Tile height (rows of the result); a configuration's tiles are BLOCK x BLOCK or BLOCK x 2 BLOCK."""
+GROUP = 8
+"""Tile-rows per group of the launch order (:func:`tile_pairs`)."""
+CONFIGS = {  # name: (loads, tile width, BLOCK_K, num_warps, num_stages, warp-specialised k-loop)
+    "tma-n128-k64w8s4": ("tma", 128, 64, 8, 4, False),
+    "tma-n128-k64w8s3-ws": ("tma", 128, 64, 8, 3, True),
+    "tma-n128-k64w8s4-ws": ("tma", 128, 64, 8, 4, True),
+    "tma-n256-k64w8s3": ("tma", 256, 64, 8, 3, False),
+    "tma-n256-k64w8s3-ws": ("tma", 256, 64, 8, 3, True),
+    "tma-n256-k64w8s4-ws": ("tma", 256, 64, 8, 4, True),
+    "ptr-n128-k64w8s4": ("ptr", 128, 64, 8, 4, False),
+}
+LONG_K_CONFIG, SQUARE_CONFIG = "tma-n128-k64w8s4-ws", "tma-n128-k64w8s4"
+
+
+def pick_config(m: int, k: int) -> str:
+    """The configuration :func:`sym_mm` runs for an m x m result over k: a warp-specialised k-loop for
+    the Gram products' long k (k >= 2 m), the plain one for m x m products (each the faster of the
+    two at the 8B draft's shapes on one H200: bench/results/muon_sym_h200_202612.md)."""
+    return LONG_K_CONFIG if k >= 2 * m and m % CONFIGS[LONG_K_CONFIG][1] == 0 else SQUARE_CONFIG
+
+
+def tile_width(m: int, k: int) -> int:
+    """The tile width of :func:`pick_config`'s configuration."""
+    return CONFIGS[pick_config(m, k)][1]
+MIN_ROWS = 2048
+"""Smallest m the kernel is used for: below it the upper triangle has too few tiles to fill the GPU
+(at m = 1024, 36 tiles a matrix: cuBLAS's whole product was faster on the 8B draft's k/v)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    """(the Triton module, the pointer-load kernel, the TMA kernel), or None where Triton cannot be
+    imported."""
+    try:
+        import triton
+
+        from eagle3.train import _symmm_kernels as k
+    except Exception:  # noqa: BLE001 - any import failure means: not here
+        return None
+    return triton, k.sym_kernel_ptr, k.sym_kernel_tma
+
+
+def available() -> bool:
+    """Whether Triton imports here (the kernel still needs a CUDA tensor)."""
+    return _triton() is not None
+
+
+def _rows(B: Tensor) -> Tensor:
+    """Bt with B = Bt^T: the rows the kernel reads. B is either the transpose of a contiguous
+    (batch, m, k) tensor (X X^T: B = X.mT) or a contiguous symmetric (batch, m, m) tensor (B^T = B)."""
+    return B.mT if B.mT.is_contiguous() else B
+
+
+def supported(A: Tensor, B: Tensor, config: str | None = None) -> bool:
+    """Whether :func:`sym_mm` can multiply A (batch, m, k) by B (batch, k, m) here: CUDA, Triton,
+    float16/bfloat16, m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step, A
+    contiguous and B as :func:`sym_mm` takes it; ``config`` None: :func:`pick_config`'s."""
+    if not (A.is_cuda and A.dim() == 3 and B.dim() == 3 and A.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    nb, m, k = A.shape
+    bn, bk = CONFIGS[config or pick_config(m, k)][1:3]
+    square_b = B.is_contiguous() and B.shape[1] == B.shape[2]
+    return (B.dtype == A.dtype and tuple(B.shape) == (nb, k, m) and m % bn == 0 and m >= MIN_ROWS
+            and k % bk == 0 and A.is_contiguous() and (B.mT.is_contiguous() or square_b) and available())
+
+
+def tri_fraction(m: int, width: int = BLOCK) -> float:
+    """The share of a whole m x m product's FLOPs that :func:`sym_mm` computes: its tiles (BLOCK rows,
+    ``width`` columns) that reach the diagonal or above it."""
+    return len(_pairs_cpu(max(1, m // BLOCK), max(1, m // width), 1)) * BLOCK * width / m ** 2
+
+
+@functools.lru_cache(maxsize=None)
+def _pairs_cpu(rows: int, cols: int, group: int) -> tuple:
+    ratio = rows // cols  # row tiles per column tile (tiles are BLOCK x ratio*BLOCK)
+    out = []
+    for g0 in range(0, rows, group):
+        for j in range(g0 // ratio, cols):
+            for i in range(g0, min(g0 + group, (j + 1) * ratio)):
+                out.append((i, j))
+    return tuple(out)
+
+
+def tile_pairs(rows: int, group: int = GROUP, cols: int | None = None) -> list[tuple[int, int]]:
+    """Every tile (i, j) of a ``rows`` x ``cols`` tile grid (default square) that reaches the diagonal
+    or above it, once, in launch order: groups of ``group`` tile-rows, and in a group column by
+    column (j), its rows inside."""
+    return list(_pairs_cpu(rows, cols or rows, group))
+
+
+_PAIRS: dict = {}
+
+
+def _pairs_on(rows: int, cols: int, device: torch.device) -> Tensor:
+    key = (rows, cols, device)
+    if key not in _PAIRS:
+        _PAIRS[key] = torch.tensor(_pairs_cpu(rows, cols, GROUP), dtype=torch.int32, device=device).flatten()
+    return _PAIRS[key]
+
+
+def sym_mm(A: Tensor, B: Tensor, C: Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+           diag: float = 0.0, config: str | None = None, out: Tensor | None = None) -> Tensor:
+    """``alpha A B + beta C + diag I`` (C None: no C term) for a symmetric (batch, m, m) product of
+    a contiguous A (batch, m, k) and B (batch, k, m), which is either ``X.mT`` of a contiguous X
+    (the Gram product X X^T) or a contiguous symmetric matrix (the caller's promise: the kernel reads
+    its rows as its columns); into ``out`` (batch, m, m), or a new tensor, in A's dtype. Only the
+    upper tile-triangle is multiplied (and of C read); see the module docstring. ``config``: one of
+    :data:`CONFIGS`, None: :func:`pick_config`'s."""
+    config = config or pick_config(A.shape[1], A.shape[2])
+    if not supported(A, B, config):
+        raise ValueError(f"sym_mm: unsupported inputs {tuple(A.shape)} {A.dtype} {A.device} x {tuple(B.shape)} "
+                         f"{B.dtype} (needs CUDA, Triton, float16/bfloat16, a contiguous A, B = X.mT or symmetric "
+                         f"contiguous, m % {CONFIGS[config][1]} == 0 and m >= {MIN_ROWS}, k % {CONFIGS[config][2]} == 0)")
+    triton, kernel_ptr, kernel_tma = _triton()
+    loads, bn, bk, warps, stages, ws = CONFIGS[config]
+    nb, m, k = A.shape
+    if out is None:
+        out = torch.empty(nb, m, m, dtype=A.dtype, device=A.device)
+    elif tuple(out.shape) != (nb, m, m) or out.dtype != A.dtype or out.device != A.device:
+        raise ValueError(f"sym_mm: out is {tuple(out.shape)} {out.dtype}, needs {(nb, m, m)} {A.dtype}")
+    Bt = _rows(B)
+    pairs = _pairs_on(m // BLOCK, m // bn, A.device)
+    Cx = C if C is not None else out
+    grid = (pairs.numel() // 2, nb)
+    common = (Cx.stride(0), Cx.stride(1), Cx.stride(2), out.stride(0), out.stride(1), out.stride(2),
+              float(alpha), float(beta), float(diag))
+    if loads == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(A.view(nb * m, k), [BLOCK, bk])
+        b_desc = TensorDescriptor.from_tensor(Bt.reshape(nb * m, k), [bn, bk])
+        kernel_tma[grid](a_desc, b_desc, Cx, out, pairs, m, k, *common,
+                         HAS_C=C is not None, BM=BLOCK, BN=bn, BK=bk, WS=ws, num_warps=warps, num_stages=stages)
+    else:
+        kernel_ptr[grid](A, Bt, Cx, out, pairs, k, A.stride(0), A.stride(1), A.stride(2),
+                         Bt.stride(0), Bt.stride(1), Bt.stride(2), *common,
+                         HAS_C=C is not None, BM=BLOCK, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    return out

@@ -263,7 +263,6 @@ def bench_sym(a, device, timer) -> dict:
     float64 product; (2) each shape group's whole Newton-Schulz, triton against panels (FastMuon's
     form choice for each), with FLOPs and the distance from a float64 iteration; (3) one optimizer
     step of the draft, train.muon_sym=triton against panels."""
-    from eagle3.train import symmm
 
     gen = torch.Generator(device=device).manual_seed(2)
     out = {"products": [], "groups": [], "steps": []}
@@ -277,8 +276,7 @@ def bench_sym(a, device, timer) -> dict:
             R = torch.bmm(X.float(), X.float().mT).half()
             A, B, C = R, R, R
         ref = torch.bmm(A.double(), B.double()) * 0.5 + (0.25 * C.double() if C is not None else 0)
-        row = {"shape": f"{nb} x {m}x{m} (k {k}, {kind})", "whole_flop": 2 * nb * m * m * k,
-               "picked": symmm.pick_config(m, k)}
+        row = {"shape": f"{nb} x {m}x{m} (k {k}, {kind})", "whole_flop": 2 * nb * m * m * k}
         out["products"].append(time_product(a, timer, A, B, C, ref, row))
         print(json.dumps(row), flush=True)
     # (2) Newton-Schulz per shape group
@@ -340,6 +338,7 @@ def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
         ms = timer(functools.partial(symmm.sym_mm, A, B, C, alpha=0.5, beta=beta, config=name), a.warmup, a.steps)
         flop = row["whole_flop"] * symmm.tri_fraction(m, symmm.CONFIGS[name][1])
         row[name] = {"ms": ms, "err": err, "tflops": flop / ms / 1e9, "nan": bool(Y.isnan().any())}
+    row["picked"] = symmm.pick_config(m, A.shape[2])  # what sym_mm runs for this shape
     row["cublas_tflops"] = row["whole_flop"] / row["cublas_ms"] / 1e9
     row["cublas_err"] = ((torch.baddbmm(Cb, A, B, beta=beta, alpha=0.5).double() - ref).norm() / ref.norm()).item()
     return row

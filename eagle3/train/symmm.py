@@ -15,8 +15,9 @@ as rows (TMA tensor descriptors on Hopper), float32 accumulation, the scalars ap
 the epilogue (as cuBLAS's ``baddbmm``), the result rounded once to the inputs' dtype.
 :func:`supported` says whether a product can run here (CUDA, Triton importable, float16/bfloat16,
 m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step); where not, callers use
-the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares;
-:func:`pick_config` the one used per shape.
+the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares (those of
+one tile and k-step, :data:`SAME_SUMS`, compute bit-identical results); :func:`pick_config` the one
+used per shape.
 
 On one H200 (bench/results/muon_sym_h200_202612.md) it runs at ~650 TFLOP/s on the long-k Gram
 products and 360-520 on the k = m ones (cuBLAS's whole product: 640-780), which took the 8B draft's
@@ -40,24 +41,32 @@ CONFIGS = {  # name: (loads, tile width, BLOCK_K, num_warps, num_stages, warp-sp
     "tma-n128-k64w8s4": ("tma", 128, 64, 8, 4, False),
     "tma-n128-k64w8s3-ws": ("tma", 128, 64, 8, 3, True),
     "tma-n128-k64w8s4-ws": ("tma", 128, 64, 8, 4, True),
-    "tma-n256-k64w8s3": ("tma", 256, 64, 8, 3, False),
-    "tma-n256-k64w8s3-ws": ("tma", 256, 64, 8, 3, True),
-    "tma-n256-k64w8s4-ws": ("tma", 256, 64, 8, 4, True),
+    "tma-n128-k64w4s3": ("tma", 128, 64, 4, 3, False),
     "ptr-n128-k64w8s4": ("ptr", 128, 64, 8, 4, False),
+    "ptr-n128-k64w4s3": ("ptr", 128, 64, 4, 3, False),
+    "tma-n256-k64w8s3": ("tma", 256, 64, 8, 3, False),
+    "tma-n256-k64w8s4-ws": ("tma", 256, 64, 8, 4, True),
 }
+SAME_SUMS = tuple(n for n, c in CONFIGS.items() if c[1:3] == (128, 64))
+"""The configurations of one tile (128 x 128) and one k-step (64): each sums the same products in the
+same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py): choosing among
+them changes the speed, not the result."""
 LONG_K_CONFIG, SQUARE_CONFIG = "tma-n128-k64w8s4-ws", "tma-n128-k64w8s4"
 
 
 def pick_config(m: int, k: int) -> str:
-    """The configuration :func:`sym_mm` runs for an m x m result over k: a warp-specialised k-loop for
-    the Gram products' long k (k >= 2 m), the plain one for m x m products (each the faster of the
-    two at the 8B draft's shapes on one H200: bench/results/muon_sym_h200_202612.md)."""
+    """The configuration for an m x m result over k: a warp-specialised k-loop for the Gram products'
+    long k (k >= 2 m), the plain one for m x m products. Over two H200 calls the fastest of
+    :data:`SAME_SUMS` changed from shape to shape and call to call, by a few percent; timing them at
+    run time (tried) gained no more than that spread (bench/results/muon_sym_h200_202612.md)."""
     return LONG_K_CONFIG if k >= 2 * m and m % CONFIGS[LONG_K_CONFIG][1] == 0 else SQUARE_CONFIG
 
 
 def tile_width(m: int, k: int) -> int:
-    """The tile width of :func:`pick_config`'s configuration."""
+    """The tile width of the configurations :func:`sym_mm` runs for (m, k) by default."""
     return CONFIGS[pick_config(m, k)][1]
+
+
 MIN_ROWS = 2048
 """Smallest m the kernel is used for: below it the upper triangle has too few tiles to fill the GPU
 (at m = 1024, 36 tiles a matrix: cuBLAS's whole product was faster on the 8B draft's k/v)."""

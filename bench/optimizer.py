@@ -67,8 +67,8 @@ def TrainConfig(**overrides):
     from types import SimpleNamespace
 
     fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
-                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_sym="auto",
-                  adamw_impl="auto")
+                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast",
+                  muon_sym="auto", adamw_impl="auto")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -286,7 +286,8 @@ def bench_sym(a, device, timer) -> dict:
         groups[(min(p.shape), max(p.shape))].append(n_.split(".")[-2])
     for (m, n), names in groups.items():
         nb = len(names)
-        X = normalised(torch.stack([torch.randn(m, n, generator=gen, device=device).bfloat16() for _ in range(nb)]), 1e-7)
+        X = normalised(torch.stack([torch.randn(m, n, generator=gen, device=device).bfloat16()
+                                    for _ in range(nb)]), 1e-7)
         G = ill_conditioned(m, n, device, gen)
         ref = ns_float64(G)
         xg = normalised(G.bfloat16()[None], 1e-7)
@@ -367,7 +368,8 @@ def print_sym(res: dict) -> None:
     print("\nNewton-Schulz per shape group, FastMuon's form for each (ms / TFLOP / error vs float64; torch's error):")
     print(f"{'group':<18}{'panels':>34}{'triton':>34}{'torch err':>11}")
     for r in res["groups"]:
-        c = [f"{r[k]['form']} {r[k]['ms']:.2f} / {r[k]['tflop']:.2f} / {r[k]['err_vs_f64']:.2e}" for k in ("panels", "triton")]
+        c = [f"{r[k]['form']} {r[k]['ms']:.2f} / {r[k]['tflop']:.2f} / {r[k]['err_vs_f64']:.2e}"
+             for k in ("panels", "triton")]
         print(f"{r['shape']:<18}{c[0]:>34}{c[1]:>34}{r['err_torch_vs_f64']:>11.2e}")
     tot = {k: sum(r[k]["ms"] for r in res["groups"]) for k in ("panels", "triton")}
     tf = {k: sum(r[k]["tflop"] for r in res["groups"]) for k in ("panels", "triton")}

@@ -34,9 +34,9 @@ tiles on and above the diagonal and writes each twice, for m >= 2048: 52% of tho
 an optimizer step, 94.1 -> 87.0-87.5 ms a train-loop step, bench/results/muon_sym_h200_202612.md).
 Elsewhere (``sym`` panels, :func:`sym_baddbmm`), for m >= 4096, the upper block-triangle in cuBLAS row
 panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), mirrored: with 2 panels 75% of those GEMMs'
-FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays whole. On one H200 (bench/optimizer.py,
-bench/results/muon_h200_202612.md) 2 panels took the 8B draft's Gram groups from 5.98 / 5.01 / 21.47 ms
-(fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two calls 2 panels were the fastest count on fc,
+FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays
+whole. On one H200 (bench/optimizer.py, bench/results/muon_h200_202612.md) 2 panels took the 8B
+draft's Gram groups from 5.98 / 5.01 / 21.47 ms (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two calls 2 panels were the fastest count on fc,
 fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
 (o_proj's square shape) the two calls disagreed on whether panels help at all, so it keeps whole
 GEMMs by default.

@@ -155,7 +155,8 @@ def sym_mm(A: Tensor, B: Tensor, C: Tensor | None = None, alpha: float = 1.0, be
     if not supported(A, B, config):
         raise ValueError(f"sym_mm: unsupported inputs {tuple(A.shape)} {A.dtype} {A.device} x {tuple(B.shape)} "
                          f"{B.dtype} (needs CUDA, Triton, float16/bfloat16, a contiguous A, B = X.mT or symmetric "
-                         f"contiguous, m % {CONFIGS[config][1]} == 0 and m >= {MIN_ROWS}, k % {CONFIGS[config][2]} == 0)")
+                         f"contiguous, m % {CONFIGS[config][1]} == 0 and m >= {MIN_ROWS}, "
+                         f"k % {CONFIGS[config][2]} == 0)")
     triton, kernel_ptr, kernel_tma = _triton()
     loads, bn, bk, warps, stages, ws = CONFIGS[config]
     nb, m, k = A.shape

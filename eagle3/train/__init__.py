@@ -7,6 +7,9 @@
 - data.py: epoch orders, packing, collation, and which rows each process takes at each step
 - source.py: HiddenStateSource, what the loop reads (a store on disk, or an online source)
 - optim.py: fused AdamW, the LR schedule, gradient clipping folded into the AdamW kernel
+- muon.py: FastMuon, torch's Muon update in fewer FLOPs (Gram-form Newton-Schulz, batched)
+- symmm.py (kernels in _symmm_kernels.py): Muon's symmetric products as one Triton kernel over the
+  upper tile-triangle
 - metrics.py: StepMetrics (loss, accuracy, acceptance per TTT step), FLOPs/MFU, metrics.jsonl
 - checkpoint.py: resumable checkpoints and the loop state they carry
 - loop.py: train(), the Accelerate loop that ties them together, and the draft it writes

@@ -167,15 +167,18 @@ def bench_steps(a, shape, device, dtype, timer) -> list[dict]:
 
 
 def bench_shards(a, shape, device, timer, worlds=(1, 2, 4, 8)) -> list[dict]:
-    """The Muon matrices' Newton-Schulz as FastMuon splits it over W processes: each share timed."""
+    """The Muon matrices' Newton-Schulz as FastMuon splits it over W processes (and runs it on this
+    device: train.muon_sym=auto): each share timed."""
     model = make_draft(shape, device, torch.bfloat16)
     mats = [p.grad for _, p in split_for_muon(model.named_parameters())[0]]
-    costs = [ns_cost(m.shape, 5) for m in mats]
+    sym = resolve_sym("auto", device)
+    costs = [ns_cost(m.shape, 5, sym=sym) for m in mats]
     rows = []
     for world in worlds:
         owner = shard_owners(costs, world)
         shares = [[m for m, o in zip(mats, owner) if o == r] for r in range(world)]
-        ms = [timer(lambda mine=mine: orthogonalise(mine, COEFFS, 5, 1e-7), a.warmup, a.steps) for mine in shares]
+        ms = [timer(lambda mine=mine: orthogonalise(mine, COEFFS, 5, 1e-7, sym=sym), a.warmup, a.steps)
+              for mine in shares]
         received = [sum(m.numel() * 2 for m, o in zip(mats, owner) if o != r) for r in range(world)]
         rows.append({"what": "shard", "processes": world, "slowest_ms": max(ms), "share_ms": ms,
                      "matrices": [len(x) for x in shares],
@@ -220,7 +223,7 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
         t_torch = timer(lambda Gs=Gs: [torch_ns(g) for g in Gs], a.warmup, a.steps)
         t_std = timer(lambda X=X: newton_schulz(X, COEFFS, 5, panels=1), a.warmup, a.steps)
         t_gram = timer(lambda X=X: gram_newton_schulz(X, COEFFS, 5, panels=1), a.warmup, a.steps)
-        # the symmetric products in row panels (FastMuon's default: sym_panels(m)), per panel count
+        # the symmetric products in row panels (train.muon_sym=panels' default: sym_panels(m)), per panel count
         sweep = {}
         for pn in (2, 4, 8) if m >= SWEEP_MIN_ROWS else ():
             sweep[pn] = {"std_ms": timer(lambda X=X, pn=pn: newton_schulz(X, COEFFS, 5, panels=pn), a.warmup, a.steps),
@@ -237,7 +240,7 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
             return ((Y.double() - ref).norm() / ref.norm()).item()
 
         e_torch, e_gram = err(torch_ns(G)), err(gram_newton_schulz(xg, COEFFS, 5, panels=1)[0])
-        pd = sym_panels(m) if use_gram(m, n, 5) else 1  # FastMuon's default panels for its form
+        pd = sym_panels(m) if use_gram(m, n, 5) else 1  # the panels' default for its form (muon_sym=panels)
         fast = (gram_newton_schulz(xg, COEFFS, 5) if use_gram(m, n, 5) else newton_schulz(xg, COEFFS, 5))[0]
         f_std, f_gram = B * ns_flops(m, n, 5, False), B * ns_flops(m, n, 5, True)
         rows.append({"what": "ns", "shape": f"{B} x {m}x{n}", "matrices": ",".join(names),
@@ -337,7 +340,7 @@ def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
             continue
         err = ((Y.double() - ref).norm() / ref.norm()).item()
         ms = timer(functools.partial(symmm.sym_mm, A, B, C, alpha=0.5, beta=beta, config=name), a.warmup, a.steps)
-        flop = row["whole_flop"] * symmm.tri_fraction(m, symmm.CONFIGS[name][1])
+        flop = row["whole_flop"] * symmm.tri_fraction(m)
         row[name] = {"ms": ms, "err": err, "tflops": flop / ms / 1e9, "nan": bool(Y.isnan().any())}
     row["picked"] = symmm.pick_config(m, A.shape[2])  # what sym_mm runs for this shape
     row["cublas_tflops"] = row["whole_flop"] / row["cublas_ms"] / 1e9
@@ -481,7 +484,8 @@ def main(argv=None):
     whole_ms = sum(r["gram_ms"] if r["fast_uses"] == "gram" else r["std_batched_ms"] for r in out["ns"])
     print(f"{'all':<46}{tot['torch_ms']:>9.2f}{tot['std_batched_ms']:>11.2f}{'':>9}{tot['std_tflop']:>10.3f}"
           f"  the chosen form, whole products: {whole_ms:.2f} ms")
-    print("\nThe symmetric products in row panels (ms, TFLOP; 1 = whole GEMMs), and FastMuon's default:")
+    print("\nThe symmetric products in row panels (ms, TFLOP; 1 = whole GEMMs), and their default "
+          "(train.muon_sym=panels; --sym times the Triton kernel, the CUDA default):")
     print(f"{'group':<18}{'form':>9}{'p=1':>16}{'p=2':>16}{'p=4':>16}{'p=8':>16}{'default':>9}{'ms':>8}{'err fast':>10}")
     for r in out["ns"]:
         g = r["fast_uses"] == "gram"
@@ -491,7 +495,7 @@ def main(argv=None):
             cells.append(f"{q['gram_ms' if g else 'std_ms']:.2f} / {q['gram_tflop' if g else 'std_tflop']:.2f}" if q else "-")
         print(f"{r['shape']:<18}{r['fast_uses']:>9}" + "".join(f"{c:>16}" for c in cells)
               + f"{r['fast_panels']:>9}{r['fast_ms']:>8.2f}{r['err_fast_vs_f64']:>10.2e}")
-    print(f"{'all, FastMuon default':<43}{sum(r['fast_ms'] for r in out['ns']):>8.2f} ms, "
+    print(f"{'all, panels default':<43}{sum(r['fast_ms'] for r in out['ns']):>8.2f} ms, "
           f"{sum(r['fast_tflop'] for r in out['ns']):.3f} TFLOP")
     print("\nFastMuon's Newton-Schulz split over W processes (train.muon_shard; shares timed one after another "
           "here):")

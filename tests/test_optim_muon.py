@@ -312,9 +312,6 @@ def test_tile_pairs_cover_the_upper_triangle_once_in_row_groups():
         # the launch order: every pair of a row group before the next group's
         groups = [i // group for i, _ in pairs]
         assert groups == sorted(groups)
-    # tiles twice as wide as tall: every tile that reaches the diagonal or above it, once
-    pairs = tile_pairs(8, 2, cols=4)
-    assert sorted(pairs) == [(i, j) for i in range(8) for j in range(4) if i < 2 * (j + 1)]
 
 
 def test_muon_sym_resolves_per_device_and_triton_is_refused_where_it_cannot_run():
@@ -350,9 +347,10 @@ def test_ns_flops_count_the_tile_triangle_and_pick_the_form_with_it():
     groups = {(4096, 12288): 1, (4096, 8192): 1, (1024, 8192): 2, (4096, 4096): 1, (4096, 14336): 3}
     assert abs(sum(c * ns_cost((m, n), 5) for (m, n), c in groups.items()) / 1e12 - 16.93) < 0.01
     assert abs(sum(c * ns_cost((m, n), 5, sym="triton") for (m, n), c in groups.items()) / 1e12 - 13.01) < 0.01
-    # o_proj's square shape: the standard form either way (panels unused with the triangle)
+    # o_proj's square shape: the standard form either way; the Gram form keeps its panels for a
+    # product the kernel cannot take (a float32 gram_dtype)
     assert chosen_form(4096, 4096, 5, sym="triton") == (False, 1)
-    assert chosen_form(4096, 14336, 5, sym="triton") == (True, 1)
+    assert chosen_form(4096, 14336, 5, sym="triton") == (True, 2)
 
 
 def test_sym_product_on_the_panels_adds_the_diagonal():

@@ -36,8 +36,8 @@ Elsewhere (``sym`` panels, :func:`sym_baddbmm`), for m >= 4096, the upper block-
 panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), mirrored: with 2 panels 75% of those GEMMs'
 FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays
 whole. On one H200 (bench/optimizer.py, bench/results/muon_h200_202612.md) 2 panels took the 8B
-draft's Gram groups from 5.98 / 5.01 / 21.47 ms (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two calls 2 panels were the fastest count on fc,
-fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
+draft's Gram groups from 5.98 / 5.01 / 21.47 ms (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two
+calls 2 panels were the fastest count on fc, fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
 (o_proj's square shape) the two calls disagreed on whether panels help at all, so it keeps whole
 GEMMs by default.
 
@@ -151,12 +151,9 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
     from eagle3.train import symmm
 
     m, n = min(m, n), max(m, n)
-    if sym_kind(m, sym) == "triton":  # the tile triangle of the configuration the kernel picks for (m, k)
-        fg, f = symmm.tri_fraction(m, symmm.tile_width(m, n)), symmm.tri_fraction(m, symmm.tile_width(m, m))
-    else:
-        fg = f = sym_fraction(m, panels)
+    f = symmm.tri_fraction(m) if sym_kind(m, sym) == "triton" else sym_fraction(m, panels)
     if not gram:  # X X^T (symmetric), A^2 (symmetric), B X
-        return round(steps * ((1 + fg) * 2 * m * m * n + f * 2 * m ** 3))
+        return round(steps * ((1 + f) * 2 * m * m * n + f * 2 * m ** 3))
     grams, rect, square = 1, 0, 0  # X X^T GEMMs (R_0 first), other m x n GEMMs, m x m GEMMs (all symmetric)
     fresh = True  # Q is the identity (after the start or a restart)
     for k in range(steps):
@@ -169,7 +166,7 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
         if k < steps - 1 and k + 1 != restart:
             square += 2  # R <- P R P
     rect += 1  # Q X
-    return round((fg * grams + rect) * 2 * m * m * n + f * square * 2 * m ** 3)
+    return round((f * grams + rect) * 2 * m * m * n + f * square * 2 * m ** 3)
 
 
 def use_gram(m: int, n: int, steps: int, panels: int | None = None, sym: str = "panels") -> bool:
@@ -311,10 +308,12 @@ def chosen_form(m: int, n: int, steps: int, gram: str = "auto", panels: int | No
     """(whether the Gram form is used, the symmetric products' panels) for an m x n matrix (m <= n):
     ``gram`` auto | always | never; ``panels`` None: :func:`sym_panels` in the Gram form, whole GEMMs
     in the standard form; with ``sym`` triton (where :func:`sym_kind` takes it) the form of fewer
-    FLOPs with the tile triangle, and the panels are unused. What :func:`orthogonalise` runs and
-    :func:`ns_cost` counts."""
+    FLOPs with the tile triangle (the panels then serve a product the kernel cannot take, as in the
+    Gram form with a float32 ``gram_dtype``). What :func:`orthogonalise` runs and :func:`ns_cost`
+    counts."""
     if sym_kind(m, sym) == "triton":
-        return gram == "always" or (gram == "auto" and use_gram(m, n, steps, sym="triton")), 1
+        g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, sym="triton"))
+        return g, panels if panels is not None else (sym_panels(m) if g else 1)
     g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels))
     return g, panels if panels is not None else (sym_panels(m) if g else 1)
 

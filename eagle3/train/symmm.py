@@ -15,9 +15,8 @@ as rows (TMA tensor descriptors on Hopper), float32 accumulation, the scalars ap
 the epilogue (as cuBLAS's ``baddbmm``), the result rounded once to the inputs' dtype.
 :func:`supported` says whether a product can run here (CUDA, Triton importable, float16/bfloat16,
 m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step); where not, callers use
-the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares (those of
-one tile and k-step, :data:`SAME_SUMS`, compute bit-identical results); :func:`pick_config` the one
-used per shape.
+the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares (all
+compute bit-identical results); :func:`pick_config` the one used per shape.
 
 On one H200 (bench/results/muon_sym_h200_202612.md) it runs at ~650 TFLOP/s on the long-k Gram
 products and 360-520 on the k = m ones (cuBLAS's whole product: 640-780), which took the 8B draft's
@@ -34,37 +33,30 @@ import torch
 from torch import Tensor
 
 BLOCK = 128
-"""Tile height (rows of the result); a configuration's tiles are BLOCK x BLOCK or BLOCK x 2 BLOCK."""
+"""Tile edge: the result's tiles are BLOCK x BLOCK."""
 GROUP = 8
 """Tile-rows per group of the launch order (:func:`tile_pairs`)."""
-CONFIGS = {  # name: (loads, tile width, BLOCK_K, num_warps, num_stages, warp-specialised k-loop)
-    "tma-n128-k64w8s4": ("tma", 128, 64, 8, 4, False),
-    "tma-n128-k64w8s3-ws": ("tma", 128, 64, 8, 3, True),
-    "tma-n128-k64w8s4-ws": ("tma", 128, 64, 8, 4, True),
-    "tma-n128-k64w4s3": ("tma", 128, 64, 4, 3, False),
-    "ptr-n128-k64w8s4": ("ptr", 128, 64, 8, 4, False),
-    "ptr-n128-k64w4s3": ("ptr", 128, 64, 4, 3, False),
-    "tma-n256-k64w8s3": ("tma", 256, 64, 8, 3, False),
-    "tma-n256-k64w8s4-ws": ("tma", 256, 64, 8, 4, True),
+CONFIGS = {  # name: (loads, BLOCK_K, num_warps, num_stages, warp-specialised k-loop)
+    "tma-k64w8s4": ("tma", 64, 8, 4, False),
+    "tma-k64w8s3-ws": ("tma", 64, 8, 3, True),
+    "tma-k64w8s4-ws": ("tma", 64, 8, 4, True),
+    "tma-k64w4s3": ("tma", 64, 4, 3, False),
+    "ptr-k64w8s4": ("ptr", 64, 8, 4, False),
+    "ptr-k64w4s3": ("ptr", 64, 4, 3, False),
 }
-SAME_SUMS = tuple(n for n, c in CONFIGS.items() if c[1:3] == (128, 64))
-"""The configurations of one tile (128 x 128) and one k-step (64): each sums the same products in the
-same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py): choosing among
-them changes the speed, not the result."""
-LONG_K_CONFIG, SQUARE_CONFIG = "tma-n128-k64w8s4-ws", "tma-n128-k64w8s4"
+"""The kernel variants ``bench/optimizer.py --sym`` compares. One tile and one k-step: each sums the
+same products in the same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py),
+so a variant changes the speed, not the result. (128 x 256 tiles were slower on every product of the
+8B draft: bench/results/muon_sym_h200_202612.md.)"""
+LONG_K_CONFIG, SQUARE_CONFIG = "tma-k64w8s4-ws", "tma-k64w8s4"
 
 
 def pick_config(m: int, k: int) -> str:
     """The configuration for an m x m result over k: a warp-specialised k-loop for the Gram products'
-    long k (k >= 2 m), the plain one for m x m products. Over two H200 calls the fastest of
-    :data:`SAME_SUMS` changed from shape to shape and call to call, by a few percent; timing them at
-    run time (tried) gained no more than that spread (bench/results/muon_sym_h200_202612.md)."""
-    return LONG_K_CONFIG if k >= 2 * m and m % CONFIGS[LONG_K_CONFIG][1] == 0 else SQUARE_CONFIG
-
-
-def tile_width(m: int, k: int) -> int:
-    """The tile width of the configurations :func:`sym_mm` runs for (m, k) by default."""
-    return CONFIGS[pick_config(m, k)][1]
+    long k (k >= 2 m), the plain one for m x m products. Over two H200 calls the fastest variant
+    changed from shape to shape and call to call, by a few percent; timing them at run time (tried)
+    gained no more than that spread (bench/results/muon_sym_h200_202612.md)."""
+    return LONG_K_CONFIG if k >= 2 * m else SQUARE_CONFIG
 
 
 MIN_ROWS = 2048
@@ -103,43 +95,41 @@ def supported(A: Tensor, B: Tensor, config: str | None = None) -> bool:
     if not (A.is_cuda and A.dim() == 3 and B.dim() == 3 and A.dtype in (torch.float16, torch.bfloat16)):
         return False
     nb, m, k = A.shape
-    bn, bk = CONFIGS[config or pick_config(m, k)][1:3]
+    bk = CONFIGS[config or pick_config(m, k)][1]
     square_b = B.is_contiguous() and B.shape[1] == B.shape[2]
-    return (B.dtype == A.dtype and tuple(B.shape) == (nb, k, m) and m % bn == 0 and m >= MIN_ROWS
+    return (B.dtype == A.dtype and tuple(B.shape) == (nb, k, m) and m % BLOCK == 0 and m >= MIN_ROWS
             and k % bk == 0 and A.is_contiguous() and (B.mT.is_contiguous() or square_b) and available())
 
 
-def tri_fraction(m: int, width: int = BLOCK) -> float:
-    """The share of a whole m x m product's FLOPs that :func:`sym_mm` computes: its tiles (BLOCK rows,
-    ``width`` columns) that reach the diagonal or above it."""
-    return len(_pairs_cpu(max(1, m // BLOCK), max(1, m // width), 1)) * BLOCK * width / m ** 2
+def tri_fraction(m: int) -> float:
+    """The share of a whole m x m product's FLOPs that :func:`sym_mm` computes (its tile triangle)."""
+    t = max(1, m // BLOCK)
+    return t * (t + 1) / 2 / t ** 2
 
 
 @functools.lru_cache(maxsize=None)
-def _pairs_cpu(rows: int, cols: int, group: int) -> tuple:
-    ratio = rows // cols  # row tiles per column tile (tiles are BLOCK x ratio*BLOCK)
+def _pairs_cpu(tiles: int, group: int) -> tuple:
     out = []
-    for g0 in range(0, rows, group):
-        for j in range(g0 // ratio, cols):
-            for i in range(g0, min(g0 + group, (j + 1) * ratio)):
+    for g0 in range(0, tiles, group):
+        for j in range(g0, tiles):
+            for i in range(g0, min(g0 + group, j + 1)):
                 out.append((i, j))
     return tuple(out)
 
 
-def tile_pairs(rows: int, group: int = GROUP, cols: int | None = None) -> list[tuple[int, int]]:
-    """Every tile (i, j) of a ``rows`` x ``cols`` tile grid (default square) that reaches the diagonal
-    or above it, once, in launch order: groups of ``group`` tile-rows, and in a group column by
-    column (j), its rows inside."""
-    return list(_pairs_cpu(rows, cols or rows, group))
+def tile_pairs(tiles: int, group: int = GROUP) -> list[tuple[int, int]]:
+    """Every tile (i, j), i <= j < ``tiles``, once, in launch order: groups of ``group`` tile-rows,
+    and in a group column by column (j), its rows (i <= j) inside."""
+    return list(_pairs_cpu(tiles, group))
 
 
 _PAIRS: dict = {}
 
 
-def _pairs_on(rows: int, cols: int, device: torch.device) -> Tensor:
-    key = (rows, cols, device)
+def _pairs_on(tiles: int, device: torch.device) -> Tensor:
+    key = (tiles, device)
     if key not in _PAIRS:
-        _PAIRS[key] = torch.tensor(_pairs_cpu(rows, cols, GROUP), dtype=torch.int32, device=device).flatten()
+        _PAIRS[key] = torch.tensor(_pairs_cpu(tiles, GROUP), dtype=torch.int32, device=device).flatten()
     return _PAIRS[key]
 
 
@@ -155,17 +145,16 @@ def sym_mm(A: Tensor, B: Tensor, C: Tensor | None = None, alpha: float = 1.0, be
     if not supported(A, B, config):
         raise ValueError(f"sym_mm: unsupported inputs {tuple(A.shape)} {A.dtype} {A.device} x {tuple(B.shape)} "
                          f"{B.dtype} (needs CUDA, Triton, float16/bfloat16, a contiguous A, B = X.mT or symmetric "
-                         f"contiguous, m % {CONFIGS[config][1]} == 0 and m >= {MIN_ROWS}, "
-                         f"k % {CONFIGS[config][2]} == 0)")
+                         f"contiguous, m % {BLOCK} == 0 and m >= {MIN_ROWS}, k % {CONFIGS[config][1]} == 0)")
     triton, kernel_ptr, kernel_tma = _triton()
-    loads, bn, bk, warps, stages, ws = CONFIGS[config]
+    loads, bk, warps, stages, ws = CONFIGS[config]
     nb, m, k = A.shape
     if out is None:
         out = torch.empty(nb, m, m, dtype=A.dtype, device=A.device)
     elif tuple(out.shape) != (nb, m, m) or out.dtype != A.dtype or out.device != A.device:
         raise ValueError(f"sym_mm: out is {tuple(out.shape)} {out.dtype}, needs {(nb, m, m)} {A.dtype}")
     Bt = _rows(B)
-    pairs = _pairs_on(m // BLOCK, m // bn, A.device)
+    pairs = _pairs_on(m // BLOCK, A.device)
     Cx = C if C is not None else out
     grid = (pairs.numel() // 2, nb)
     common = (Cx.stride(0), Cx.stride(1), Cx.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -174,11 +163,11 @@ def sym_mm(A: Tensor, B: Tensor, C: Tensor | None = None, alpha: float = 1.0, be
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_desc = TensorDescriptor.from_tensor(A.view(nb * m, k), [BLOCK, bk])
-        b_desc = TensorDescriptor.from_tensor(Bt.reshape(nb * m, k), [bn, bk])
+        b_desc = TensorDescriptor.from_tensor(Bt.reshape(nb * m, k), [BLOCK, bk])
         kernel_tma[grid](a_desc, b_desc, Cx, out, pairs, m, k, *common,
-                         HAS_C=C is not None, BM=BLOCK, BN=bn, BK=bk, WS=ws, num_warps=warps, num_stages=stages)
+                         HAS_C=C is not None, BM=BLOCK, BK=bk, WS=ws, num_warps=warps, num_stages=stages)
     else:
         kernel_ptr[grid](A, Bt, Cx, out, pairs, k, A.stride(0), A.stride(1), A.stride(2),
                          Bt.stride(0), Bt.stride(1), Bt.stride(2), *common,
-                         HAS_C=C is not None, BM=BLOCK, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                         HAS_C=C is not None, BM=BLOCK, BK=bk, num_warps=warps, num_stages=stages)
     return out

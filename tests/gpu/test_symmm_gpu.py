@@ -62,9 +62,9 @@ def test_every_kernel_configuration_computes_the_same_product(config):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_configurations_of_one_tile_and_k_step_compute_bit_identical_results(dtype):
-    """SAME_SUMS: the variants differ in loads, warps, stages and warp specialisation only, so they
-    agree bit for bit, on a Gram product and on an m x m product with C and the diagonal term."""
+def test_every_configuration_computes_bit_identical_results(dtype):
+    """CONFIGS differ in loads, warps, stages and warp specialisation only, so they agree bit for bit,
+    on a Gram product and on an m x m product with C and the diagonal term."""
     from eagle3.train import symmm
 
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -72,7 +72,7 @@ def test_configurations_of_one_tile_and_k_step_compute_bit_identical_results(dty
     R = torch.bmm(X.float(), X.float().mT).to(dtype)
     for A, B, C in ((X, X.mT, None), (R, R, R)):
         outs = {n: symmm.sym_mm(A, B, C, alpha=0.75, beta=-1.25 if C is not None else 0.0, diag=0.5, config=n)
-                for n in symmm.SAME_SUMS}
+                for n in symmm.CONFIGS}
         first = next(iter(outs.values()))
         for n, o in outs.items():
             assert torch.equal(o, first), (n, (o.float() - first.float()).abs().max().item())

@@ -269,6 +269,9 @@ def bench_sym(a, device, timer) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(2)
     out = {"products": [], "groups": [], "steps": []}
+    if a.sym_steps:
+        out["steps"] = optimizer_steps(a, device, timer)
+        return out
     # (1) products: (batch, m, k, kind) -- X X^T of the MLP / fc / q groups, an m x m product with C
     for nb, m, k, kind in ((3, 4096, 14336, "gram"), (1, 4096, 12288, "gram"), (1, 4096, 8192, "gram"),
                            (1, 4096, 4096, "gram"), (1, 4096, 4096, "square+C"), (3, 4096, 4096, "square+C")):
@@ -308,16 +311,27 @@ def bench_sym(a, device, timer) -> dict:
         print(json.dumps(row), flush=True)
         del X, G, ref
     # (3) one optimizer step
-    for sym in ("panels", "triton"):
-        model = make_draft("8b", device, torch.bfloat16)
-        opt = build_optimizer(model, TrainConfig(optimizer="muon", muon_impl="fast", muon_sym=sym), device)
-        torch.cuda.synchronize()
-        ms = timer(opt.step, a.warmup, a.steps)
-        out["steps"].append({"sym": sym, "ms": ms, "ns_tflop": muon_flops(model, "fast", sym) / 1e12})
-        print(json.dumps(out["steps"][-1]), flush=True)
-        del model, opt
-        torch.cuda.empty_cache()
+    out["steps"] = optimizer_steps(a, device, timer)
     return out
+
+
+def optimizer_steps(a, device, timer, rounds: int = 2) -> list:
+    """bench_sym's (3): one optimizer step of the 8B draft, FastMuon + AdamW, train.muon_sym=panels
+    and =triton in turn, ``rounds`` times over (so that a drift of the GPU's clock over the run does
+    not fall on one of them), each a median of ``a.steps`` steps."""
+    model = make_draft("8b", device, torch.bfloat16)  # with random gradients
+    opts = {sym: build_optimizer(model, TrainConfig(optimizer="muon", muon_impl="fast", muon_sym=sym), device)
+            for sym in ("panels", "triton")}
+    rows = []
+    for r in range(rounds):
+        for sym, opt in opts.items():
+            torch.cuda.synchronize()
+            rows.append({"round": r, "sym": sym, "ms": timer(opt.step, a.warmup, a.steps),
+                         "ns_tflop": muon_flops(model, "fast", sym) / 1e12})
+            print(json.dumps(rows[-1]), flush=True)
+    del model, opts
+    torch.cuda.empty_cache()
+    return rows
 
 
 def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
@@ -377,9 +391,17 @@ def print_sym(res: dict) -> None:
     tot = {k: sum(r[k]["ms"] for r in res["groups"]) for k in ("panels", "triton")}
     tf = {k: sum(r[k]["tflop"] for r in res["groups"]) for k in ("panels", "triton")}
     print(f"{'all':<18}{tot['panels']:>22.2f} ms {tf['panels']:.2f} TFLOP{tot['triton']:>18.2f} ms {tf['triton']:.2f} TFLOP")
-    print("\nOne optimizer step, FastMuon + AdamW (bf16 params):")
+    print_steps(res)
+
+
+def print_steps(res: dict) -> None:
+    print("\nOne optimizer step, FastMuon + AdamW (bf16 params; ms per round, the two in turn):")
+    arms = {}
     for r in res["steps"]:
-        print(f"  train.muon_sym={r['sym']:<8}{r['ms']:>8.2f} ms  (Newton-Schulz {r['ns_tflop']:.2f} TFLOP)")
+        arms.setdefault(r["sym"], []).append(r)
+    for sym, rs in arms.items():
+        print(f"  train.muon_sym={sym:<8}" + "".join(f"{r['ms']:>8.2f}" for r in rs)
+              + f" ms  (Newton-Schulz {rs[0]['ns_tflop']:.2f} TFLOP)")
 
 
 def train_step_cpu(argv) -> None:
@@ -434,6 +456,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--train-step", action="store_true", help="a whole CPU train step instead (see above)")
     p.add_argument("--sym", action="store_true", help="only the symmetric products: Triton against cuBLAS (CUDA)")
+    p.add_argument("--sym-steps", action="store_true", help="with --sym: only (3), the optimizer steps")
     a = p.parse_args(argv)
     import torch._dynamo.config as dynamo_config
 
@@ -458,7 +481,7 @@ def main(argv=None):
             (Path(os.environ["OUT"]) / "bench_sym.json").write_text(json.dumps(res, indent=1))
         print(f"\n{res['device']}, torch {res['torch']}, median of {a.steps} after {a.warmup} warm-up; "
               f"{res['wall_s']:.0f} s")
-        return print_sym(res)
+        return print_sym(res) if not a.sym_steps else print_steps(res)
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
            "torch": torch.__version__, "shape": shape, "dims": SHAPES[shape], "args": vars(a)}
     if device.type == "cuda":

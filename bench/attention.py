@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.optimizer import Timer  # noqa: E402
 from eagle3.train.attention import TTTMask  # noqa: E402
 
 FLEX_OPTION_SETS = {
@@ -52,20 +52,6 @@ FLEX_OPTION_SETS = {
 """Named flex_attention kernel options (torch's FlexKernelOptions) for the prefix attention."""
 
 
-def timed(fn, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, default=32)
@@ -83,6 +69,7 @@ def main(argv=None):
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     dev = torch.device("cuda")
+    timer = Timer(dev)  # median ms of CUDA events around each call
     gen = torch.Generator(device=dev).manual_seed(0)
     B, H, Hk, T, D = a.batch, a.heads, a.kv_heads, a.seq, a.head_dim
     doc = (torch.arange(T, device=dev) // (T // a.docs)).clamp(max=a.docs - 1).expand(B, T).contiguous()
@@ -115,8 +102,8 @@ def main(argv=None):
                 return torch.autograd.grad((out, aux.lse), (q, k, v), (go, gl))
             out, aux = fwd()
             grads = fwd_bwd()
-            row["fwd_ms"] = timed(fwd, a.warmup, a.steps)
-            row["fwd_bwd_ms"] = timed(fwd_bwd, a.warmup, a.steps)
+            row["fwd_ms"] = timer(fwd, a.warmup, a.steps)
+            row["fwd_bwd_ms"] = timer(fwd_bwd, a.warmup, a.steps)
             row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
             row["fwd_tflops"] = fwd_flop / row["fwd_ms"] / 1e9
             row["bwd_tflops"] = 2.5 * fwd_flop / row["bwd_ms"] / 1e9

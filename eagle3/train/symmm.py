@@ -48,17 +48,17 @@ CONFIGS = {  # name: (loads, BLOCK_K, num_warps, num_stages, warp-specialised k-
 same products in the same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py),
 so a variant changes the speed, not the result. (128 x 256 tiles were slower on every product of the
 8B draft, and a persistent kernel, one program per SM walking the tiles, flattened or not, gained
-nothing consistent: bench/results/muon_sym_h200_202612.md, step_levers_h200_202612.md.)"""
+nothing consistent: bench/results/muon_sym_h200_202612.md and step_levers_h200_202612.md.)"""
 LONG_K_CONFIG, SQUARE_CONFIG = "tma-k64w8s3-ws", "tma-k64w8s4"
 
 
 def pick_config(m: int, k: int) -> str:
     """The configuration for an m x m result over k: a warp-specialised three-stage k-loop for the
     Gram products' long k (k >= 2 m: on the 8B draft's three Gram products, 2-12% faster than the
-    four-stage one in one H200 call and chosen by the run-time timing tried in another), the plain
-    four-stage one for m x m products. The fastest
-    variant of the m x m products changed from call to call, by a few percent; timing them at run
-    time (tried) gained no more than that spread (bench/results/muon_sym_h200_202612.md)."""
+    four-stage one in one H200 call, and the one the run-time timing tried in another chose), the
+    plain four-stage one for m x m products. The fastest variant of the m x m products changed from
+    call to call by a few percent; timing them at run time (tried) gained no more than that spread
+    (bench/results/muon_sym_h200_202612.md, step_levers_h200_202612.md)."""
     return LONG_K_CONFIG if k >= 2 * m else SQUARE_CONFIG
 
 

@@ -37,9 +37,9 @@ panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), mirrored: with 2 panels
 FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays
 whole. On one H200 (bench/optimizer.py, bench/results/muon_h200_202612.md) 2 panels took the 8B
 draft's Gram groups from 5.98 / 5.01 / 21.47 ms (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two
-calls 2 panels were the fastest count on fc, fastest or within 0.5% on q, and within 3.2% of 8 panels on gate/up/down. For the standard form
-(o_proj's square shape) the two calls disagreed on whether panels help at all, so it keeps whole
-GEMMs by default.
+calls 2 panels were the fastest count on fc, fastest or within 0.5% on q, and within 3.2% of 8 panels
+on gate/up/down. For the standard form (o_proj's square shape) the two calls disagreed on whether
+panels help at all, so it keeps whole GEMMs by default.
 
 Measured on CPU against a float64 iteration (tests/test_optim_muon.py): the Gram form's distance
 from torch's bf16 result is below torch's own distance from float64, on Gaussian, power-law and
@@ -311,10 +311,7 @@ def chosen_form(m: int, n: int, steps: int, gram: str = "auto", panels: int | No
     FLOPs with the tile triangle (the panels then serve a product the kernel cannot take, as in the
     Gram form with a float32 ``gram_dtype``). What :func:`orthogonalise` runs and :func:`ns_cost`
     counts."""
-    if sym_kind(m, sym) == "triton":
-        g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, sym="triton"))
-        return g, panels if panels is not None else (sym_panels(m) if g else 1)
-    g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels))
+    g = gram == "always" or (gram == "auto" and use_gram(m, n, steps, panels, sym))
     return g, panels if panels is not None else (sym_panels(m) if g else 1)
 
 

@@ -198,6 +198,8 @@ class MicroBatches(torch.utils.data.Dataset):
             r = head_rows(batch["loss_mask"], batch["doc_ids"], self.head_rows_steps)
             if r is not None:  # None: every position has loss, nothing to leave out
                 batch["head_rows"] = r.pin_memory() if self.pin else r
+        if batch["doc_ids"].device.type == "cpu":  # the cudnn attention needs no document bias then
+            batch["one_doc_rows"] = bool((batch["doc_ids"] == batch["doc_ids"][:, :1]).all())
         return batch
 
 

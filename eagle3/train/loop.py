@@ -111,7 +111,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         else:  # a fresh run: old lines belong to an abandoned attempt
             metrics.path.unlink(missing_ok=True)
 
-    pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
+    pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) in ("flex", "cudnn") else 1
     order = epochs.micro_batches(state.step, total, accelerator.process_index)
     inputs.train_store.expect(order)  # an online source computes what it will be asked for
     # host batches go to the GPU from pinned memory (async copies): collated straight into it in

@@ -315,14 +315,16 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass);
     # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
     # (the draft head on every position, not only on the loss rows); "+panels": train.muon_sym=panels
-    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle)
+    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+cudnn",
+    # "+flex": train.attention (the TTT prefix on that kernel; auto: eagle3's default)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
     impl = "compiled" if "cadamw" in opts else "fused" if "fadamw" in opts else "auto"
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
                        muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
-                       muon_sym="panels" if "panels" in opts else "auto")
+                       muon_sym="panels" if "panels" in opts else "auto",
+                       attention=next((o for o in opts if o in ("cudnn", "flex")), "auto"))
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
     import gc

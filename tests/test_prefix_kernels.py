@@ -126,6 +126,8 @@ def test_the_kernel_backends_are_cuda_only_with_a_reason():
     assert resolve_backend("cudnn", torch.device("cuda")) == "cudnn"
     with pytest.raises(ValueError, match="CUDA kernel.*auto or sdpa"):
         resolve_backend("cudnn", torch.device("cpu"))
+    with pytest.raises(ValueError, match="bf16 or fp16.*mixed_precision"):
+        prefix_attention(*(torch.zeros(1, 2, 4, 8) for _ in range(3)), None, 1.0, "cudnn")
     with pytest.raises(ValueError, match="one head dim.*flex"):
         prefix_attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 6), None, 1.0, "cpu")
 

@@ -43,7 +43,8 @@ any score) is 0 in float32."""
 
 def doc_bias(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, T, T] additive bias: 0 where query and key are of one document, :data:`MASKED`
-    elsewhere (the kernel applies causality itself)."""
+    elsewhere (the kernel applies causality itself). B * T^2 * 2 bytes in bf16: 8 MiB a row of
+    2048 tokens, 512 MiB a row of 16384."""
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     return torch.where(same, 0.0, MASKED).to(dtype)[:, None]
 
@@ -65,6 +66,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> No
                          f"{k.shape[-1]}, {v.shape[-1]}): use train.attention=flex (an MLA draft's v is narrower)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if kernel == "cudnn" and q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"train.attention=cudnn computes in bf16 or fp16, not {q.dtype}: train with "
+                         "train.mixed_precision=auto or bf16, or use train.attention=flex")
 
 
 def _like(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def kernel_times(q, k, v, go, gl, bias, scale, kernel, timer, a) -> dict:
         out, lse = prefix_attention_op(qk, kk, vk, bias, scale, kernel)
         folded = fold_lse_grad(out, gok, gl)
         fwd = timer(lambda: prefix_attention_op(qk, kk, vk, bias, scale, kernel), a.warmup, a.steps)
-        bwd = timer(lambda: prefix_attention_backward_op(gok, qk, kk, vk, folded, lse, bias, scale, kernel),
+        bwd = timer(lambda: prefix_attention_backward_op(gok, None, qk, kk, vk, folded, lse, bias, scale, kernel),
                     a.warmup, a.steps)
     return {"kernel_fwd_ms": fwd, "kernel_bwd_ms": bwd}
 

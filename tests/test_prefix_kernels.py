@@ -9,6 +9,7 @@ import torch
 
 from eagle3.train.attention import KernelPrefix, TTTMask, naive_ttt_attention, resolve_backend, ttt_attention
 from eagle3.train.prefix_kernels import MASKED, doc_bias, fold_lse_grad, prefix_attention
+from eagle3.train.ttt import TTTModel
 
 DOCS = [[0] * 10 + [1] * 14, [0] * 5 + [1] * 7 + [2] * 8 + [-1] * 4]
 
@@ -146,3 +147,45 @@ def test_the_collator_says_whether_every_row_is_one_document():
     assert ds[0]["one_doc_rows"] is True
     assert ds[1]["one_doc_rows"] is False  # the shorter row's padding is a document of its own
     assert ds[2]["one_doc_rows"] is False  # two samples packed in one row
+
+
+def test_ttt_model_on_the_kernel_path_compiled_equals_sdpa():
+    """The TTT model's cudnn path end to end (padding to whole blocks, the document bias, the custom
+    ops inside the compiled graph, the fold in its backward), the CPU kernel standing in for cuDNN
+    (no GPU here), float32: sdpa's loss and every parameter's gradient; rows of one document each
+    (no bias, one_doc_rows given or found) likewise."""
+    import eagle3.train.prefix_kernels as pk
+    import eagle3.train.ttt as ttt
+    from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
+
+    torch.manual_seed(0)
+    cfg = Eagle3DraftConfig(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=128, rms_norm_eps=1e-5, vocab_size=256, draft_vocab_size=64,
+                            aux_layer_ids=[1, 2, 3], rope_theta=10000.0)
+    draft = Eagle3Draft(cfg)
+    B, T = 2, 150  # padded to 256 on the kernel path
+    doc = torch.tensor([[0] * 60 + [1] * 90, [0] * 130 + [-1] * 20])
+
+    def batch(doc):
+        pos = torch.cat([torch.arange(n) for row in doc.tolist()
+                         for n in torch.unique_consecutive(torch.tensor(row), return_counts=True)[1].tolist()])
+        return dict(aux=torch.randn(B, T, 3 * 64), embeds=torch.randn(B, T, 64),
+                    target_probs=torch.softmax(torch.randn(B, T, 64), -1), in_vocab=torch.rand(B, T) < 0.9,
+                    loss_mask=(doc >= 0).long(), position_ids=pos.view(B, T), doc_ids=doc)
+
+    def loss_and_grads(model, inputs, **kw):
+        loss, _ = model(**inputs, **kw)
+        return [loss, *torch.autograd.grad(loss, list(draft.parameters()))]
+    packed, single = batch(doc), batch(torch.zeros_like(doc))
+    ref = {name: loss_and_grads(TTTModel(draft, num_steps=3, attention="sdpa"), b)
+           for name, b in (("packed", packed), ("single", single))}
+    real = pk.prefix_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ttt, "resolve_backend", lambda name, device: "cudnn")
+        mp.setattr(pk, "prefix_attention", lambda q, k, v, bias, scale, kernel: real(q, k, v, bias, scale, "cpu"))
+        model = TTTModel(draft, num_steps=3, attention="cudnn", compile=True)
+        got = {"packed": loss_and_grads(model, packed), "single": loss_and_grads(model, single),
+               "told": loss_and_grads(model, single, one_doc_rows=True)}
+    for name, vals in got.items():
+        for a, r in zip(vals, ref["single" if name == "told" else name]):
+            assert (a - r).abs().max() <= 1e-4 * r.abs().max(), name

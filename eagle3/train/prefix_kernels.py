@@ -24,13 +24,13 @@ Tried and not kept (bench/results/prefix_kernels_h200_202612.md): torch's FlashA
 documents as variable-length sequences was slower than flex on the H200, and cuDNN's own
 variable-length form took 74 ms a call there.
 
-The kernels' calls alone are custom ops (``eagle3::prefix_attention``,
-``eagle3::prefix_attention_backward``) with fake implementations, so that ``torch.compile`` keeps
-them whole inside the compiled TTT graph; what surrounds them (the K/V repeat and its gradient, the
-layouts, the fold) is plain torch code that the compiler fuses with its neighbours.
+Both directions are custom ops (``eagle3::prefix_attention``, ``eagle3::prefix_attention_backward``)
+with fake implementations: ``torch.compile`` keeps them whole inside the compiled TTT graph, and
+all they do runs at run time (the note above the ops says why).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -81,22 +81,50 @@ def _empty_state(device):
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device)
 
 
-# The two custom ops are the kernels' calls alone, over q, k, v of one head count. What surrounds them
-# (the K/V heads repeated and their gradients summed, the layouts, the log-sum-exp fold) is plain torch
-# code in prefix_attention and the autograd formula, so that torch.compile fuses it with its neighbours.
+# Everything the custom ops do runs at run time, from this file's code: the compiled TTT graph holds
+# only their calls. (With the fold and the K/V repeat in the autograd formula instead, torch.compile
+# traced them into the step's backward, and Inductor's on-disk AOTAutograd cache then served a
+# backward traced from an older formula to a process whose formula had changed: the cache key is the
+# forward graph, where the op is one node. A changed formula must never meet a stale backward.)
+
+@functools.lru_cache(maxsize=None)
+def _compiled_fold():
+    return torch.compile(fold_lse_grad, dynamic=False)
+
+
+def _repeat_kv(x: torch.Tensor, g: int) -> torch.Tensor:
+    """K or V [B, Hkv, T, D] repeated to the query heads, [B, T, H, D] in memory (cuDNN's fast
+    layout, and the draft's own)."""
+    x = x.transpose(1, 2)
+    return (x if g == 1 else x.repeat_interleave(g, dim=2)).contiguous().transpose(1, 2)
+
+
+def _sum_groups(dx: torch.Tensor, g: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat_kv`: [B, H, T, D] -> [B, H/g, T, D], each group of g summed."""
+    B, H, T, D = dx.shape
+    return dx if g == 1 else dx.transpose(1, 2).reshape(B, T, H // g, g, D).sum(3).transpose(1, 2)
+
+
+def _bthd(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] with [B, T, H, D] in memory (a copy only where it is laid out otherwise)."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
 
 @torch.library.custom_op("eagle3::prefix_attention", mutates_args=())
 def prefix_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                         scale: float, kernel: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention, the keys limited by ``bias`` (:func:`doc_bias`, or None). q, k, v
-    [B, H, T, D] -> (out [B, H, T, D] in q's layout, lse [B, H, T] float32, natural log of
-    scale * q.k)."""
+    """Causal attention, the keys limited by ``bias`` (:func:`doc_bias`, or None). q [B, Hq, T, D],
+    k, v [B, Hkv, T, D] -> (out [B, Hq, T, D] in q's layout, lse [B, Hq, T] float32, natural log
+    of scale * q.k)."""
+    _check(q, k, v, kernel)
     B, H, T, D = q.shape
+    g = H // k.shape[1]
+    qk, kk, vk = _bthd(q), _repeat_kv(k, g), _repeat_kv(v, g)
     if kernel == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, True, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qk, kk, vk, bias, True, 0.0, True, False, scale=scale)
         out, lse = res[0], res[1]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=bias,
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qk, kk, vk, 0.0, True, attn_mask=bias,
                                                                               scale=scale)
     return _like(out, q), lse.reshape(B, H, T).float().contiguous()
 
@@ -108,28 +136,33 @@ def _(q, k, v, bias, scale, kernel):
 
 
 @torch.library.custom_op("eagle3::prefix_attention_backward", mutates_args=())
-def prefix_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
-                                 kernel: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`prefix_attention_op`, each in its input's layout, from the output's
-    gradient and the output the kernel is to read (the log-sum-exp's gradient folded in already)."""
+def prefix_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bias: Optional[torch.Tensor],
+                                 scale: float, kernel: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`prefix_attention_op`, each in its input's layout, from the gradients of
+    its output and (None: none) of its log-sum-exp, folded into the output the kernel reads
+    (:func:`fold_lse_grad`, compiled: one kernel)."""
     B, H, T, D = q.shape
-    dout, out = _like(dout, q), _like(out, q)  # the kernels read dO and O in q's layout
+    g = H // k.shape[1]
+    if dlse is not None:
+        out = _compiled_fold()(out, dout, dlse)
+    qk, kk, vk = _bthd(q), _repeat_kv(k, g), _repeat_kv(v, g)
+    dout, out = _like(dout, qk), _like(out, qk)  # the kernels read dO and O in q's layout
     if kernel == "cudnn":
         seed, offset = _empty_state(q.device)
         # the backward takes a bias tensor always; one broadcast zero stands for none
         b = bias if bias is not None else torch.zeros(1, 1, 1, 1, dtype=q.dtype, device=q.device)
         # cum_seq_q/k: None (undefined), as the dense forward returns them; a defined one means nested
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.view(B, H, T, 1), seed, offset, b, None, None, T, T, 0.0, True, scale=scale)
+            dout, qk, kk, vk, out, lse.view(B, H, T, 1), seed, offset, b, None, None, T, T, 0.0, True, scale=scale)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, attn_mask=bias, scale=scale)
-    return _like(dq, q), _like(dk, k), _like(dv, v)
+            dout, qk, kk, vk, out, lse, 0.0, True, attn_mask=bias, scale=scale)
+    return _like(dq, q), _like(_sum_groups(dk, g), k), _like(_sum_groups(dv, g), v)
 
 
 @prefix_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bias, scale, kernel):
+def _(dout, dlse, q, k, v, out, lse, bias, scale, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -144,9 +177,7 @@ def _autograd_backward(ctx, dout, dlse):
     q, k, v, out, lse, bias = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    if dlse is not None:
-        out = fold_lse_grad(out, dout, dlse)
-    dq, dk, dv = prefix_attention_backward_op(dout, q, k, v, out, lse, bias, *ctx.args)
+    dq, dk, dv = prefix_attention_backward_op(dout, dlse, q, k, v, out, lse, bias, *ctx.args)
     return dq, dk, dv, None, None, None
 
 
@@ -157,14 +188,5 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Op
                      kernel: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """The document-causal prefix: q [B, Hq, T, D], k, v [B, Hkv, T, D]; ``bias``: :func:`doc_bias`
     of the batch, or None where every row is one document -> (out [B, Hq, T, D], lse [B, Hq, T]
-    float32), as ``flex_attention`` with the prefix block mask and ``AuxRequest(lse=True)`` gives them.
-    The K/V heads go to the kernel repeated to the query heads (their gradients summed back by
-    autograd), all three in the draft's own [B, T, H, D] memory layout (cuDNN's fast one)."""
-    _check(q, k, v, kernel)
-    g = q.shape[1] // k.shape[1]
-
-    def repeat(x):
-        x = x.transpose(1, 2)  # [B, T, Hkv, D]
-        return (x if g == 1 else x.repeat_interleave(g, dim=2)).contiguous().transpose(1, 2)
-    return prefix_attention_op(q.transpose(1, 2).contiguous().transpose(1, 2), repeat(k), repeat(v), bias,
-                               float(scale), kernel)
+    float32), as ``flex_attention`` with the prefix block mask and ``AuxRequest(lse=True)`` gives them."""
+    return prefix_attention_op(q, k, v, bias, float(scale), kernel)

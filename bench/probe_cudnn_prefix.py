@@ -21,21 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.optimizer import Timer  # noqa: E402
 from eagle3.train.prefix_kernels import fold_lse_grad  # noqa: E402
 
 
-def timeit(fn, n=30):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[n // 2]
+def timeit(fn):
+    """Median ms of 30 calls after 5 (bench/optimizer.py's Timer: CUDA events around each)."""
+    return Timer(torch.device("cuda"))(fn, 5, 30)
 
 
 def main():

@@ -223,13 +223,7 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
     :class:`KernelPrefix` (cudnn) or step j's BlockMask over keys padded to num_steps*T
     (flex_stacked). -> [B,T,Hq*D]."""
     gqa = q.shape[1] != ks[0].shape[1]
-    if isinstance(mask, KernelPrefix):
-        from .prefix_kernels import prefix_attention
-
-        scale = scale if scale is not None else q.shape[-1] ** -0.5
-        out, lse = prefix_attention(q, ks[0], vs[0], mask.bias, scale, mask.kernel)
-        return merge_diagonals(q, out, lse, ks[1:], vs[1:], scale).transpose(1, 2).flatten(2)
-    if not isinstance(mask, torch.Tensor) and mask.seq_lengths[1] == ks[0].shape[2]:
+    if isinstance(mask, KernelPrefix) or (not isinstance(mask, torch.Tensor) and mask.seq_lengths[1] == ks[0].shape[2]):
         return _prefix_plus_diagonals(q, ks, vs, mask, scale, gqa).transpose(1, 2).flatten(2)
     if isinstance(mask, torch.Tensor):
         k = torch.cat(list(ks), dim=2)
@@ -244,13 +238,20 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
 
 
 def _prefix_plus_diagonals(q, ks, vs, prefix_mask, scale, gqa) -> torch.Tensor:
-    """flex over the step-0 prefix, then the diagonals of steps 1..j merged in. -> [B,Hq,T,D]."""
-    from torch.nn.attention.flex_attention import AuxRequest
-
+    """The step-0 prefix (flex with its BlockMask, or a library kernel with a :class:`KernelPrefix`),
+    then the diagonals of steps 1..j merged in. -> [B,Hq,T,D]."""
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
-                                         return_aux=AuxRequest(lse=True))
-    return merge_diagonals(q, out, aux.lse, ks[1:], vs[1:], scale)
+    if isinstance(prefix_mask, KernelPrefix):
+        from .prefix_kernels import prefix_attention
+
+        out, lse = prefix_attention(q, ks[0], vs[0], prefix_mask.bias, scale, prefix_mask.kernel)
+    else:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
+                                             return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+    return merge_diagonals(q, out, lse, ks[1:], vs[1:], scale)
 
 
 def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor], scale: float) -> torch.Tensor:

@@ -49,6 +49,12 @@ def doc_bias(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(same, 0.0, MASKED).to(dtype)[:, None]
 
 
+def one_doc_per_row(doc_ids: torch.Tensor) -> bool:
+    """Whether every row of a batch [B, T] is one document (then no bias is needed; a device sync
+    where doc_ids are on the device)."""
+    return bool((doc_ids == doc_ids[:, :1]).all())
+
+
 def fold_lse_grad(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
     """``O'`` with ``rowsum(dO * O') == rowsum(dO * O) - dlse`` over the last dim (module
     docstring). out, dout [..., D]; dlse [...] float32. -> out's shape and dtype."""

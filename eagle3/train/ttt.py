@@ -153,10 +153,10 @@ class TTTModel(nn.Module):
             elif backend == "flex_stacked":
                 masks = mask.blocks()
             elif backend in KERNEL_BACKENDS:
-                from .prefix_kernels import doc_bias
+                from .prefix_kernels import doc_bias, one_doc_per_row
 
                 if one_doc_rows is None:
-                    one_doc_rows = bool((doc_ids == doc_ids[:, :1]).all())
+                    one_doc_rows = one_doc_per_row(doc_ids)
                 masks = [KernelPrefix(None if one_doc_rows else doc_bias(doc_ids, embeds.dtype), backend)] * S
             else:
                 masks = [mask.dense(j) for j in range(S)]

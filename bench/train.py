@@ -288,7 +288,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
                   muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, muon_sym="auto",
-                  target_cache=True, adamw_impl="auto", loss_rows_only=True)
+                  target_cache=True, adamw_impl="auto", loss_rows_only=True, head_loss="auto")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -316,7 +316,10 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
     # (the draft head on every position, not only on the loss rows); "+panels": train.muon_sym=panels
     # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+cudnn",
-    # "+flex": train.attention (the TTT prefix on that kernel; auto: eagle3's default)
+    # "+flex": train.attention (the TTT prefix on that kernel; auto: eagle3's default); "+unfused" /
+    # "+fused": train.head_loss (the draft head and its loss as torch code for Inductor / one op);
+    # "+synclog": the loop writes each logged window before its next step, waiting for the GPU (as it
+    # did before its logs were deferred: eagle3.train.loop.SYNC_LOGS)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
@@ -324,7 +327,8 @@ def run_loop(a, device, compile_mode: str) -> dict:
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
                        muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
                        muon_sym="panels" if "panels" in opts else "auto",
-                       attention=next((o for o in opts if o in ("cudnn", "flex")), "auto"))
+                       attention=next((o for o in opts if o in ("cudnn", "flex")), "auto"),
+                       head_loss=next((o for o in opts if o in ("fused", "unfused")), "auto"))
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
     import gc
@@ -333,17 +337,54 @@ def run_loop(a, device, compile_mode: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) / 2**30
-    with tempfile.TemporaryDirectory() as out, loop_trace(a, compile_mode) as traced:
-        t0 = time.time()
-        train(tcfg, inputs, Path(out), progress=False)
-        wall = time.time() - t0
-        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    import eagle3.train.loop as L
+
+    L.SYNC_LOGS = "synclog" in opts
+    try:
+        with tempfile.TemporaryDirectory() as out, loop_trace(a, compile_mode) as traced, \
+                wall_clock(a.loop_steps) as clock:
+            t0 = time.time()
+            train(tcfg, inputs, Path(out), progress=False)
+            wall = time.time() - t0
+            recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        L.SYNC_LOGS = False
     r = loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
     r["peak_alloc_gib"] -= base
     r["base_alloc_gib"] = base
+    r.update(clock)
     if traced:
         r["trace"] = traced
     return r
+
+
+@contextlib.contextmanager
+def wall_clock(steps: int, first: int = 10):
+    """The loop's steps from ``first`` to the last on the host's clock, the device synchronised at
+    both ends (once each): ``wall_step_ms``, a figure that does not depend on how the loop times its
+    own windows. Yields a dict, filled when the loop has run."""
+    import eagle3.train.loop as L
+
+    real, calls, marks, result = L._optimizer_step, [0], {}, {}
+
+    def step(*args, **kw):
+        i = calls[0]
+        calls[0] += 1
+        if i == first:
+            torch.cuda.synchronize()
+            marks["start"] = time.perf_counter()
+        out = real(*args, **kw)
+        if i == steps - 1:
+            torch.cuda.synchronize()
+            marks["end"] = time.perf_counter()
+        return out
+    L._optimizer_step = step
+    try:
+        yield result
+    finally:
+        L._optimizer_step = real
+    if "start" in marks and "end" in marks:
+        result["wall_step_ms"] = (marks["end"] - marks["start"]) * 1e3 / (steps - first)
 
 
 @contextlib.contextmanager
@@ -608,7 +649,9 @@ def main(argv=None):
           "launch queue, so below the step time it does not measure the host's cost: --loop-trace does). Peak memory: "
           "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
           "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation;\n"
-          "their peak memory is the loop's own: less what earlier runs in this process left allocated.")
+          "their step ms is the median of the loop's own logged windows, their synced ms the steps from the 10th to the "
+          "last\non the host's clock (the device synchronised at both ends); their peak memory is the loop's own: less "
+          "what earlier runs\nin this process left allocated.")
     print(f"{out['device']}, torch {out['torch']}: {describe_shape(a)} tokens, bf16")
     print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
           f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")
@@ -619,7 +662,8 @@ def main(argv=None):
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         if r["variant"].startswith("loop"):
             print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{'':>9}{mfu:>7}"
-                  f"{r['peak_alloc_gib']:>11.2f}{'':>10}{'':>11}{'':>9}{r['wall_s']:>8.0f}")
+                  f"{r['peak_alloc_gib']:>11.2f}{'':>10}{r.get('wall_step_ms', float('nan')):>11.1f}{'':>9}"
+                  f"{r['wall_s']:>8.0f}")
             continue
         print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
               f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['step_ms_synced']:>11.1f}"

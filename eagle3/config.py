@@ -480,7 +480,8 @@ class TrainConfig:
     keep_last: int = 2
     """Checkpoints kept."""
     log_every: int = 10
-    """Steps per logged window (metrics.jsonl, wandb, the progress bar)."""
+    """Steps per logged window (metrics.jsonl, wandb, the progress bar). On a GPU a window's numbers
+    are read back without stopping the GPU's queue and written a step or two later."""
     num_workers: int = 0
     """DataLoader worker processes reading the store."""
     packing: bool = True
@@ -535,6 +536,13 @@ class TrainConfig:
     other positions without loss skip a third of the step's matmuls. The same loss, gradients and
     statistics up to rounding (tests/test_train.py). false: every position. Speed only: not hashed."""
 
+    head_loss: str = "auto"
+    """How the draft head (lm_head) and the loss run: fused (one op: the logits' matmul, then one Triton
+    kernel per row for the loss, the argmax and the logits' gradient, written over the logits:
+    eagle3/train/head_loss.py) | unfused (the same as torch code for torch.compile) | auto: fused on
+    CUDA where Triton imports, else unfused. The same loss and gradients up to rounding. Speed
+    only: not hashed."""
+
     target_cache: bool = True
     """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
     draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
@@ -552,7 +560,7 @@ class TrainConfig:
     # run's hash differs anyway: its lineage has no extract run but the producer's settings
     NON_SEMANTIC = ("eval_every", "save_every", "keep_last", "log_every", "num_workers", "attention", "compile",
                     "hidden_states", "online", "muon_impl", "muon_shard", "muon_sym", "adamw_impl", "loss_rows_only",
-                    "target_cache")
+                    "target_cache", "head_loss")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
                           "muon_adjust_lr_fn")
 
@@ -589,6 +597,7 @@ class TrainConfig:
         _check_choice("train.muon_impl", self.muon_impl, ("fast", "torch"))
         _check_choice("train.muon_sym", self.muon_sym, ("auto", "triton", "panels"))
         _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
+        _check_choice("train.head_loss", self.head_loss, ("auto", "fused", "unfused"))
 
 
 @dataclass

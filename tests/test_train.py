@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1160,3 +1161,42 @@ def test_loss_rows_only_trains_the_model_of_every_position(store_dir, target_dir
     for k in wa:
         if wa[k].is_floating_point():
             assert torch.allclose(wa[k].float(), wb[k].float(), rtol=1e-3, atol=1e-5), k
+
+
+def test_logs_write_windows_in_order_once_their_numbers_arrive():
+    """The loop's deferred logs: a window is written once its numbers have arrived, never before an
+    earlier one; flush(wait=True) writes every pending one (before an eval, a checkpoint, the end)."""
+    from eagle3.train.loop import ClosedWindow, Logs
+
+    written = []
+
+    class Window(ClosedWindow):
+        def __init__(self, step):
+            super().__init__([], None, None, {"step": step}, None)
+            self.arrived = False
+
+        def ready(self):
+            return self.arrived
+
+        def record(self, decay, flops_per_token, num_processes):
+            self.arrived = True  # a wait
+            return {"step": self.fields["step"]}, SimpleNamespace(loss=1.0, acc_per_step=[0.5])
+
+    class Sink:
+        def log(self, record):
+            written.append(record["step"])
+
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
+    bar = SimpleNamespace(set_postfix=lambda **kw: None)
+    logs = Logs(accelerator, (Sink(), None), bar, 0.8, 1.0)
+    a, b, c = Window(5), Window(10), Window(15)
+    for w in (a, b, c):
+        logs.add(w)
+    b.arrived = True
+    logs.flush()
+    assert written == []  # 10 waits for 5
+    a.arrived = True
+    logs.flush()
+    assert written == [5, 10]
+    logs.flush(wait=True)
+    assert written == [5, 10, 15] and not logs.pending and logs.last.loss == 1.0

@@ -546,10 +546,13 @@ class Eagle3Draft(nn.Module):
             return out
         return rms_norm(out, self.norm.weight if norm_weight is None else norm_weight, self.norm.eps)
 
+    def head_input(self, out: torch.Tensor, norm_weight=None) -> torch.Tensor:
+        """What the draft head (lm_head) multiplies: the final norm of a step's pre-norm output."""
+        return rms_norm(out, self.norm.weight if norm_weight is None else norm_weight, self.norm.eps)
+
     def logits(self, out: torch.Tensor, norm_weight=None, lm_head_weight=None) -> torch.Tensor:
-        norm_weight = self.norm.weight if norm_weight is None else norm_weight
         lm_head_weight = self.lm_head.weight if lm_head_weight is None else lm_head_weight
-        return F.linear(rms_norm(out, norm_weight, self.norm.eps), lm_head_weight)
+        return F.linear(self.head_input(out, norm_weight), lm_head_weight)
 
     def forward(self, aux_hidden_states: torch.Tensor, input_embeds: torch.Tensor,
                 position_ids: torch.Tensor):

@@ -31,7 +31,7 @@ from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import KERNEL_BACKENDS, resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
-from .data import Epochs, MicroBatches, Prefetcher, epoch_order, to_device
+from .data import DeviceCopies, Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .inductor import restore_compile_threads
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, compiles, lr_schedule
@@ -40,6 +40,11 @@ from .target_head import InVocabCache, TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
 log = logging.getLogger("eagle3.train")
+
+SYNC_LOGS = False
+"""Write each logged window before the next step, waiting for the GPU (what the loop did before its
+logs were deferred; bench/train.py's ``+synclog`` compares the two). Not a setting: the default
+never waits."""
 
 
 @dataclass
@@ -88,7 +93,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     compile_ = compiles(tcfg, device)
     if compile_:
         restore_compile_threads()  # vLLM's TORCHINDUCTOR_COMPILE_THREADS=1, where it ran in this process
-    model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_)
+    model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_,
+                     head_loss=getattr(tcfg, "head_loss", "auto"))
     head.compile = compile_
     check_optimizer_distribution(accelerator, tcfg)
     # train.optimizer: AdamW, or Muon + AdamW
@@ -128,9 +134,13 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
     window = Window(state, device)
     cache = _in_vocab_cache(tcfg, inputs, epochs, state.step, total, head, device)
-    last_train = last_eval = None
+    last_eval = None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
-    batches = Prefetcher(loader, device=device) if prefetch else iter(loader)
+    logs = Logs(accelerator, (metrics, log_fn), bar, tcfg.decay, flops_per_token)
+    prefetcher = Prefetcher(loader, device=device) if prefetch else None
+    batches = prefetcher if prefetch else iter(loader)
+    if device.type == "cuda":  # each batch's copy to the GPU beside the step before it
+        batches = DeviceCopies(batches, device)
     first = state.step + 1
     if compile_ and state.step < total and accelerator.is_main_process:
         import torch._inductor.config as inductor_config
@@ -145,6 +155,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                 micro = [next(batches) for _ in range(tcfg.grad_accum)]
                 lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
                 grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype, cache)
+                if isinstance(batches, DeviceCopies) and state.step + 1 < total:
+                    batches.ahead(tcfg.grad_accum)  # the next step's copies, beside this step's work
                 scheduler.step()
                 state.step += 1
                 bar.update(1)
@@ -153,26 +165,28 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                     float(grad_norm)  # the first step done on the device (one sync, once)
                     log.info("train: first step done in %.1f s, compilation included", time.perf_counter() - t_first)
                 if step % tcfg.log_every == 0 or step == total:
-                    last_train = _log_window(accelerator, (metrics, log_fn), window, tcfg.decay, flops_per_token,
-                                             step=step, epoch=epochs.locate(step - 1)[0], lr=lr,
-                                             grad_norm=float(grad_norm))
-                    bar.set_postfix(loss=f"{last_train.loss:.3f}", acc0=f"{last_train.acc_per_step[0]:.3f}")
+                    logs.add(window.close(accelerator, grad_norm, step=step, epoch=epochs.locate(step - 1)[0], lr=lr))
+                logs.flush(wait=SYNC_LOGS)
                 if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
+                    logs.flush(wait=True)
                     last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
                     _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
                 saved = step % tcfg.save_every == 0 or step == total
                 if saved:
-                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                    logs.flush(wait=True)
+                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last, metrics)
                 # several processes agree at logged steps only (a collective), one process at every step
                 if step < total and (W == 1 or step % tcfg.log_every == 0) and (signum := stop.requested(accelerator)):
                     if not saved:
-                        path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last)
+                        logs.flush(wait=True)
+                        path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last, metrics)
                     raise Interrupted(signum, f"train: interrupted by {signal.Signals(signum).name} at step {step} of "
                                               f"{total}; checkpoint saved in {path}. Run the same command again to "
                                               f"resume from step {step}.")
     finally:
-        if prefetch:
-            batches.close()
+        if prefetcher is not None:
+            prefetcher.close()
+    logs.flush(wait=True)
     bar.close()
     if cache is not None:
         log.info("train: the target head took in_vocab from its cache for %d of %d micro-batches (the others "
@@ -184,7 +198,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, inputs.draft_config,
                      out_dir)
     accelerator.end_training()
-    return TrainResult(steps=total, train=last_train, eval=last_eval)
+    return TrainResult(steps=total, train=logs.last, eval=last_eval)
 
 
 # -- setup ---------------------------------------------------------------------------------------
@@ -255,12 +269,23 @@ def check_fsdp_wrapping(accelerator) -> None:
 
 class Window:
     """This process's TTT statistics and token count since the last logged step, summed on the
-    device (read back only when logged or checkpointed, not every step)."""
+    device (read back only when logged or checkpointed, not every step). Its time runs on the
+    device's clock (CUDA events on the compute stream) where the device is a GPU: a window's
+    length is then what the GPU took for its steps, idle gaps included, and closing it needs no
+    wait for the GPU (:meth:`close`)."""
 
     def __init__(self, state: LoopState, device):
         self.stats = state.window.to(device)
         self.tokens = torch.tensor(float(state.window_tokens), device=device)
-        self.started = time.perf_counter()
+        self.cuda = torch.device(device).type == "cuda"
+        self.started = self._now()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def add(self, stats: torch.Tensor, num_tokens: torch.Tensor) -> None:
         self.stats += stats.detach()
@@ -271,10 +296,81 @@ class Window:
         return (accelerator.reduce(self.stats, reduction="sum"),
                 float(accelerator.reduce(self.tokens, reduction="sum")))
 
-    def restart(self) -> None:
+    def close(self, accelerator, grad_norm: torch.Tensor, **fields) -> "ClosedWindow":
+        """The window's global sums, the gradient norm and its time span as a :class:`ClosedWindow`
+        whose numbers arrive from the device without the host waiting (copies into pinned memory
+        behind the step's work); starts the next window."""
+        values = [accelerator.reduce(self.stats, reduction="sum"), accelerator.reduce(self.tokens, reduction="sum"),
+                  torch.as_tensor(grad_norm, device=self.stats.device).detach().float().reshape(())]
+        if self.cuda:
+            values = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True) for v in values]
+        else:
+            values = [v.clone() for v in values]
+        end = self._now()
+        closed = ClosedWindow(values, self.started, end, fields,
+                              torch.cuda.max_memory_allocated(self.stats.device) / 2**30 if self.cuda else None)
         self.stats.zero_()
         self.tokens.zero_()
-        self.started = time.perf_counter()
+        self.started = end
+        return closed
+
+
+@dataclass
+class ClosedWindow:
+    """A logged window whose numbers are on their way to the host: ``values`` (statistics [S, n],
+    tokens, gradient norm) are valid once ``end`` (a CUDA event behind their copies; a host time
+    on CPU) has passed on the device."""
+    values: list
+    start: object
+    end: object
+    fields: dict
+    peak_mem_gib: Optional[float]
+
+    def ready(self) -> bool:
+        return not isinstance(self.end, torch.cuda.Event) or self.end.query()
+
+    def record(self, decay: float, flops_per_token: float, num_processes: int) -> tuple:
+        """(the metrics.jsonl record, StepMetrics); waits for the device where it is not ready."""
+        if isinstance(self.end, torch.cuda.Event):
+            self.end.synchronize()
+            elapsed = self.start.elapsed_time(self.end) / 1e3
+        else:
+            elapsed = self.end - self.start
+        stats, tokens, grad_norm = self.values
+        result = step_metrics(stats, decay)
+        tokens = float(tokens)
+        record = {**result.to_log("train"), **self.fields, "grad_norm": float(grad_norm), "tokens": tokens,
+                  "tokens_per_s": tokens / max(elapsed, 1e-9)}
+        if self.peak_mem_gib is not None:
+            record["peak_mem_gib"] = self.peak_mem_gib
+            peak = peak_flops(torch.cuda.get_device_name())
+            if peak:
+                record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * num_processes)
+        return record, result
+
+
+class Logs:
+    """The logged windows not yet written: :meth:`flush` writes (metrics.jsonl, ``log_fn``, the
+    progress bar) those whose numbers have arrived, in order, without waiting, or all of them
+    (``wait=True``: before an eval, a checkpoint, the end). So the loop never stops the GPU's queue
+    to log: the host keeps issuing steps while a window's numbers travel."""
+
+    def __init__(self, accelerator, sinks: tuple, bar, decay: float, flops_per_token: float):
+        self.accelerator, self.sinks, self.bar = accelerator, sinks, bar
+        self.decay, self.flops_per_token = decay, flops_per_token
+        self.pending: list = []
+        self.last: Optional[StepMetrics] = None
+
+    def add(self, window: ClosedWindow) -> None:
+        self.pending.append(window)
+
+    def flush(self, wait: bool = False) -> None:
+        while self.pending and (wait or self.pending[0].ready()):
+            record, result = self.pending.pop(0).record(self.decay, self.flops_per_token,
+                                                        self.accelerator.num_processes)
+            _log(self.accelerator, self.sinks, record)
+            self.bar.set_postfix(loss=f"{result.loss:.3f}", acc0=f"{result.acc_per_step[0]:.3f}")
+            self.last = result
 
 
 def _in_vocab_cache(tcfg, inputs: TrainInputs, epochs: Epochs, start: int, total: int, head: TargetHead,
@@ -328,25 +424,6 @@ def _log(accelerator, sinks: tuple, record: dict) -> None:
         log_fn({k: v for k, v in record.items() if isinstance(v, (int, float))}, record["step"])
 
 
-def _log_window(accelerator, sinks: tuple, window: Window, decay: float, flops_per_token: float,
-                **fields) -> StepMetrics:
-    """Logs the window's metrics over all processes, with ``fields`` (step, epoch, lr, grad_norm),
-    its tokens and speed (and on CUDA peak memory and MFU); starts the next window."""
-    stats, tokens = window.global_sums(accelerator)
-    elapsed = time.perf_counter() - window.started
-    result = step_metrics(stats, decay)
-    record = {**result.to_log("train"), **fields, "tokens": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)}
-    device = accelerator.device
-    if device.type == "cuda":
-        record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        peak = peak_flops(torch.cuda.get_device_name())
-        if peak:
-            record["mfu"] = flops_per_token * record["tokens_per_s"] / (peak * accelerator.num_processes)
-    _log(accelerator, sinks, record)
-    window.restart()
-    return result
-
-
 @torch.no_grad()
 def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pad: int) -> StepMetrics:
     """Loss/accuracy/acceptance on a held-out split (every row once, shared over processes)."""
@@ -368,9 +445,13 @@ def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pa
     return step_metrics(accelerator.reduce(total, reduction="sum"), tcfg.decay)
 
 
-def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int) -> Path:
+def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, keep_last: int,
+                metrics: Optional[JsonlLogger] = None) -> Path:
     """A checkpoint of this step, with the open window's global sums (a resumed run logs the same
-    window an uninterrupted one does); returns its path."""
+    window an uninterrupted one does); returns its path. metrics.jsonl's lines so far are on disk
+    first (fsync): a resumed run keeps those up to its step and logs the rest again."""
+    if metrics is not None and accelerator.is_main_process:
+        metrics.sync()
     stats, tokens = window.global_sums(accelerator)
     state.window, state.window_tokens = stats.cpu(), int(tokens)
     return save_checkpoint(accelerator, out_dir, state.step, keep_last)

@@ -73,7 +73,8 @@ def ttt_flops_per_token(cfg: Eagle3DraftConfig, seq_len: int, num_steps: int, ta
 
 
 class JsonlLogger:
-    """Append-only JSONL metrics file (one object per logged step), flushed per line."""
+    """Append-only JSONL metrics file (one object per logged step), flushed per line; :meth:`sync`
+    puts it on disk (the loop calls it before each checkpoint and at the end)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -82,8 +83,11 @@ class JsonlLogger:
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+
+    def sync(self) -> None:
+        if self.path.exists():
+            with open(self.path, "a") as f:
+                os.fsync(f.fileno())
 
     def truncate_after(self, step: int) -> None:
         """Drop lines logged after ``step`` (a resumed run re-logs them)."""

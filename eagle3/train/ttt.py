@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..model.draft import Eagle3Draft
 from .attention import KERNEL_BACKENDS, KernelPrefix, TTTMask, resolve_backend, ttt_attention
+from .head_loss import resolve as resolve_head_loss
 from .loss import soft_cross_entropy_rows
 
 # per-step statistics returned by the forward (summed over rows; reduce across ranks by sum)
@@ -106,13 +107,15 @@ class TTTModel(nn.Module):
     """
 
     def __init__(self, draft: Eagle3Draft, num_steps: int = 7, decay: float = 0.8,
-                 attention: str = "auto", compile: bool = False):
+                 attention: str = "auto", compile: bool = False, head_loss: str = "auto"):
         super().__init__()
         self.draft = draft
         self.num_steps = num_steps
         self.decay = decay
         self.attention = attention
         self.compile = compile
+        self.head_loss = head_loss
+        self._head_loss = None  # resolved on the inputs' device
         self._compiled_core = None
 
     def forward(self, aux: torch.Tensor, embeds: torch.Tensor, target_probs: torch.Tensor,
@@ -131,6 +134,7 @@ class TTTModel(nn.Module):
         T_in, B = T, loss_mask.shape[0]
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
+        self._head_loss = resolve_head_loss(self.head_loss, embeds.device)
         if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():
             raise ValueError(f"train.attention={backend} cannot train on CPU (torch's flex_attention has no CPU "
                              "backward); use train.attention=auto or sdpa there")
@@ -212,7 +216,9 @@ class TTTModel(nn.Module):
         # pre-norm output), so the lm_head runs as one matmul over S*B*T rows, and its weight
         # gradient as one matmul too, instead of S matmuls whose S outputs are then summed.
         acc = torch.promote_types(dtype, torch.float32)
-        if head_rows is None:
+        coef = (self.decay ** torch.arange(S, device=aux.device, dtype=acc)) / denominators.to(acc)
+        fused = self._head_loss == "fused"
+        if head_rows is None and not fused:
             logits = draft.logits(torch.stack(outs), norm_w, lm_head_w)  # [S, B, T, Vd]
             # step j's targets are rows j+1 .. j+T of the padded targets: windows of one view, not a copy
             target = target_pad.unfold(1, T, 1)[:, 1:S + 1].permute(1, 0, 3, 2)  # [S, B, T, Vd]
@@ -222,19 +228,32 @@ class TTTModel(nn.Module):
             with torch.no_grad():
                 correct = logits.detach().argmax(-1) == target_arg.unfold(1, T, 1)[:, 1:S + 1].transpose(0, 1)
         else:
-            # only the rows the loss and the statistics read (a batch's loss positions): the head's
-            # matmuls, the loss and their gradients shrink with them; the results go back to their
-            # places in [S, B, T] (zeros elsewhere, which nothing reads: scored is a subset of counted)
-            logits = draft.logits(torch.stack(outs).flatten(0, 2)[head_rows], norm_w, lm_head_w)  # [N, Vd]
-            j, rem = head_rows // (B * T), head_rows % (B * T)
+            # the head on rows of [S * B * T]: with head_rows only those the loss and the statistics
+            # read (a batch's loss positions: the head's matmuls, the loss and their gradients shrink
+            # with them; the results go back to their places in [S, B, T], zeros elsewhere, which
+            # nothing reads: scored is a subset of counted), else all of them
+            rows = torch.arange(S * B * T, device=aux.device) if head_rows is None else head_rows
+            x = torch.stack(outs).flatten(0, 2)
+            x = x if head_rows is None else x[head_rows]
+            j, rem = rows // (B * T), rows % (B * T)
             tgt = (rem // T) * (T + pad) + rem % T + j + 1  # the row's target: p_{t+j+1} of its batch row
-            ce_rows = soft_cross_entropy_rows(logits, target_pad.flatten(0, 1)[tgt])
-            ce = ce_rows.new_zeros(S * B * T).index_put((head_rows,), ce_rows).view(S, B, T)
+            if fused:  # the head, the loss, the argmax and the logits' gradient in one op (head_loss.py)
+                weights = (scored.to(acc) * coef[:, None, None]).flatten()[rows]
+                loss, ce_rows, arg, _ = torch.ops.eagle3.head_soft_ce(
+                    draft.head_input(x, norm_w), lm_head_w, target_pad.flatten(0, 1), tgt, weights)
+            else:
+                logits = draft.logits(x, norm_w, lm_head_w)  # [N, Vd]
+                ce_rows = soft_cross_entropy_rows(logits, target_pad.flatten(0, 1)[tgt])
+                arg = logits.detach().argmax(-1)
             with torch.no_grad():
-                hit = logits.detach().argmax(-1) == target_arg.flatten()[tgt]
+                hit = arg == target_arg.flatten()[tgt]
+            if head_rows is None:
+                ce, correct = ce_rows.view(S, B, T), hit.view(S, B, T)
+            else:
+                ce = ce_rows.new_zeros(S * B * T).index_put((head_rows,), ce_rows).view(S, B, T)
                 correct = hit.new_zeros(S * B * T).index_put((head_rows,), hit).view(S, B, T)
-        coef = (self.decay ** torch.arange(S, device=aux.device, dtype=acc)) / denominators.to(acc)
-        loss = (ce * (scored.to(acc) * coef[:, None, None])).sum()
+        if not fused:
+            loss = (ce * (scored.to(acc) * coef[:, None, None])).sum()
         with torch.no_grad():
             ok = scored & correct
             # chain[j]: steps 0..j-1 all scored and correct (what conditional accuracy is given)

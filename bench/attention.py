@@ -1,4 +1,4 @@
-"""The TTT prefix attention alone, under flex_attention's kernel options and on library kernels.
+"""The TTT prefix attention alone, under flex_attention's kernel options.
 
 Every TTT step runs ``flex_attention`` over the step-0 keys with the document-causal block mask and
 its log-sum-exp (eagle3.train.attention, the ``flex`` backend): at the 8B draft's shape (32 query
@@ -7,8 +7,8 @@ This times one call, forward and forward + backward (the gradient through both t
 log-sum-exp, as the diagonals' merge takes it), for each named set of kernel options in
 :data:`FLEX_OPTION_SETS`, against the default, with each set's largest difference from the default's
 output and gradients (run it with --docs above 1 too: the train rows hold several documents).
-The rows of :data:`KERNEL_SETS` run the same prefix on cuDNN (the ``cudnn`` backend of
-``train.attention``).
+(The same prefix on cuDNN's and FlashAttention-2's fused kernels was slower than flex and was
+removed: bench/results/prefix_kernels_h200_202612.md.)
 
     python3 bench/attention.py                       # every set, one document per row
     python3 bench/attention.py --docs 4 --sets default,safe
@@ -28,7 +28,6 @@ import torch  # noqa: E402
 
 from bench.optimizer import Timer  # noqa: E402
 from eagle3.train.attention import TTTMask  # noqa: E402
-from eagle3.train.prefix_kernels import doc_bias, prefix_attention  # noqa: E402
 
 FLEX_OPTION_SETS = {
     "default": {},
@@ -53,9 +52,6 @@ FLEX_OPTION_SETS = {
     "prescale": {"PRESCALE_QK": True},
 }
 """Named flex_attention kernel options (torch's FlexKernelOptions) for the prefix attention."""
-KERNEL_SETS = ("cudnn",)
-"""Rows of the prefix on a library kernel instead (eagle3.train.prefix_kernels: the ``cudnn``
-backend of train.attention; with a document bias where a row holds several documents)."""
 
 
 def main(argv=None):
@@ -66,10 +62,10 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--docs", type=int, default=1, help="documents per row (packed rows: the mask's document part)")
-    p.add_argument("--sets", default=",".join(list(FLEX_OPTION_SETS) + list(KERNEL_SETS)))
+    p.add_argument("--sets", default=",".join(FLEX_OPTION_SETS))
     p.add_argument("--layout", choices=("draft", "heads"), default="draft",
                    help="q, k, v in memory as the draft makes them ([B, T, H, D]) or head-major ([B, H, T, D], "
-                        "what the runs before the kernel sets used)")
+                        "what the runs before December 2026 used)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     a = p.parse_args(argv)
@@ -95,23 +91,15 @@ def main(argv=None):
     visible = float(mask.to_dense().sum()) * 128 * 128 / (T * T) if hasattr(mask, "to_dense") else 0.5
     fwd_flop = 4 * B * H * T * T * D * min(1.0, visible)
     rows, ref = [], None
-    bias = doc_bias(doc, torch.bfloat16) if a.docs > 1 else None
     for name in [s for s in a.sets.split(",") if s]:
         torch._dynamo.reset()
-        if name in KERNEL_SETS:
-            opts = {"kernel": name}
+        opts = FLEX_OPTION_SETS[name]
 
-            def call(q, k, v, name=name):
-                return prefix_attention(q, k, v, bias, D ** -0.5, name)
-        else:
-            opts = FLEX_OPTION_SETS[name]
-
-            def call(q, k, v, opts=opts):
-                out, aux = flex_attention(q, k, v, block_mask=mask, scale=D ** -0.5, enable_gqa=H != Hk,
-                                          return_aux=AuxRequest(lse=True), kernel_options=dict(opts) or None)
-                return out, aux.lse
-        # compiled, as the train loop's TTT graph has them (there the kernel sets' K/V repeat and
-        # log-sum-exp fold fuse with their neighbours)
+        def call(q, k, v, opts=opts):
+            out, aux = flex_attention(q, k, v, block_mask=mask, scale=D ** -0.5, enable_gqa=H != Hk,
+                                      return_aux=AuxRequest(lse=True), kernel_options=dict(opts) or None)
+            return out, aux.lse
+        # compiled, as the train loop's TTT graph has it
         fn = torch.compile(call, dynamic=False)
         row = {"set": name, "options": opts}
         try:
@@ -134,8 +122,6 @@ def main(argv=None):
                 ref = [t.float() for t in got]
             row["max_diff"] = {n: (g.float() - r).abs().max().item() / max(r.abs().max().item(), 1e-12)
                                for n, g, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref)}
-            if name in KERNEL_SETS:  # the library kernel alone, on inputs already repeated and folded
-                row.update(kernel_times(q, k, v, go, gl, bias, D ** -0.5, name, timer, a))
         except Exception as e:  # noqa: BLE001 - a set that does not build here is a row, not the end
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
@@ -151,31 +137,6 @@ def main(argv=None):
         d = " ".join(f"{x:.1e}" for x in r["max_diff"].values())
         print(f"{r['set']:<14}{r['fwd_ms']:>9.3f}{r['bwd_ms']:>9.3f}{r['fwd_bwd_ms']:>9.3f}{r['fwd_tflops']:>10.0f}"
               f"{r['bwd_tflops']:>10.0f}{d:>52}")
-        if "kernel_fwd_ms" in r:
-            print(f"{'  its kernels':<14}{r['kernel_fwd_ms']:>9.3f}{r['kernel_bwd_ms']:>9.3f}"
-                  f"{r['kernel_fwd_ms'] + r['kernel_bwd_ms']:>9.3f}   (the library kernel's calls alone)")
-
-
-def kernel_times(q, k, v, go, gl, bias, scale, kernel, timer, a) -> dict:
-    """The kernel set's two custom ops alone (eagle3.train.prefix_kernels), on inputs prepared as
-    prefix_attention prepares them: q, K/V repeated to the query heads, in the draft's memory layout,
-    the output folded with the log-sum-exp's gradient. What the kernels cost without what
-    surrounds them."""
-    from eagle3.train.prefix_kernels import fold_lse_grad, prefix_attention_backward_op, prefix_attention_op
-
-    g = q.shape[1] // k.shape[1]
-
-    def bthd(x, rep=1):
-        x = x.transpose(1, 2)
-        return (x if rep == 1 else x.repeat_interleave(rep, dim=2)).contiguous().transpose(1, 2)
-    qk, kk, vk, gok = bthd(q.detach()), bthd(k.detach(), g), bthd(v.detach(), g), bthd(go)
-    with torch.no_grad():
-        out, lse = prefix_attention_op(qk, kk, vk, bias, scale, kernel)
-        folded = fold_lse_grad(out, gok, gl)
-        fwd = timer(lambda: prefix_attention_op(qk, kk, vk, bias, scale, kernel), a.warmup, a.steps)
-        bwd = timer(lambda: prefix_attention_backward_op(gok, None, qk, kk, vk, folded, lse, bias, scale, kernel),
-                    a.warmup, a.steps)
-    return {"kernel_fwd_ms": fwd, "kernel_bwd_ms": bwd}
 
 
 if __name__ == "__main__":

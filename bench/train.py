@@ -315,8 +315,7 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass);
     # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
     # (the draft head on every position, not only on the loss rows); "+panels": train.muon_sym=panels
-    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+cudnn",
-    # "+flex": train.attention (the TTT prefix on that kernel; auto: eagle3's default); "+unfused" /
+    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+unfused" /
     # "+fused": train.head_loss (the draft head and its loss as torch code for Inductor / one op);
     # "+synclog": the loop writes each logged window before its next step, waiting for the GPU (as it
     # did before its logs were deferred: eagle3.train.loop.SYNC_LOGS)
@@ -327,7 +326,6 @@ def run_loop(a, device, compile_mode: str) -> dict:
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
                        muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
                        muon_sym="panels" if "panels" in opts else "auto",
-                       attention=next((o for o in opts if o in ("cudnn", "flex")), "auto"),
                        head_loss=next((o for o in opts if o in ("fused", "unfused")), "auto"))
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base

@@ -469,8 +469,7 @@ class TrainConfig:
     mixed_precision: str = "auto"
     """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py)."""
     attention: str = "auto"
-    """auto | flex | flex_stacked | sdpa | cudnn (eagle3/train/attention.py; cudnn: CUDA only, not an
-    MLA draft); the result is the same up to rounding."""
+    """auto | flex | flex_stacked | sdpa (eagle3/train/attention.py); the result is the same."""
     seed: int = 0
     """Seed of the draft's initialisation and the data order (a pure function of seed and step)."""
     eval_every: int = 200
@@ -572,7 +571,7 @@ class TrainConfig:
         _check_positive("train.epochs", self.epochs)
         _check_positive("train.max_steps", self.max_steps, allow_zero=True)
         _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
-        _check_choice("train.attention", self.attention, ("auto", "flex", "flex_stacked", "sdpa", "cudnn"))
+        _check_choice("train.attention", self.attention, ("auto", "flex", "flex_stacked", "sdpa"))
         self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
         _check_choice("train.hidden_states", self.hidden_states, ("store", "online"))

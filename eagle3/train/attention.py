@@ -16,23 +16,18 @@ Three implementations:
 - ``flex_stacked``: the keys of all steps along one axis (key ``i*T + s`` is step i, index s),
   one ``flex_attention`` call per step with a block-sparse mask over ``num_steps*T`` keys (unused
   steps zeros and masked, so every step has one shape). Kept for benchmarking against ``flex``.
-- ``cudnn``: the ``flex`` layout (the prefix apart, the diagonals merged in), the prefix on cuDNN's
-  fused attention, causal, the documents of a packed row apart by an additive bias
-  (eagle3.train.prefix_kernels: the log-sum-exp's gradient folded into what its backward reads).
-  CUDA only; q, k and v of one head dim (not an MLA draft).
 - ``sdpa`` (CPU default): ``scaled_dot_product_attention`` with a dense boolean mask over
   ``(j+1)*T`` keys.
 """
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("flex", "flex_stacked", "sdpa", "cudnn")
-KERNEL_BACKENDS = ("cudnn",)  # the prefix on a library kernel (eagle3.train.prefix_kernels)
+BACKENDS = ("flex", "flex_stacked", "sdpa")
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -41,17 +36,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return "flex" if device.type == "cuda" else "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"train.attention={name!r} is not one of 'auto', " + ", ".join(f"'{b}'" for b in BACKENDS))
-    if name in KERNEL_BACKENDS and device.type != "cuda":
-        raise ValueError(f"train.attention={name} runs a CUDA kernel; on {device.type} use train.attention=auto or sdpa")
     return name
-
-
-class KernelPrefix(NamedTuple):
-    """The prefix of the ``cudnn`` backend: the batch's document bias
-    (:func:`eagle3.train.prefix_kernels.doc_bias`; None where every row is one document) and the
-    kernel's name."""
-    bias: Optional[torch.Tensor]
-    kernel: str
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,11 +204,10 @@ def _ttt_mask_mod(doc: torch.Tensor, T: int, last: torch.Tensor):
 def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor], mask,
                   scale: Optional[float] = None) -> torch.Tensor:
     """Attention of step j = len(ks)-1. q [B,Hq,T,D], ks/vs: per step [B,Hkv,T,D]; ``mask`` is a
-    dense bool mask (sdpa), the prefix BlockMask of :meth:`TTTMask.prefix_block` (flex), a
-    :class:`KernelPrefix` (cudnn) or step j's BlockMask over keys padded to num_steps*T
-    (flex_stacked). -> [B,T,Hq*D]."""
+    dense bool mask (sdpa), the prefix BlockMask of :meth:`TTTMask.prefix_block` (flex) or step j's
+    BlockMask over keys padded to num_steps*T (flex_stacked). -> [B,T,Hq*D]."""
     gqa = q.shape[1] != ks[0].shape[1]
-    if isinstance(mask, KernelPrefix) or (not isinstance(mask, torch.Tensor) and mask.seq_lengths[1] == ks[0].shape[2]):
+    if not isinstance(mask, torch.Tensor) and mask.seq_lengths[1] == ks[0].shape[2]:
         return _prefix_plus_diagonals(q, ks, vs, mask, scale, gqa).transpose(1, 2).flatten(2)
     if isinstance(mask, torch.Tensor):
         k = torch.cat(list(ks), dim=2)
@@ -238,20 +222,13 @@ def ttt_attention(q: torch.Tensor, ks: List[torch.Tensor], vs: List[torch.Tensor
 
 
 def _prefix_plus_diagonals(q, ks, vs, prefix_mask, scale, gqa) -> torch.Tensor:
-    """The step-0 prefix (flex with its BlockMask, or a library kernel with a :class:`KernelPrefix`),
-    then the diagonals of steps 1..j merged in. -> [B,Hq,T,D]."""
+    """flex over the step-0 prefix, then the diagonals of steps 1..j merged in. -> [B,Hq,T,D]."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    if isinstance(prefix_mask, KernelPrefix):
-        from .prefix_kernels import prefix_attention
-
-        out, lse = prefix_attention(q, ks[0], vs[0], prefix_mask.bias, scale, prefix_mask.kernel)
-    else:
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
-                                             return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    return merge_diagonals(q, out, lse, ks[1:], vs[1:], scale)
+    out, aux = _flex_attention(q.device)(q, ks[0], vs[0], block_mask=prefix_mask, scale=scale, enable_gqa=gqa,
+                                         return_aux=AuxRequest(lse=True))
+    return merge_diagonals(q, out, aux.lse, ks[1:], vs[1:], scale)
 
 
 def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor], scale: float) -> torch.Tensor:
@@ -268,9 +245,9 @@ def merge_diagonals(q, out, lse, kd: List[torch.Tensor], vd: List[torch.Tensor],
     # dimensions (j, D) are far too small for a GEMM kernel to pay
     qg = q.view(1, B, Hkv, g, T, D).float()
     s = (qg * torch.stack(kd).unsqueeze(3).float()).sum(-1) * scale  # diagonal scores [j, B, Hkv, g, T]
-    w = torch.softmax(torch.cat([lse.float().reshape(1, B, Hkv, g, T), s]), dim=0)
+    w = torch.softmax(torch.cat([lse.float().view(1, B, Hkv, g, T), s]), dim=0)
     Dv = out.shape[-1]  # the value width (an MLA draft's v_head_dim differs from q/k's)
-    merged = w[0, ..., None] * out.float().reshape(B, Hkv, g, T, Dv) \
+    merged = w[0, ..., None] * out.float().view(B, Hkv, g, T, Dv) \
         + (w[1:, ..., None] * torch.stack(vd).unsqueeze(3).float()).sum(0)
     return merged.view(B, Hq, T, Dv).to(q.dtype)
 

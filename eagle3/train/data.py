@@ -16,7 +16,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from .prefix_kernels import one_doc_per_row
 from .source import HiddenStateSource
 from .ttt import head_rows
 
@@ -199,8 +198,6 @@ class MicroBatches(torch.utils.data.Dataset):
             r = head_rows(batch["loss_mask"], batch["doc_ids"], self.head_rows_steps)
             if r is not None:  # None: every position has loss, nothing to leave out
                 batch["head_rows"] = r.pin_memory() if self.pin else r
-        if batch["doc_ids"].device.type == "cpu":  # the cudnn attention needs no document bias then
-            batch["one_doc_rows"] = one_doc_per_row(batch["doc_ids"])
         return batch
 
 

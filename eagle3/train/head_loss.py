@@ -21,8 +21,10 @@ not gathered into copies.
 ``train.head_loss`` (:func:`resolve`): ``fused`` runs the op (its Triton kernel on CUDA; on CPU a
 torch implementation of the same arithmetic, which the CPU tests run), ``unfused`` the logits and
 loss as plain torch code for Inductor, ``auto`` the op on CUDA where Triton imports, else unfused.
-As with :mod:`eagle3.train.prefix_kernels`, both ops do all their work at run time: the compiled
-TTT graph holds only their calls.
+Both ops do all their work at run time, from this file's code: the compiled TTT graph holds only
+their calls. (Work traced from an op's autograd formula into the compiled backward can outlive a
+change to that formula: Inductor's on-disk AOTAutograd cache is keyed by the forward graph, where
+the op is one node.)
 """
 from __future__ import annotations
 

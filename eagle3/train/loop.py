@@ -29,7 +29,7 @@ from ..artifacts import DRAFT_CONFIG_FILE, DRAFT_FILE, METRICS_FILE, VLLM_CONFIG
 from ..atomic import atomic_write_bytes, atomic_write_text
 from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
-from .attention import KERNEL_BACKENDS, resolve_backend
+from .attention import resolve_backend
 from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
 from .data import DeviceCopies, Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .inductor import restore_compile_threads
@@ -117,7 +117,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         else:  # a fresh run: old lines belong to an abandoned attempt
             metrics.path.unlink(missing_ok=True)
 
-    pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) in ("flex", *KERNEL_BACKENDS) else 1
+    pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
     order = epochs.micro_batches(state.step, total, accelerator.process_index)
     inputs.train_store.expect(order)  # an online source computes what it will be asked for
     # host batches go to the GPU from pinned memory (async copies): collated straight into it in

@@ -208,4 +208,4 @@ def model_inputs(head: TargetHead, batch: dict, compute_dtype: torch.dtype,
             cache.store(batch, in_vocab)
     return dict(aux=aux.to(compute_dtype), embeds=embeds, target_probs=probs,
                 in_vocab=in_vocab, loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-                doc_ids=batch["doc_ids"], head_rows=batch.get("head_rows"), one_doc_rows=batch.get("one_doc_rows"))
+                doc_ids=batch["doc_ids"], head_rows=batch.get("head_rows"))

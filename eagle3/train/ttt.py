@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model.draft import Eagle3Draft
-from .attention import KERNEL_BACKENDS, KernelPrefix, TTTMask, resolve_backend, ttt_attention
+from .attention import TTTMask, resolve_backend, ttt_attention
 from .head_loss import resolve as resolve_head_loss
 from .loss import soft_cross_entropy_rows
 
@@ -121,14 +121,11 @@ class TTTModel(nn.Module):
     def forward(self, aux: torch.Tensor, embeds: torch.Tensor, target_probs: torch.Tensor,
                 in_vocab: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
                 doc_ids: torch.Tensor, denominators: Optional[torch.Tensor] = None,
-                head_rows: Optional[torch.Tensor] = None, one_doc_rows: Optional[bool] = None):
+                head_rows: Optional[torch.Tensor] = None):
         """aux [B,T,n_aux*H]; embeds [B,T,H] of x_0..x_{T-1} (their dtype is the compute dtype);
         target_probs [B,T,V_draft] = p_t; in_vocab, loss_mask, position_ids, doc_ids [B,T].
         ``head_rows``: :func:`head_rows` of the batch, on its device; then the draft head and the
         loss run on those rows only (what the loss and statistics read), else on every position.
-        ``one_doc_rows``: whether every row is one document (the collator's word, from the host);
-        the ``cudnn`` backend then needs no document bias. Found here when not given (then with a
-        device sync).
         Returns (loss, stats [S, len(STAT_NAMES)] float64 sums)."""
         S, T = self.num_steps, loss_mask.shape[1]
         T_in, B = T, loss_mask.shape[0]
@@ -138,16 +135,14 @@ class TTTModel(nn.Module):
         if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():
             raise ValueError(f"train.attention={backend} cannot train on CPU (torch's flex_attention has no CPU "
                              "backward); use train.attention=auto or sdpa there")
-        if (backend.startswith("flex") or backend in KERNEL_BACKENDS) and T % FLEX_BLOCK:
-            # flex's block map needs whole blocks (cudnn pads alike: its kernels ran on whole blocks
-            # only): pad on the right with a padding document (no loss positions), which changes
-            # nothing for the real positions
+        if backend.startswith("flex") and T % FLEX_BLOCK:
+            # flex's block map needs whole blocks: pad on the right with a padding document
+            # (no loss positions), which changes nothing for the real positions
             extra = FLEX_BLOCK - T % FLEX_BLOCK
             aux, embeds, target_probs = (_pad_right(x, extra, 0) for x in (aux, embeds, target_probs))
             in_vocab, loss_mask, position_ids = (_pad_right(x, extra, 0) for x in (in_vocab, loss_mask, position_ids))
             doc_ids = _pad_right(doc_ids, extra, int(doc_ids.min()) - 1)
             T = T + extra
-            one_doc_rows = False
             if head_rows is not None:
                 head_rows = remap_rows(head_rows, B, T_in, T)
         with torch.no_grad():
@@ -156,12 +151,6 @@ class TTTModel(nn.Module):
                 masks = [mask.prefix_block()] * S
             elif backend == "flex_stacked":
                 masks = mask.blocks()
-            elif backend in KERNEL_BACKENDS:
-                from .prefix_kernels import doc_bias, one_doc_per_row
-
-                if one_doc_rows is None:
-                    one_doc_rows = one_doc_per_row(doc_ids)
-                masks = [KernelPrefix(None if one_doc_rows else doc_bias(doc_ids, embeds.dtype), backend)] * S
             else:
                 masks = [mask.dense(j) for j in range(S)]
         core = self._core

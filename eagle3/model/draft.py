@@ -544,7 +544,7 @@ class Eagle3Draft(nn.Module):
         itself, or with norm_output its normed form (vLLM's ``aux_output``)."""
         if not self.config.norm_output:
             return out
-        return rms_norm(out, self.norm.weight if norm_weight is None else norm_weight, self.norm.eps)
+        return self.head_input(out, norm_weight)
 
     def head_input(self, out: torch.Tensor, norm_weight=None) -> torch.Tensor:
         """What the draft head (lm_head) multiplies: the final norm of a step's pre-norm output."""

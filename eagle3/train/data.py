@@ -10,6 +10,7 @@ within it, epoch after epoch).
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -217,12 +218,10 @@ class DeviceCopies:
     through."""
 
     def __init__(self, batches, device):
-        import collections
-
         self._batches = iter(batches)
         self._device = torch.device(device)
         self._stream = torch.cuda.Stream(self._device)
-        self._issued: "collections.deque" = collections.deque()
+        self._issued: collections.deque = collections.deque()
         self._ended = False
 
     def ahead(self, n: int) -> None:

@@ -43,14 +43,12 @@ at the 8B shape (bench/head_loss.py), this one was the fastest: 1.19 ms a step's
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """(the Triton module, the kernel), or None where Triton cannot be imported."""
+    """The Triton kernel, or None where Triton cannot be imported."""
     try:
-        import triton
-
         from eagle3.train._head_loss_kernels import soft_ce_kernel
     except Exception:  # noqa: BLE001 - any import failure means: not here
         return None
-    return triton, soft_ce_kernel
+    return soft_ce_kernel
 
 
 def resolve(name: str, device: torch.device) -> str:
@@ -83,7 +81,7 @@ def _soft_ce_torch(logits: Tensor, target: Tensor, target_rows: Tensor, weights:
 
 
 def _soft_ce_triton(logits: Tensor, target: Tensor, target_rows: Tensor, weights: Tensor) -> Tuple[Tensor, Tensor]:
-    _, kernel = _kernel()
+    kernel = _kernel()
     N, V = logits.shape
     ce = torch.empty(N, dtype=torch.float32, device=logits.device)
     arg = torch.empty(N, dtype=torch.int64, device=logits.device)

@@ -232,8 +232,9 @@ def eagle3_rows(a, device, emit, work: Path) -> None:
     attention, compile_ = bench_train.VARIANTS[variant]
     a = argparse.Namespace(**vars(a), loop_steps=a.warmup + a.steps)  # loop_config's max_steps
     failed = {}
-    for opt in a.optimizers:
-        def build(impl, opt=opt):
+    arms = [(opt, f8) for f8 in (("off", "on") if getattr(a, "eagle3_fp8", False) else ("off",)) for opt in a.optimizers]
+    for opt, f8 in arms:
+        def build(impl, opt=opt, f8=f8):
             cfg = bench_train.make_config(a)
             gen = torch.Generator(device=device).manual_seed(0)
             draft = Eagle3Draft(cfg).to(device)  # fp32 master weights
@@ -242,8 +243,8 @@ def eagle3_rows(a, device, emit, work: Path) -> None:
             draft.set_vocab_mapping(head.kept_ids - torch.arange(cfg.draft_vocab_size, device=device),
                                     torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device)
                                     .index_fill_(0, head.kept_ids, True))
-            model = TTTModel(draft, num_steps=a.ttt, decay=0.8, attention=attention, compile=compile_)
-            tcfg = bench_train.loop_config(a, "auto", optimizer=opt, muon_impl="fast")
+            model = TTTModel(draft, num_steps=a.ttt, decay=0.8, attention=attention, compile=compile_, fp8_matmul=f8)
+            tcfg = bench_train.loop_config(a, "auto", optimizer=opt, muon_impl="fast", fp8_matmul=f8)
             optimizer = build_optimizer(model, tcfg, device)
             batch = bench_train.make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen)
 
@@ -254,8 +255,11 @@ def eagle3_rows(a, device, emit, work: Path) -> None:
 
         label = (f"eagle3, AdamW (bench/train.py {variant})" if opt == "adamw"
                  else f"eagle3, Muon (FastMuon + AdamW, train.optimizer=muon; {variant})")
-        row = {"peer": "eagle3", "variant": opt, "optimizer": opt, "trainer": label,
-               "precision": "fp32 weights, bf16 autocast", "attention": attention,
+        if f8 != "off":
+            label += f", train.fp8_matmul={f8}"
+        row = {"peer": "eagle3", "variant": opt if f8 == "off" else f"{opt}+fp8", "optimizer": opt, "trainer": label,
+               "precision": "fp32 weights, bf16 autocast" + ("; the layer's matmuls float8" if f8 != "off" else ""),
+               "attention": attention,
                "loss_impl": "eagle3 TTT loss" + (" (compiled)" if compile_ else "")}
         try:
             row.update(run_impls(build, [variant], failed, a, device))
@@ -602,6 +606,8 @@ def main(argv=None):
                    help="a small shape for a CPU run (" + ", ".join(f"{k} {v}" for k, v in SMALL.items()) + ")")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated, run in this order")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="adamw, muon (SpecForge has AdamW only)")
+    p.add_argument("--eagle3-fp8", action="store_true",
+                   help="eagle3's rows also with train.fp8_matmul=on (the layer's matmuls in float8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -288,7 +288,7 @@ def loop_config(a, compile_mode: str, **overrides):
                   keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
                   optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
                   muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, muon_sym="auto",
-                  target_cache=True, adamw_impl="auto", loss_rows_only=True, head_loss="auto")
+                  target_cache=True, adamw_impl="auto", loss_rows_only=True, head_loss="auto", fp8_matmul="off")
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -318,7 +318,8 @@ def run_loop(a, device, compile_mode: str) -> dict:
     # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+unfused" /
     # "+fused": train.head_loss (the draft head and its loss as torch code for Inductor / one op);
     # "+synclog": the loop writes each logged window before its next step, waiting for the GPU (as it
-    # did before its logs were deferred: eagle3.train.loop.SYNC_LOGS)
+    # did before its logs were deferred: eagle3.train.loop.SYNC_LOGS); "+f8mm" / "+f8mmw":
+    # train.fp8_matmul=on / bf16_wgrad (the layer's and fc's matmuls in float8)
     mode, *opts = compile_mode.split("+")
     inputs = loop_inputs(a, fp8="fp8" in opts)
     muon = "muon" in opts or "muontorch" in opts
@@ -326,7 +327,8 @@ def run_loop(a, device, compile_mode: str) -> dict:
     tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
                        muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
                        muon_sym="panels" if "panels" in opts else "auto",
-                       head_loss=next((o for o in opts if o in ("fused", "unfused")), "auto"))
+                       head_loss=next((o for o in opts if o in ("fused", "unfused")), "auto"),
+                       fp8_matmul="on" if "f8mm" in opts else "bf16_wgrad" if "f8mmw" in opts else "off")
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
     import gc

@@ -542,6 +542,14 @@ class TrainConfig:
     CUDA where Triton imports, else unfused. The same loss and gradients up to rounding. Speed
     only: not hashed."""
 
+    fp8_matmul: str = "off"
+    """The draft layer's and fc's matmuls in float8 (eagle3/model/fp8.py: e4m3 operands with a
+    power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
+    optimizer unchanged; the draft head stays bf16): off | on (the forward and both gradients) |
+    bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 8.9 or later on a
+    GPU (Ada, Hopper, Blackwell) and bf16 activations there; CPUs run it too (slowly). Changes the
+    numbers: hashed (docs/configuration.md has what it measured)."""
+
     target_cache: bool = True
     """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
     draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
@@ -561,7 +569,7 @@ class TrainConfig:
                     "hidden_states", "online", "muon_impl", "muon_shard", "muon_sym", "adamw_impl", "loss_rows_only",
                     "target_cache", "head_loss")
     HASH_OMIT_DEFAULTS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
-                          "muon_adjust_lr_fn")
+                          "muon_adjust_lr_fn", "fp8_matmul")
 
     def __post_init__(self):
         _check_positive("train.ttt_steps", self.ttt_steps)
@@ -597,6 +605,7 @@ class TrainConfig:
         _check_choice("train.muon_sym", self.muon_sym, ("auto", "triton", "panels"))
         _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
         _check_choice("train.head_loss", self.head_loss, ("auto", "fused", "unfused"))
+        _check_choice("train.fp8_matmul", self.fp8_matmul, ("off", "on", "bf16_wgrad"))
 
 
 @dataclass

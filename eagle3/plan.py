@@ -279,7 +279,7 @@ def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 3) 
     t2d[kept] = True
     draft.set_vocab_mapping(torch.zeros(draft_vocab_size, dtype=torch.long), t2d)
     model = TTTModel(draft, num_steps=tcfg.ttt_steps, decay=tcfg.decay, attention=tcfg.attention,
-                     compile=tcfg.compile == "true")
+                     compile=tcfg.compile == "true", fp8_matmul=tcfg.fp8_matmul)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     B, T, n = tcfg.batch_size, tcfg.max_seq_len, len(layer_ids)
     g = torch.Generator().manual_seed(0)

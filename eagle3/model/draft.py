@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fp8 import linear, quantize_weight
 from .rope import (
     apply_rope,
     apply_rope_interleaved,
@@ -317,7 +318,7 @@ class Eagle3Attention(nn.Module):
         packing q_proj, k_proj, v_proj row-wise)."""
         B, T, _ = x.shape
         D, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        q, k, v = (pe + F.linear(x, w["qkv_h"])).split([nq * D, nkv * D, nkv * D], dim=-1)
+        q, k, v = (pe + linear(x, w["qkv_h"])).split([nq * D, nkv * D, nkv * D], dim=-1)
         q, k, v = q.view(B, T, nq, D), k.view(B, T, nkv, D), v.view(B, T, nkv, D)
         if self.q_norm is not None:
             q, k = rms_norm(q, w["q_norm"], self.q_norm.eps), rms_norm(k, w["k_norm"], self.k_norm.eps)
@@ -366,7 +367,7 @@ class Eagle3MLAAttention(nn.Module):
         B, T, _ = x.shape
         nh, nope, rd = self.num_heads, self.nope, self.rope_dim
         q_width = self.q_lora_rank or nh * self.head_dim
-        q, kv_a = (pe + F.linear(x, w["qkv_h"])).split([q_width, self.kv_lora_rank + rd], -1)
+        q, kv_a = (pe + linear(x, w["qkv_h"])).split([q_width, self.kv_lora_rank + rd], -1)
         if self.q_lora_rank:
             q = F.linear(rms_norm(q, w["q_a_layernorm"], self.eps), w["q_b"])
         q = q.view(B, T, nh, nope + rd).transpose(1, 2)
@@ -387,8 +388,8 @@ class Eagle3MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, w: dict):
-        gate, up = F.linear(x, w["gate_up"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w["down"])
+        gate, up = linear(x, w["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w["down"])
 
 
 class Eagle3MidLayer(nn.Module):
@@ -401,9 +402,11 @@ class Eagle3MidLayer(nn.Module):
         self.self_attn = Eagle3MLAAttention(cfg) if cfg.architecture == "deepseek" else Eagle3Attention(cfg)
         self.mlp = Eagle3MLP(cfg)
 
-    def weights(self, dtype: Optional[torch.dtype] = None) -> dict:
+    def weights(self, dtype: Optional[torch.dtype] = None, fp8: str = "off") -> dict:
         """The layer's weights for one forward: q/k/v and gate/up packed for one matmul each,
         cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters).
+        ``fp8`` (``train.fp8_matmul``, eagle3.model.fp8): the packed matmuls' weights also quantized
+        once, for every step's float8 matmuls.
 
         q/k/v's columns come in two halves: those that multiply the token embeddings (with the
         input norm's weight folded in: qkv(norm(e) * w) == qkv * w applied to norm(e)) and those
@@ -427,7 +430,10 @@ class Eagle3MidLayer(nn.Module):
             w.update(a.extra_weights())
         elif a.q_norm is not None:
             w["q_norm"], w["k_norm"] = a.q_norm.weight, a.k_norm.weight
-        return {k: cast(v) for k, v in w.items()}
+        w = {k: cast(v) for k, v in w.items()}
+        for k in ("qkv_e", "qkv_h", "o", "gate_up", "down"):
+            w[k] = quantize_weight(w[k], fp8)
+        return w
 
     def project_embeds(self, embeds: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:
         """The token embeddings' part of the attention's input projection, w['qkv_e'] applied to
@@ -438,7 +444,7 @@ class Eagle3MidLayer(nn.Module):
         step a shifted window (eagle3/train/ttt.py), where projecting every step's shifted copy
         would repeat the same rows' product S times, forward and in the weight's gradient."""
         w = w if w is not None else self.weights()
-        return F.linear(rms_norm(embeds, None, self.hidden_norm.eps), w["qkv_e"])
+        return linear(rms_norm(embeds, None, self.hidden_norm.eps), w["qkv_e"])
 
     def pre_attention(self, hidden: torch.Tensor, embeds: torch.Tensor, cos, sin, w: Optional[dict] = None,
                       projected: bool = False):
@@ -459,7 +465,7 @@ class Eagle3MidLayer(nn.Module):
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor, w: Optional[dict] = None) -> torch.Tensor:
         """The pre-norm output [B,T,H] from the attention output [B,T,Hq*D]."""
         w = w if w is not None else self.weights()
-        residual = F.linear(attn, w["o"]) + residual
+        residual = linear(attn, w["o"]) + residual
         x = rms_norm(residual, w["post_attention_layernorm"], self.post_attention_layernorm.eps)
         return self.mlp(x, w) + residual
 

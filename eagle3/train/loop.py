@@ -94,7 +94,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     if compile_:
         restore_compile_threads()  # vLLM's TORCHINDUCTOR_COMPILE_THREADS=1, where it ran in this process
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_,
-                     head_loss=getattr(tcfg, "head_loss", "auto"))
+                     head_loss=getattr(tcfg, "head_loss", "auto"), fp8_matmul=getattr(tcfg, "fp8_matmul", "off"))
     head.compile = compile_
     check_optimizer_distribution(accelerator, tcfg)
     # train.optimizer: AdamW, or Muon + AdamW

@@ -20,9 +20,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..model.draft import Eagle3Draft
+from ..model.fp8 import RECIPES as FP8_RECIPES
+from ..model.fp8 import linear, quantize_weight
 from .attention import TTTMask, resolve_backend, ttt_attention
 from .head_loss import resolve as resolve_head_loss
 from .loss import soft_cross_entropy_rows
@@ -89,6 +90,22 @@ def remap_rows(rows: torch.Tensor, B: int, T: int, T_new: int) -> torch.Tensor:
     return (j * B + rem // T) * T_new + rem % T
 
 
+def check_fp8(recipe: str, device: torch.device, dtype: torch.dtype) -> None:
+    """``train.fp8_matmul`` where it can run: a CPU, or a GPU with float8 tensor cores (compute
+    capability 8.9 or later: Ada, Hopper, Blackwell) computing in bf16 (the only output dtype of
+    rowwise-scaled float8 matmuls there)."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"train.fp8_matmul must be one of {FP8_RECIPES}, got {recipe!r}")
+    if recipe != "off" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"train.fp8_matmul={recipe} needs float8 matmuls, which {name} (compute capability "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) lacks (8.9 or later: "
+                         "Ada, Hopper, Blackwell); use train.fp8_matmul=off")
+    if recipe != "off" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"train.fp8_matmul={recipe} on a GPU needs bf16 activations (train.mixed_precision=auto "
+                         f"or bf16), not {dtype}; or use train.fp8_matmul=off")
+
+
 def loss_denominators(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
     """Loss positions per step [S] (float) of a batch, from its raw fields only."""
     dummy = torch.ones_like(loss_mask, dtype=torch.bool)
@@ -107,7 +124,7 @@ class TTTModel(nn.Module):
     """
 
     def __init__(self, draft: Eagle3Draft, num_steps: int = 7, decay: float = 0.8,
-                 attention: str = "auto", compile: bool = False, head_loss: str = "auto"):
+                 attention: str = "auto", compile: bool = False, head_loss: str = "auto", fp8_matmul: str = "off"):
         super().__init__()
         self.draft = draft
         self.num_steps = num_steps
@@ -115,6 +132,7 @@ class TTTModel(nn.Module):
         self.attention = attention
         self.compile = compile
         self.head_loss = head_loss
+        self.fp8_matmul = fp8_matmul  # train.fp8_matmul: the layer's and fc's matmuls (eagle3.model.fp8)
         self._head_loss = None  # resolved on the inputs' device
         self._compiled_core = None
 
@@ -132,6 +150,7 @@ class TTTModel(nn.Module):
         loss_mask = loss_mask * (doc_ids >= 0)  # negative doc ids mark padding
         backend = resolve_backend(self.attention, embeds.device)
         self._head_loss = resolve_head_loss(self.head_loss, embeds.device)
+        check_fp8(self.fp8_matmul, embeds.device, embeds.dtype)
         if backend.startswith("flex") and embeds.device.type == "cpu" and torch.is_grad_enabled():
             raise ValueError(f"train.attention={backend} cannot train on CPU (torch's flex_attention has no CPU "
                              "backward); use train.attention=auto or sdpa there")
@@ -183,10 +202,13 @@ class TTTModel(nn.Module):
             target_arg = target_pad.argmax(-1)
         # weights cast to the compute dtype once per forward (not once per step), q/k/v and
         # gate/up packed into single matmuls; gradients flow back to the fp32 parameters
-        wl = layer.weights(dtype)
+        # train.fp8_matmul: the training's matmuls only; evaluation (no gradients) multiplies in bf16,
+        # as the draft is served
+        fp8 = self.fp8_matmul if torch.is_grad_enabled() else "off"
+        wl = layer.weights(dtype, fp8=fp8)
         norm_w, lm_head_w = draft.norm.weight.to(dtype), draft.lm_head.weight.to(dtype)
         # fc_input: the EAGLE-3.1 norms of the aux states (norm_before_fc, fc_norm), if set
-        h = F.linear(draft.fc_input(aux), draft.fc.weight.to(dtype))
+        h = linear(draft.fc_input(aux), quantize_weight(draft.fc.weight.to(dtype), fp8))
         # the embeddings' part of q/k/v once for the row (tokens x_1 .. x_{T+S-1} and padding); step j
         # reads the window of tokens x_{j+1} .. x_{j+T}: one matmul, and one weight gradient, instead
         # of S over shifted copies of the same rows

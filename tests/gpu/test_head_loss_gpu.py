@@ -36,10 +36,9 @@ def test_kernel_equals_torch_implementation(dtype, V):
     assert gpu[::7].abs().max() == 0  # weight 0: no gradient
 
 
-def test_ttt_fused_equals_unfused_on_cuda():
-    """The compiled TTT model in bf16, fused against unfused: loss, statistics, gradients."""
+def tiny_draft_and_batch():
+    """A small draft on CUDA and a bf16 batch of two rows (two documents, then padding)."""
     from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
-    from eagle3.train.ttt import TTTModel
 
     torch.manual_seed(0)
     cfg = Eagle3DraftConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -54,6 +53,14 @@ def test_ttt_fused_equals_unfused_on_cuda():
                  target_probs=torch.softmax(torch.randn(B, T, 1000, device="cuda") * 2, -1).bfloat16(),
                  in_vocab=torch.rand(B, T, device="cuda") < 0.9, loss_mask=(doc >= 0).long(),
                  position_ids=pos, doc_ids=doc)
+    return draft, batch
+
+
+def test_ttt_fused_equals_unfused_on_cuda():
+    """The compiled TTT model in bf16, fused against unfused: loss, statistics, gradients."""
+    from eagle3.train.ttt import TTTModel
+
+    draft, batch = tiny_draft_and_batch()
     out = {}
     for mode in ("unfused", "fused"):
         model = TTTModel(draft, num_steps=3, compile=True, head_loss=mode)

@@ -150,3 +150,30 @@ def test_short_training_in_fp8_follows_the_float32_run():
     assert off[-1] < 0.5 * off[0], off  # the task is learnt
     for i in range(9, 60, 10):
         assert abs(on[i] - off[i]) <= 0.02 * off[i], (i, on[i], off[i])
+
+
+def test_mla_draft_in_fp8_is_near_its_float32_self():
+    """A DeepSeek-V3-style draft (MLA attention, as for Kimi-K2.5): its packed q_a/kv_a projection,
+    o and MLP in float8 (q_b and kv_b stay in the activations' dtype), near the float32 model."""
+    from test_draft import _mla_cfg
+
+    from eagle3.model.draft import Eagle3Draft
+
+    torch.manual_seed(0)
+    cfg = _mla_cfg()
+    draft = Eagle3Draft(cfg)
+    B, T, H = 2, 32, cfg.hidden_size
+    batch = dict(aux=torch.randn(B, T, 3 * cfg.target_hidden_size), embeds=torch.randn(B, T, H),
+                 target_probs=torch.softmax(torch.randn(B, T, cfg.draft_vocab_size), -1),
+                 in_vocab=torch.ones(B, T, dtype=torch.bool), loss_mask=torch.ones(B, T, dtype=torch.long),
+                 position_ids=torch.arange(T).expand(B, T), doc_ids=torch.zeros(B, T, dtype=torch.long))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    out = {}
+    for mode in ("off", "on"):
+        loss, _ = TTTModel(draft, num_steps=2, attention="sdpa", fp8_matmul=mode)(**batch)
+        out[mode] = (loss.detach(), torch.autograd.grad(loss, params, allow_unused=True))
+    (l0, g0), (l1, g1) = out["off"], out["on"]
+    assert (l1 - l0).abs() <= 1e-3 * l0.abs()
+    for p, a, r in zip(params, g1, g0):
+        if p.dim() == 2 and r is not None and r.abs().sum() > 0:
+            assert torch.nn.functional.cosine_similarity(a.flatten().double(), r.flatten().double(), 0) > 0.98

@@ -10,7 +10,9 @@ e4m3's 448. Hopper and Blackwell GEMMs run float8 at twice bf16's rate.
 The weights stay float32 parameters (the optimizer's update is unchanged); what is quantized is the
 bf16 weight of one forward, once per forward (:func:`quantize_weight`), in both orientations the
 forward and the input gradient read, then shared by every TTT step. ``wgrad`` bf16 keeps the weight
-gradient's matmul in bf16 (the one whose contraction runs over the tokens).
+gradient's matmul in bf16 (the one whose contraction runs over the tokens). Which matmuls: q/k/v
+(both halves), o, gate/up, down and fc; in an MLA draft (``architecture=deepseek``) its packed
+q_a/kv_a projection, o and the MLP, while q_b and kv_b stay in the activations' dtype.
 
 Quantization is plain torch code: under ``torch.compile`` it fuses into the surrounding kernels.
 """

@@ -439,26 +439,29 @@ def loop_trace(a, compile_mode: str):
 
 
 def trace_summary(trace: dict, n: int) -> dict:
-    """Per-step means over a profiled window: wall (first to last traced step start, per step), GPU
-    busy (union of kernel/memcpy/memset intervals), host in the step function and between steps."""
+    """Per-step means over a profiled window of ``n`` steps: the GPU's span (its first kernel's start
+    to its last kernel's end: the GPU runs behind the host, so the host's step marks cannot cut its
+    work into steps), GPU busy (the union of kernel/memcpy/memset intervals) and idle within that
+    span, and the host's time in the step function and between steps (from its marks)."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e for e in ev if e.get("name") == "bench.optimizer_step" and e.get("cat") == "user_annotation"),
                    key=lambda e: e["ts"])
     gpu = sorted(((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")))
     if len(steps) < 2 or not gpu:
         return {"error": f"{len(steps)} traced steps, {len(gpu)} GPU events"}
-    t0, t1 = steps[0]["ts"], steps[-1]["ts"]  # n-1 whole step periods, start to start
-    busy, end = 0.0, t0
+    busy, end = 0.0, gpu[0][0]
     for s, e in gpu:
-        s, e = max(s, end), min(e, t1)
+        s = max(s, end)
         if e > s:
             busy += e - s
             end = e
-    per = len(steps) - 1
-    inside = sum(e["dur"] for e in steps[:-1])
-    return {"steps": per, "wall_ms": (t1 - t0) / per / 1e3, "gpu_busy_ms": busy / per / 1e3,
-            "gpu_idle_ms": ((t1 - t0) - busy) / per / 1e3, "host_in_step_ms": inside / per / 1e3,
-            "host_between_steps_ms": ((t1 - t0) - inside) / per / 1e3}
+    span = max(e for _, e in gpu) - gpu[0][0]
+    inside = sum(e["dur"] for e in steps)
+    host = steps[-1]["ts"] + steps[-1]["dur"] - steps[0]["ts"]
+    per = len(steps)
+    return {"steps": per, "gpu_span_ms": span / per / 1e3, "gpu_busy_ms": busy / per / 1e3,
+            "gpu_idle_ms": (span - busy) / per / 1e3, "host_in_step_ms": inside / per / 1e3,
+            "host_between_steps_ms": (host - inside) / max(1, per - 1) / 1e3}
 
 
 def sync_check(model, head, batch, opt, fold):

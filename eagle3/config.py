@@ -546,8 +546,8 @@ class TrainConfig:
     """The draft layer's and fc's matmuls in float8 (eagle3/model/fp8.py: e4m3 operands with a
     power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
     optimizer unchanged; the draft head stays bf16): off | on (the forward and both gradients) |
-    bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 8.9 or later on a
-    GPU (Ada, Hopper, Blackwell) and bf16 activations there; CPUs run it too (slowly). Changes the
+    bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 9.0 or later on a
+    GPU (Hopper, Blackwell) and bf16 activations there; CPUs run it too (slowly). Changes the
     numbers: hashed (docs/configuration.md has what it measured)."""
 
     target_cache: bool = True

@@ -77,6 +77,22 @@ def test_refusals_say_what_and_how():
     check_fp8("on", torch.device("cpu"), torch.float32)  # CPUs run it, in either dtype
 
 
+def test_gpus_without_rowwise_float8_are_refused(monkeypatch):
+    """No GPU here: torch.cuda's answers are stood in for. An Ada (8.9) or Ampere GPU is refused
+    with its name and what to set; a Hopper one passes in bf16 and is refused in float32."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L40S")
+    cuda = torch.device("cuda")
+    for cap in ((8, 9), (8, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
+        with pytest.raises(ValueError, match=rf"9\.0 or later .*NVIDIA L40S .*{cap[0]}\.{cap[1]}.*fp8_matmul=off"):
+            check_fp8("on", cuda, torch.bfloat16)
+        check_fp8("off", cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    check_fp8("bf16_wgrad", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs bf16 activations"):
+        check_fp8("on", cuda, torch.float32)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_ttt_model_in_fp8_is_near_its_float32_self(compiled):
     """The TTT model's loss and every parameter's gradient with the layer and fc in float8: near the

@@ -91,16 +91,17 @@ def remap_rows(rows: torch.Tensor, B: int, T: int, T_new: int) -> torch.Tensor:
 
 
 def check_fp8(recipe: str, device: torch.device, dtype: torch.dtype) -> None:
-    """``train.fp8_matmul`` where it can run: a CPU, or a GPU with float8 tensor cores (compute
-    capability 8.9 or later: Ada, Hopper, Blackwell) computing in bf16 (the only output dtype of
-    rowwise-scaled float8 matmuls there)."""
+    """``train.fp8_matmul`` where it can run: a CPU, or a GPU of compute capability 9.0 or later
+    (Hopper, Blackwell: torch's rowwise-scaled float8 matmul is built for them; Ada's 8.9 has float8
+    tensor cores but that kernel was not, and is not tried here) computing in bf16 (the output dtype
+    measured there)."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"train.fp8_matmul must be one of {FP8_RECIPES}, got {recipe!r}")
-    if recipe != "off" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if recipe != "off" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         name = torch.cuda.get_device_name(device)
-        raise ValueError(f"train.fp8_matmul={recipe} needs float8 matmuls, which {name} (compute capability "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) lacks (8.9 or later: "
-                         "Ada, Hopper, Blackwell); use train.fp8_matmul=off")
+        raise ValueError(f"train.fp8_matmul={recipe} needs rowwise-scaled float8 matmuls, which torch runs on "
+                         f"compute capability 9.0 or later (Hopper, Blackwell), not on {name} (compute capability "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}); use train.fp8_matmul=off")
     if recipe != "off" and device.type == "cuda" and dtype != torch.bfloat16:
         raise ValueError(f"train.fp8_matmul={recipe} on a GPU needs bf16 activations (train.mixed_precision=auto "
                          f"or bf16), not {dtype}; or use train.fp8_matmul=off")

@@ -434,12 +434,12 @@ def loop_trace(a, compile_mode: str):
         raw = Path(f"{tmp}/trace.json").read_bytes()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"loop_trace_{compile_mode.replace('+', '_')}.json.gz").write_bytes(gzip.compress(raw))
-    result.update(trace_summary(json.loads(raw), n))
+    result.update(trace_summary(json.loads(raw)))
     print(f"loop trace ({compile_mode}, {n} steps): " + json.dumps(result), flush=True)
 
 
-def trace_summary(trace: dict, n: int) -> dict:
-    """Per-step means over a profiled window of ``n`` steps: the GPU's span (its first kernel's start
+def trace_summary(trace: dict) -> dict:
+    """Per-step means over a profiled window's steps (its ``bench.optimizer_step`` marks): the GPU's span (its first kernel's start
     to its last kernel's end: the GPU runs behind the host, so the host's step marks cannot cut its
     work into steps), GPU busy (the union of kernel/memcpy/memset intervals) and idle within that
     span, and the host's time in the step function and between steps (from its marks)."""

@@ -605,6 +605,7 @@ class TrainConfig:
         _check_choice("train.muon_sym", self.muon_sym, ("auto", "triton", "panels"))
         _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
         _check_choice("train.head_loss", self.head_loss, ("auto", "fused", "unfused"))
+        # eagle3.model.fp8.RECIPES (not imported: it needs torch; tests/test_fp8_matmul.py holds them equal)
         _check_choice("train.fp8_matmul", self.fp8_matmul, ("off", "on", "bf16_wgrad"))
 
 

@@ -30,16 +30,16 @@ def test_rows_are_scaled_by_powers_of_two_into_e4m3s_range():
     assert torch.equal(row_scale(amax), s)
 
 
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("recipe", ["on", "bf16_wgrad"])
 @pytest.mark.parametrize("tokens", [32, 37])  # 37: padded to 48 rows inside, cut back after
-def test_op_is_its_quantized_arithmetic_forward_and_both_gradients(wgrad, tokens):
+def test_op_is_its_quantized_arithmetic_forward_and_both_gradients(recipe, tokens):
     """y = Q(x) Q(W)^T, dx = Q(dy) Q_cols(W), dW = Q_cols(dy)^T Q_cols(x) (or dy^T x in the
-    activations' dtype with wgrad bf16), each Q one scale per row of the contraction."""
+    activations' dtype with bf16_wgrad), each Q one scale per row of the contraction."""
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 64, requires_grad=True)
     w = (0.1 * torch.randn(96, 64)).requires_grad_()
     dy = torch.randn(tokens, 96)
-    y = Fp8Weight(w, wgrad)(x)
+    y = Fp8Weight(w, recipe)(x)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
 
     def q(t):
@@ -47,10 +47,13 @@ def test_op_is_its_quantized_arithmetic_forward_and_both_gradients(wgrad, tokens
     xd, wd, dyd = x.detach(), w.detach(), dy
     want_y = q(xd) @ q(wd).T
     want_dx = q(dyd) @ q(wd.T).T
-    want_dw = q(dyd.T) @ q(xd.T).T if wgrad == "fp8" else dyd.double().T @ xd.double()
+    want_dw = q(dyd.T) @ q(xd.T).T if recipe == "on" else dyd.double().T @ xd.double()
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
         assert got.shape == want.shape and got.dtype == torch.float32
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # a constant input (the normalised embeddings' projection): the weight's gradient alone, the same
+    (dw_only,) = torch.autograd.grad(Fp8Weight(w, recipe)(x.detach()), (w,), dy)
+    assert torch.equal(dw_only, dw)
     # and a float8 product is near the exact one: a few percent of the result
     exact = xd.double() @ wd.double().T
     assert 1e-3 < ((y.double() - exact).norm() / exact.norm()).item() < 0.06
@@ -61,7 +64,7 @@ def test_linear_and_quantize_weight_dispatch():
     assert quantize_weight(w, "off") is w
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
     fw = quantize_weight(w, "bf16_wgrad")
-    assert isinstance(fw, Fp8Weight) and fw.wgrad == "bf16"
+    assert isinstance(fw, Fp8Weight) and fw.recipe == "bf16_wgrad"
     assert torch.equal(linear(x, fw), fw(x))
     with pytest.raises(ValueError, match="must be one of"):
         quantize_weight(w, "e5m2")
@@ -72,8 +75,13 @@ def test_refusals_say_what_and_how():
         check_dims("a weight", 64, 40)
     with pytest.raises(ValueError, match="multiples of 16"):
         Fp8Weight(torch.randn(40, 64))
-    with pytest.raises(ValueError, match="must be one of"):
-        check_fp8("yes", torch.device("cpu"), torch.bfloat16)
+    from eagle3.config import TrainConfig
+    from eagle3.model.fp8 import RECIPES
+
+    for recipe in RECIPES:  # the config accepts exactly the op's recipes
+        TrainConfig(fp8_matmul=recipe)
+    with pytest.raises(ValueError, match="fp8_matmul"):
+        TrainConfig(fp8_matmul="yes")
     check_fp8("on", torch.device("cpu"), torch.float32)  # CPUs run it, in either dtype
 
 

@@ -59,20 +59,20 @@ def check_dims(name: str, *dims: int) -> None:
 
 
 class Fp8Weight:
-    """A weight [N, K] of one forward, quantized for :func:`fp8_linear`; calling it on x [..., K]
-    is ``F.linear(x, w)`` in float8 (the gradient reaches ``w``)."""
+    """A weight [N, K] of one forward, quantized for :func:`linear` under ``recipe`` (on |
+    bf16_wgrad); calling it on x [..., K] is ``F.linear(x, w)`` in float8 (the gradient reaches ``w``)."""
 
-    def __init__(self, w: Tensor, wgrad: str = "fp8"):
+    def __init__(self, w: Tensor, recipe: str = "on"):
         check_dims("a weight", *w.shape)
         self.w = w
-        self.wgrad = wgrad
+        self.recipe = recipe
         with torch.no_grad():
             d = w.detach()
             self.q, self.s = quantize_rows(d)  # the forward's: per output row, over K
             self.tq, self.ts = quantize_cols(d)  # the input gradient's: per input column, over N
 
     def __call__(self, x: Tensor) -> Tensor:
-        return _Fp8Linear.apply(x, self.w, self.q, self.s, self.tq, self.ts, self.wgrad == "fp8")
+        return _Fp8Linear.apply(x, self.w, self.q, self.s, self.tq, self.ts, self.recipe == "on")
 
 
 def quantize_weight(w: Tensor, recipe: str) -> Tensor | Fp8Weight:
@@ -81,7 +81,7 @@ def quantize_weight(w: Tensor, recipe: str) -> Tensor | Fp8Weight:
         return w
     if recipe not in RECIPES:
         raise ValueError(f"train.fp8_matmul must be one of {RECIPES}, got {recipe!r}")
-    return Fp8Weight(w, "bf16" if recipe == "bf16_wgrad" else "fp8")
+    return Fp8Weight(w, recipe)
 
 
 def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
@@ -115,12 +115,15 @@ class _Fp8Linear(torch.autograd.Function):
         x2, tq, ts = ctx.saved_tensors
         M = ctx.shape[:-1].numel()
         dy2 = _pad_rows(dy.reshape(M, dy.shape[-1]))
-        dyq, sdy = quantize_rows(dy2)
-        dx = _mm(dyq, sdy, tq, ts, dy.dtype)[:M].view(ctx.shape)
-        if ctx.wgrad_fp8:  # contraction over the tokens: per output row of dy^T, per input column of x
-            gq, sg = quantize_cols(dy2)
-            xq, sx = quantize_cols(x2)
-            dw = _mm(gq, sg, xq, sx, dy.dtype)
-        else:
-            dw = dy2.t() @ x2
-        return dx, dw.to(ctx.w_dtype), None, None, None, None, None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # not for constant inputs (the normalised embeddings' projection)
+            dyq, sdy = quantize_rows(dy2)
+            dx = _mm(dyq, sdy, tq, ts, dy.dtype)[:M].view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            if ctx.wgrad_fp8:  # contraction over the tokens: per output row of dy^T, per input column of x
+                gq, sg = quantize_cols(dy2)
+                xq, sx = quantize_cols(x2)
+                dw = _mm(gq, sg, xq, sx, dy.dtype).to(ctx.w_dtype)
+            else:
+                dw = (dy2.t() @ x2).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None

@@ -237,8 +237,8 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_checkpoint(pipeline):
     resumes from it."""
     from eagle3.manifest import Manifest
 
-    # torchrun kills ranks still running 30 s after it forwards the signal: time enough here, but not
-    # on a CI machine whose disk stalls the checkpoint's fsync
+    # torchrun kills ranks still running 30 s after it forwards the signal: seconds are enough here,
+    # but a loaded machine's stalled disk (the checkpoint's fsync) must not make the test fail
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                ACCELERATE_USE_CPU="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="240")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",

@@ -1,6 +1,12 @@
 """A wheel of eagle3 carries its configs and data and runs from any directory, reading them from the
 installed package rather than from a checkout. Built offline from a copy of the sources, installed
-into a scratch virtualenv that borrows the system's torch, transformers and Hydra."""
+into a scratch virtualenv that borrows the running interpreter's torch, transformers and Hydra.
+
+The borrowing goes through a ``.pth`` file naming the running interpreter's site directories, not
+``venv --system-site-packages``: when the tests themselves run inside a virtualenv (as most users'
+do), ``--system-site-packages`` shows the scratch venv the *base* interpreter's packages, not the
+user's venv's. The test runs once from the interpreter as it is and once from a virtualenv made on it,
+so a plain (non-venv) CI covers the virtualenv case too."""
 from __future__ import annotations
 
 import os
@@ -9,6 +15,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # what the build reads: pyproject.toml names README.md (readme) and LICENSE (license files)
@@ -29,7 +37,40 @@ def _expected_files() -> set[str]:
     return out
 
 
-def test_wheel_carries_conf_and_runs_from_elsewhere(tiny_llama_dir, tmp_path):
+def _site_dirs(py) -> list[str]:
+    """The directories ``py`` imports installed packages from (a venv's own and, with
+    ``--system-site-packages``, its base's), in its order."""
+    code = "import sys; print('\\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))"
+    return _run([str(py), "-c", code]).stdout.split("\n")[:-1]
+
+
+def _venv_borrowing(parent, where: Path) -> Path:
+    """A virtualenv at ``where`` whose own site-packages comes first, then ``parent``'s site
+    directories (read by path: ``parent``'s .pth files, e.g. an editable eagle3, stay out)."""
+    _run([str(parent), "-m", "venv", str(where)])
+    py = where / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())
+    (site / "_eagle3_test_parent_site.pth").write_text("\n".join(_site_dirs(parent)) + "\n")
+    return py
+
+
+@pytest.fixture(params=["interpreter", "virtualenv"])
+def parent_python(request, tmp_path):
+    """The interpreter the user installed eagle3's dependencies into, and the modules to look up
+    through it: this interpreter, or a virtualenv made on it (``--system-site-packages``, as a user's
+    venv that sees the system's torch would be) with a module installed in the venv alone."""
+    modules = ["hydra", "omegaconf", "transformers", "torch"]
+    if request.param == "interpreter":
+        return Path(sys.executable), modules
+    user_venv = tmp_path / "user-venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(user_venv)])
+    py = user_venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())
+    (site / "eagle3_user_venv_only.py").write_text("")  # what the user pip-installed into the venv
+    return py, modules + ["eagle3_user_venv_only"]
+
+
+def test_wheel_carries_conf_and_runs_from_elsewhere(tiny_llama_dir, tmp_path, parent_python):
     src = tmp_path / "src"  # a copy: an in-tree build would leave build/ and *.egg-info in the checkout
     src.mkdir()
     for name in SOURCES:
@@ -44,9 +85,10 @@ def test_wheel_carries_conf_and_runs_from_elsewhere(tiny_llama_dir, tmp_path):
         missing = _expected_files() - set(z.namelist())
     assert not missing, f"left out of the wheel: {sorted(missing)}"
 
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-    py = venv / "bin" / "python"
+    parent, modules = parent_python
+    py = _venv_borrowing(parent, tmp_path / "venv")
+    where_from = f"import importlib; print(*(importlib.import_module(m).__file__ for m in {modules!r}))"
+    assert _run([str(py), "-c", where_from]).stdout == _run([str(parent), "-c", where_from]).stdout
     # --force-reinstall: the system may hold eagle3 of the same version (an editable install)
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--force-reinstall", str(wheel)])
     site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())

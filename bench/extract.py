@@ -237,7 +237,7 @@ def main() -> None:
     in_process = not gpu or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
         # the compiled baseline: the same engine settings, no capture of any kind
-        llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION,
+        llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION, trust_remote_code=False,
                         **engine_kwargs(ecfg, layout, a.dtype, max_model_len), **engine_extra)
         try:
             engines["plain (compiled)"] = engine_info(llm)

@@ -36,10 +36,13 @@ class Experiment:
 
         return datasets.load_from_disk(str(self.record("prepare").path(DATASET_DIR)))[split]
 
-    def tokenizer(self):
+    def tokenizer(self, trust_remote_code: bool = False):
+        """The target's tokenizer; ``trust_remote_code``: run a tokenizer's own code (as the run's
+        target.trust_remote_code=true did), which transformers refuses otherwise."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.record("prepare").data["target"]["path"])
+        return AutoTokenizer.from_pretrained(self.record("prepare").data["target"]["path"],
+                                             trust_remote_code=trust_remote_code)
 
     def prepare_stats(self) -> dict:
         return json.loads(self.record("prepare").path(STATS_FILE).read_text())

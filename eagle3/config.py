@@ -93,7 +93,9 @@ class TargetConfig:
     """What the target runs in for extraction, verification and regeneration (unless
     ``prepare.regen.dtype`` says otherwise): auto (the checkpoint's) | float32 | bfloat16 | float16."""
     trust_remote_code: bool = False
-    """Passed to transformers and vLLM for models whose code ships with the checkpoint."""
+    """Let transformers and vLLM run the Python code shipped with the checkpoint (``auto_map`` for a
+    model or tokenizer class transformers does not have). Off: such a target is refused before
+    anything loads, naming the files; eagle3 never lets transformers ask on the terminal."""
 
     def __post_init__(self):
         _check_choice("target.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))

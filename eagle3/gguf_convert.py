@@ -129,8 +129,10 @@ def _convert(gguf_path: Path, out: Path) -> None:
         src, name = str(gguf_path.parent), gguf_path.name
         # A GGUF without a chat template still converts; tokenizing chats then asks for
         # target.chat_template (eagle3.data.chat_template).
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=getattr(torch, SAVE_DTYPE))
+        # a GGUF carries no code: nothing to trust, and nothing for transformers to ask about
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=getattr(torch, SAVE_DTYPE),
+                                                     trust_remote_code=False)
 
         state = {k: v.detach().to(getattr(torch, SAVE_DTYPE)).contiguous() for k, v in model.state_dict().items()}
         tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))

@@ -183,13 +183,15 @@ def cached_probe(cache_path: Path, key: dict, fn) -> dict:
     return {**result, "cached": False}
 
 
-def probe_prefill(target_path, dtype: str, seq: int = 256, batch: int = 4, reps: int = 3) -> dict:
+def probe_prefill(target_path, dtype: str, seq: int = 256, batch: int = 4, reps: int = 3,
+                  trust_remote_code: bool = False) -> dict:
     """Target forward with every hidden state (what extraction computes), tokens per second."""
     import torch
     from transformers import AutoModelForCausalLM
 
     t_load = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
     model.eval()
     load_s = time.perf_counter() - t_load
     vocab = model.config.vocab_size
@@ -206,12 +208,13 @@ def probe_prefill(target_path, dtype: str, seq: int = 256, batch: int = 4, reps:
             "shape": f"{reps} x {batch} x {seq} tokens"}
 
 
-def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16) -> dict:
+def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16, trust_remote_code: bool = False) -> dict:
     """Batched greedy decoding with transformers (regeneration, verification), tokens per second."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
     model.eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, 32), generator=g)
@@ -224,7 +227,7 @@ def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16) 
 
 
 def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_len: int = 64,
-               new_tokens: int = 32) -> dict:
+               new_tokens: int = 32, trust_remote_code: bool = False) -> dict:
     """A vLLM engine of the target (what regeneration, vLLM extraction and verification run): its start,
     prefill (one token per request) and batched greedy decoding, tokens per second."""
     import torch
@@ -235,7 +238,7 @@ def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_le
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     llm = build_llm(str(target_path), max_model_len=prompt_len + new_tokens + 16, kv_cache_gb=0.25, dtype=dtype,
-                    disable_log_stats=False)
+                    disable_log_stats=False, trust_remote_code=trust_remote_code)
     start_s = time.perf_counter() - t0
     try:
         ids = torch.randint(100, vocab - 100, (prompts, prompt_len), generator=g).tolist()
@@ -358,14 +361,16 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     regen_tokens = data.trainable_tokens if cfg.prepare.regenerate else 0
     cache = Path(cfg.workspace).expanduser().resolve() / "plan_cache.json"
     if probe:
-        key = {"target": target.hash, "dtype": run_dtype}
-        pre = cached_probe(cache, {**key, "probe": "prefill"}, lambda: probe_prefill(target.path, run_dtype))
+        key, trust = {"target": target.hash, "dtype": run_dtype}, target.trust_remote_code
+        pre = cached_probe(cache, {**key, "probe": "prefill"},
+                           lambda: probe_prefill(target.path, run_dtype, trust_remote_code=trust))
         uses_vllm = ((cfg.prepare.regenerate and cfg.prepare.regen.backend == "vllm") or cfg.export.verify
                      or cfg.extract.backend.startswith("vllm"))
         if uses_vllm:
-            dec = cached_probe(cache, {**key, "probe": "vllm"}, lambda: probe_vllm(target.path, run_dtype, target.vocab_size))
+            dec = cached_probe(cache, {**key, "probe": "vllm"},
+                               lambda: probe_vllm(target.path, run_dtype, target.vocab_size, trust_remote_code=trust))
         else:
-            dec = cached_probe(cache, {**key, "probe": "decode"}, lambda: probe_decode(target.path, run_dtype))
+            dec = cached_probe(cache, {**key, "probe": "decode"}, lambda: probe_decode(target.path, run_dtype, trust_remote_code=trust))
         tr = cached_probe(cache, {**key, "probe": "train", "train": _train_shape(cfg), "layers": list(layer_ids),
                                   "draft_vocab": data.draft_vocab_size},  # as prepare builds it (counted or capped)
                           lambda: probe_train(target, cfg.train, layer_ids, data.draft_vocab_size))

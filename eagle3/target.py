@@ -10,6 +10,12 @@ Reading terabytes on every run would be too slow, so weight digests are cached i
 ``${workspace}/targets/.weight_digests.json`` by (path, size, mtime, ctime, inode): a file is read
 again only after it changed (any write, or setting its mtime back, changes its ctime, which no user
 can set). The first run reads every weight file once, on every core (:func:`weight_digests`).
+
+A checkpoint that ships its own Python code (``auto_map`` in config.json or tokenizer_config.json,
+for a model or tokenizer class transformers does not have) is refused unless
+``target.trust_remote_code=true`` (:func:`check_remote_code`); every transformers and vLLM load is
+passed that setting explicitly, so transformers never asks on the terminal whether to run it. The
+shipped ``*.py`` files are part of the identity.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ class TargetInfo:
     tokenizer_hash: str
     config: dict
     files: dict = field(default_factory=dict)  # what the hash covers: {name: digest} (see identity_diff)
+    trust_remote_code: bool = False  # target.trust_remote_code: may the loads run the checkpoint's own code
 
     def identity(self) -> dict:
         """What a run records of its target: the path, the identity hash and the per-file digests it
@@ -157,6 +164,9 @@ def identify(path: str | Path, cache_dir: Optional[Path] = None, progress: bool 
     tok = tokenizer_hash(path)
     files["tokenizer"] = tok
     h.update(tok.encode())
+    for p in sorted(path.glob("*.py")):  # the checkpoint's own code: what runs when it is trusted
+        files[p.name] = sha256_file(p)
+        h.update(f"{p.name}:{files[p.name]}".encode())
     weights = [p for p in sorted(path.iterdir()) if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")]
     digests = weight_digests(weights, cache_dir, progress)
     for p in weights:
@@ -181,22 +191,69 @@ def identity_diff(recorded: dict, current: dict) -> str:
     return "; ".join(parts) or "no file (the identities were computed differently)"
 
 
+def remote_code(path: Path, config: dict) -> list[str]:
+    """Why loading the checkpoint at ``path`` would run its own Python files: one line per class
+    (model config, tokenizer) that transformers does not have and the checkpoint's ``auto_map``
+    names. Empty when transformers' own classes load it. Reads config files only."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    reasons = []
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map") or {}
+    if auto_map and model_type not in CONFIG_MAPPING_NAMES:
+        reasons.append(f"config.json: model_type {model_type!r} is not one transformers {transformers.__version__} "
+                       f"has; its auto_map names {', '.join(sorted(set(map(str, auto_map.values()))))}")
+    try:
+        tok_conf = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_conf = {}
+    tok_map = (tok_conf.get("auto_map") or {}).get("AutoTokenizer")
+    tok_class = str(tok_conf.get("tokenizer_class") or "")
+    if tok_map and not hasattr(transformers, tok_class):
+        names = tok_map if isinstance(tok_map, list) else [tok_map]
+        reasons.append(f"tokenizer_config.json: tokenizer_class {tok_class!r} is not one transformers has; its "
+                       f"auto_map names {', '.join(str(n) for n in names if n)}")
+    return reasons
+
+
+def check_remote_code(info: TargetInfo, trusted: bool) -> None:
+    """Refuse a target whose loading would run its own code unless ``trusted``
+    (target.trust_remote_code); say which files run when it is."""
+    reasons = remote_code(info.path, info.config)
+    if not reasons:
+        return
+    code = ", ".join(sorted(p.name for p in info.path.glob("*.py"))) or "(no *.py beside config.json)"
+    if not trusted:
+        raise TargetError(
+            f"target.path={str(info.path)!r} loads only by running the Python code shipped with it "
+            f"({'; '.join(reasons)}). eagle3 runs no code that came with a checkpoint unless asked: read "
+            f"{code}, then set target.trust_remote_code=true to let transformers and vLLM import it.")
+    log.warning("target.trust_remote_code=true: transformers and vLLM will run the target's own code (%s): %s",
+                code, "; ".join(reasons))
+
+
 def resolve(target_cfg, workspace: str | Path, progress: bool = True) -> TargetInfo:
     """The HF directory to use for ``target``: as given, or converted once from a GGUF file. Weight
-    digests are cached under ``${workspace}/targets/``."""
+    digests are cached under ``${workspace}/targets/``. A checkpoint that needs its own code is
+    refused here, before anything loads it, unless ``target.trust_remote_code`` is set."""
     targets = Path(workspace).expanduser().resolve() / "targets"
     if target_cfg.path:
-        return identify(target_cfg.path, targets, progress)
-    from .gguf_convert import convert_gguf, default_gguf
+        info = identify(target_cfg.path, targets, progress)
+    else:
+        from .gguf_convert import convert_gguf, default_gguf
 
-    gguf = Path(target_cfg.gguf).expanduser() if target_cfg.gguf else default_gguf()
-    return identify(convert_gguf(gguf, targets), targets, progress)
+        gguf = Path(target_cfg.gguf).expanduser() if target_cfg.gguf else default_gguf()
+        info = identify(convert_gguf(gguf, targets), targets, progress)
+    check_remote_code(info, target_cfg.trust_remote_code)
+    info.trust_remote_code = bool(target_cfg.trust_remote_code)
+    return info
 
 
 def load_tokenizer(info: TargetInfo, chat_template: str = ""):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(info.path))
+    tok = AutoTokenizer.from_pretrained(str(info.path), trust_remote_code=info.trust_remote_code)
     if chat_template:
         p = Path(chat_template).expanduser()
         tok.chat_template = p.read_text() if p.is_file() else chat_template

@@ -127,13 +127,15 @@ def cpu_mla_backend(model_dir, dtype: str) -> dict:
     return {"attention_backend": "CPU_MLA"} if amx is not None and amx() else {}
 
 
-def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
+def build_llm(model: str, *, max_model_len: int, trust_remote_code: bool, kv_cache_gb: float = 1.0, seed: int = 0,
               tensor_parallel_size: int = 1, dtype: str = "auto", work: str = "decode",
               gpu_memory_utilization: float | None = None, **extra):
     """``work``: the engine's kind of CPU work for the thread probe (eagle3.cpu): ``decode``
     (generation, verification) or ``batch`` (extraction: prefill only). ``kv_cache_gb``: the KV cache
     asked of vLLM, on CPU and GPU alike; ``gpu_memory_utilization``: vLLM's start-up ceiling on GPU
-    (None: vLLM's default). The installed vLLM must be one eagle3 runs on (eagle3.vllm_compat)."""
+    (None: vLLM's default). ``trust_remote_code`` (target.trust_remote_code; no default, so that no
+    caller leaves it to vLLM): may vLLM run the checkpoint's own code. The installed vLLM must be one
+    eagle3 runs on (eagle3.vllm_compat)."""
     from .vllm_compat import check_installed, kv_cache_kwargs
 
     vllm = import_vllm()
@@ -143,7 +145,8 @@ def build_llm(model: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed:
     if cpu:
         _serving_threads(work)
     kwargs = dict(model=str(model), max_model_len=max_model_len, seed=seed, dtype=dtype,
-                  tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False)
+                  tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=False,
+                  trust_remote_code=bool(trust_remote_code))
     kwargs.update(kv_cache_kwargs(kv_cache_gb, gpu_memory_utilization, cpu=cpu))
     if cpu:
         kwargs.update(enforce_eager=True)
@@ -171,6 +174,12 @@ def shutdown_llm(llm) -> None:
     "already initialized" and skips making its own (an MoE target then gets no expert-parallel
     group). They are destroyed here, as vLLM's own shutdown does, whenever vLLM made them in this
     process; where it made none (GPU engines run in their own processes) nothing is touched.
+
+    vLLM's Transformers modeling backend (an architecture vLLM has no implementation of, e.g. a
+    target's own code) rebuilds the model's classes in place for torch.compile (their bases and
+    ``__init__``, vllm/model_executor/models/transformers/base.py): in-process, a later transformers
+    load of the same class fails ("Current vLLM config is not set"). The checkpoints' own modules
+    are dropped from ``sys.modules`` here, so transformers imports them afresh next time.
     """
     import gc
     import sys
@@ -183,6 +192,8 @@ def shutdown_llm(llm) -> None:
     except Exception:  # best effort: the engine may already be down
         pass
     del llm
+    for name in [n for n in sys.modules if n == "transformers_modules" or n.startswith("transformers_modules.")]:
+        del sys.modules[name]
     state = sys.modules.get("vllm.distributed.parallel_state")
     if state is not None and (getattr(state, "_WORLD", None) is not None or state.model_parallel_is_initialized()):
         state.destroy_model_parallel()

@@ -33,8 +33,9 @@ def run(cfg, manifest):
     if (done := job.claim()) is not None:
         return done
     with job:
-        prompts = held_out_prompts(export_cfg, prep, target.path)
-        results = offline_acceptance_by_k(target, ckpt, prompts, ks, export_cfg.eval_max_tokens, stop_token_ids(target.path),
+        prompts = held_out_prompts(export_cfg, prep, target.path, trust_remote_code=target.trust_remote_code)
+        stop_ids = stop_token_ids(target.path, target.trust_remote_code)
+        results = offline_acceptance_by_k(target, ckpt, prompts, ks, export_cfg.eval_max_tokens, stop_ids,
                                           dtype=dtype, device=export_cfg.device, progress=cfg.progress)
         main = results[k]
         facts = {**main.summary(), "max_tokens": export_cfg.eval_max_tokens, "source": ckpt.source,

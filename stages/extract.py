@@ -72,14 +72,15 @@ def run(cfg, manifest):
                       f"({', '.join(map(str, caches))}), the target not run for them")
         return extract_store(job.out_dir, splits, layout, backend=extract_cfg.backend, target_path=target.path,
                              target_dtype=target_dtype, extract_cfg=extract_cfg, num_processes=num_processes,
-                             process_index=process_index, progress=cfg.progress)
+                             process_index=process_index, progress=cfg.progress,
+                             trust_remote_code=target.trust_remote_code)
 
     regen = prep.facts.regen or {}
     greedy = bool(prep.facts.regenerated) and float(regen.get("temperature", 0.0)) == 0.0
 
     def record(result):
         checks = check_store(job.out_dir, list(splits), layout, target.path, target.config, target_dtype, extract_cfg,
-                             greedy=greedy, prepare_run=prep.config_hash)
+                             greedy=greedy, prepare_run=prep.config_hash, trust_remote_code=target.trust_remote_code)
         record_outputs(job, splits)
         job.facts = extract_facts(derived, extract_cfg, splits, checks, reused)
 

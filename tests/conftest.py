@@ -107,6 +107,33 @@ def build_config_only_target(out_dir: Path, hidden: int = 2048, num_layers: int 
     return out_dir
 
 
+REMOTE_CODE_MODEL_TYPE = "eagle3_test_remote_llama"
+
+
+def build_remote_code_target(out_dir: Path, ran_marker: Path, **kw) -> Path:
+    """A tiny Llama that transformers can load only by running the checkpoint's own Python files
+    (``model_type`` unknown to transformers, ``auto_map`` naming the shipped classes), as a target
+    published with its modelling code is. Importing either file touches ``ran_marker``: a test can
+    tell whether the target's code ran."""
+    build_tiny_llama(out_dir, **kw)
+    touch = f"import pathlib\npathlib.Path({str(ran_marker)!r}).touch()\n"
+    (out_dir / "configuration_remote_llama.py").write_text(
+        touch + "from transformers import LlamaConfig\n\n\n"
+        f"class RemoteLlamaConfig(LlamaConfig):\n    model_type = {REMOTE_CODE_MODEL_TYPE!r}\n")
+    (out_dir / "modeling_remote_llama.py").write_text(
+        touch + "from transformers import LlamaForCausalLM, LlamaModel\n\n"
+        "from .configuration_remote_llama import RemoteLlamaConfig\n\n\n"
+        "class RemoteLlamaModel(LlamaModel):\n    config_class = RemoteLlamaConfig\n\n\n"
+        "class RemoteLlamaForCausalLM(LlamaForCausalLM):\n    config_class = RemoteLlamaConfig\n")
+    conf = json.loads((out_dir / "config.json").read_text())
+    conf.update(model_type=REMOTE_CODE_MODEL_TYPE, architectures=["RemoteLlamaForCausalLM"],
+                auto_map={"AutoConfig": "configuration_remote_llama.RemoteLlamaConfig",
+                          "AutoModel": "modeling_remote_llama.RemoteLlamaModel",
+                          "AutoModelForCausalLM": "modeling_remote_llama.RemoteLlamaForCausalLM"})
+    (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))

@@ -440,6 +440,7 @@ def test_offline_evaluator_agrees_with_vllm_on_an_imperfect_draft(target, kept, 
     from eagle3.vllm_engine import build_llm, shutdown_llm
 
     llm = build_llm(str(target.path), max_model_len=256, kv_cache_gb=0.25, dtype="float32", disable_log_stats=False,
+                    trust_remote_code=False,
                     speculative_config={"method": "eagle3", "model": str(tmp_path / "m"), "num_speculative_tokens": K},
                     per_request_spec_decode_metrics="summary")
     try:  # greedy, then seeded sampling, in the one engine

@@ -108,7 +108,7 @@ def test_v2_runner_is_refused_before_an_engine_is_built(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     monkeypatch.setattr(vllm, "LLM", lambda **k: pytest.fail("an engine was built"))
     with pytest.raises(VLLMEnvironmentError):
-        build_llm(str(tmp_path), max_model_len=64)
+        build_llm(str(tmp_path), max_model_len=64, trust_remote_code=False)
 
 
 def test_gpu_engines_are_spawned_unless_the_user_chose(monkeypatch, caplog):

@@ -148,7 +148,8 @@ def regenerate_answers(cfg, target, tokenizer, conversations, drops, kept=None):
         check_fits(key, gb, weights_bytes(target.path))
     try:
         conversations, stats = regenerate(conversations, tokenizer, str(target.path), cfg.prepare.regen,
-                                          progress=cfg.progress, dtype=dtype, kept=kept)
+                                          progress=cfg.progress, dtype=dtype, kept=kept,
+                                          trust_remote_code=target.trust_remote_code)
     except Exception as e:  # vLLM's own "KV cache does not fit" names its flags: name ours
         from ..kv_cache import translate
 

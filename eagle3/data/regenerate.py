@@ -13,9 +13,11 @@ log = logging.getLogger("eagle3.regenerate")
 
 
 def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, regen_cfg,
-               progress: bool = True, dtype: str = "float32", kept: list | None = None) -> tuple[list[list[dict]], dict]:
+               progress: bool = True, dtype: str = "float32", kept: list | None = None,
+               trust_remote_code: bool = False) -> tuple[list[list[dict]], dict]:
     """Conversations with every assistant turn written by the target (run in ``dtype``), and counts.
-    ``kept``: a list to receive the input index of each returned conversation (some are dropped)."""
+    ``kept``: a list to receive the input index of each returned conversation (some are dropped);
+    ``trust_remote_code``: target.trust_remote_code, for the engine or model that loads the target."""
     from tqdm.auto import tqdm
 
     from .chat_template import generation_prompt_ids
@@ -34,7 +36,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
     cursors = [0] * len(conversations)
     max_prompt = regen_cfg.max_model_len - regen_cfg.max_tokens
     generator = (_HFGenerator if regen_cfg.backend == "hf" else _VLLMGenerator)(target_path, tokenizer, regen_cfg,
-                                                                                progress, dtype)
+                                                                                progress, dtype, trust_remote_code)
     stats = {"regenerated_turns": 0, "truncated_turns": 0, "dropped_too_long": 0, "empty_response": 0}
     alive = [True] * len(conversations)
     try:
@@ -76,14 +78,14 @@ def regenerate(conversations: list[list[dict]], tokenizer, target_path: str, reg
 
 
 class _VLLMGenerator:
-    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str):
+    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str, trust_remote_code: bool):
         from ..vllm_engine import build_llm, import_vllm
 
         vllm = import_vllm()
         self.params = vllm.SamplingParams(temperature=regen_cfg.temperature, top_p=regen_cfg.top_p,
                                           max_tokens=regen_cfg.max_tokens, seed=regen_cfg.seed)
         self.llm = build_llm(target_path, max_model_len=regen_cfg.max_model_len, kv_cache_gb=regen_cfg.kv_cache_gb,
-                             seed=regen_cfg.seed, dtype=dtype,
+                             seed=regen_cfg.seed, dtype=dtype, trust_remote_code=trust_remote_code,
                              gpu_memory_utilization=getattr(regen_cfg, "gpu_memory_utilization", None))
 
     def generate(self, prompts: list[list[int]]) -> list[tuple[str, bool]]:
@@ -101,7 +103,7 @@ class _HFGenerator:
     """transformers ``generate`` in batches of similar prompt length (left padded), on the GPU if
     there is one. Greedy when temperature is 0, else sampling with a seeded torch generator."""
 
-    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str):
+    def __init__(self, target_path: str, tokenizer, regen_cfg, progress: bool, dtype: str, trust_remote_code: bool):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -109,7 +111,8 @@ class _HFGenerator:
         self.cfg = regen_cfg
         self.progress = progress
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=getattr(torch, dtype),
+                                                          trust_remote_code=trust_remote_code).to(self.device).eval()
         self.tokenizer = tokenizer
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id

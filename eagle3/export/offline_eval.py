@@ -38,10 +38,11 @@ log = logging.getLogger("eagle3.export")
 class HFTarget:
     """The target in transformers with hooks that capture aux states in vLLM's id convention."""
 
-    def __init__(self, path, layer_ids, dtype: torch.dtype, device):
+    def __init__(self, path, layer_ids, dtype: torch.dtype, device, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                          trust_remote_code=trust_remote_code).to(device).eval()
         self.device = torch.device(device)
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         layers = getattr(base, "layers", None)
@@ -281,7 +282,7 @@ def greedy_continuations(target: HFTarget, prompts: list, num_tokens: int, batch
 def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int, max_tokens: int,
                        stop_ids, dtype: str = "float32", device: str = "auto", progress: bool = False,
                        target: Optional[HFTarget] = None, method: str = "replay",
-                       continuations: Optional[list] = None) -> AcceptanceStats:
+                       continuations: Optional[list] = None, trust_remote_code: bool = False) -> AcceptanceStats:
     """Acceptance of ``ckpt`` on ``prompts`` (token id lists) with chain drafts of ``k`` tokens.
 
     ``continuations``: greedy continuations from an earlier call (replay mode) to reuse across k.
@@ -296,7 +297,7 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
     tdtype = getattr(torch, dtype)
     own = target is None
     if own:
-        target = HFTarget(target_path, ckpt.config.aux_layer_ids, tdtype, device)
+        target = HFTarget(target_path, ckpt.config.aux_layer_ids, tdtype, device, trust_remote_code)
     try:
         draft = DraftRunner(ckpt, target.embed_weight(), tdtype, device)
         stats = AcceptanceStats(k=k, num_prompts=len(prompts))
@@ -328,7 +329,7 @@ def offline_acceptance_by_k(target, ckpt: DraftCheckpoint, prompts: list, ks: li
     enough for every smaller k."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device)
+    hf = HFTarget(target.path, ckpt.config.aux_layer_ids, getattr(torch, dtype), device, target.trust_remote_code)
     results, cont = {}, None
     try:
         for kk in sorted(ks, reverse=True):

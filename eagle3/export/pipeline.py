@@ -126,16 +126,17 @@ def verify(cfg, target, ckpt, prep, dtype: str, model_dir: Path, marker: dict):
 
     export_cfg = cfg.export
     categories: list = []
-    prompts = held_out_prompts(export_cfg, prep, target.path, categories=categories)
+    trust = target.trust_remote_code
+    prompts = held_out_prompts(export_cfg, prep, target.path, categories=categories, trust_remote_code=trust)
     try:
         return verify_export(
             model_dir, target_path=target.path, target_config=target.config, target_dtype=dtype,
             reference=ckpt, prompts=prompts, k=export_cfg.num_speculative_tokens, eval_ks=export_cfg.eval_ks,
-            max_tokens=export_cfg.eval_max_tokens, stop_ids=stop_token_ids(target.path),
+            max_tokens=export_cfg.eval_max_tokens, stop_ids=stop_token_ids(target.path, trust),
             kv_cache_gb=export_cfg.kv_cache_gb, gpu_memory_utilization=export_cfg.gpu_memory_utilization,
             tolerance=export_cfg.verify_tolerance, device=export_cfg.device,
             progress=cfg.progress, categories=categories, temperatures=export_cfg.eval_temperatures,
-            seed=export_cfg.eval_seed, marker=marker, tie_margin=export_cfg.tie_margin)
+            seed=export_cfg.eval_seed, marker=marker, tie_margin=export_cfg.tie_margin, trust_remote_code=trust)
     except Exception as e:  # vLLM's "KV cache does not fit" names its own flags: name ours
         if (named := translate(e, "export.kv_cache_gb", export_cfg.kv_cache_gb)) is not None:
             raise named from e

@@ -45,13 +45,15 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval", categories: list | No
     return out
 
 
-def held_out_prompts(export_cfg, prep, target_path, categories: list | None = None) -> list:
+def held_out_prompts(export_cfg, prep, target_path, categories: list | None = None,
+                     trust_remote_code: bool = False) -> list:
     """The prompts verification and stage=eval run: ``export.prompts`` if set, else the prepare
     stage's eval split. ``categories``: a list to receive each prompt's category (None without one):
     the dataset's ``category`` column (from the source records' ``category``/``domain`` field), or the
     prompts file's field."""
     if export_cfg.prompts:
-        return file_prompts(export_cfg.prompts, export_cfg.eval_prompts, target_path, categories=categories)
+        return file_prompts(export_cfg.prompts, export_cfg.eval_prompts, target_path, categories=categories,
+                            trust_remote_code=trust_remote_code)
     from ..artifacts import DATASET_DIR
 
     return eval_prompts(prep.path(DATASET_DIR), export_cfg.eval_prompts, categories=categories)
@@ -68,7 +70,7 @@ def prompts_identity(export_cfg):
     return sha256_file(Path(export_cfg.prompts).expanduser())
 
 
-def file_prompts(path, n: int, target_path, categories: list | None = None) -> list:
+def file_prompts(path, n: int, target_path, categories: list | None = None, trust_remote_code: bool = False) -> list:
     """Up to ``n`` prompts (token ids) from ``export.prompts``: JSONL lines of {"messages": [...]}
     (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]},
     optionally with a ``category`` (or ``domain``) field, appended to ``categories`` when given."""
@@ -99,7 +101,7 @@ def file_prompts(path, n: int, target_path, categories: list | None = None) -> l
                 if tok is None:
                     from transformers import AutoTokenizer
 
-                    tok = AutoTokenizer.from_pretrained(str(target_path))
+                    tok = AutoTokenizer.from_pretrained(str(target_path), trust_remote_code=trust_remote_code)
                 ids = generation_prompt_ids(tok, msgs)
             else:
                 raise ExportError(f"{path}:{lineno}: expected {{'messages': [...]}} or {{'prompt_token_ids': [...]}}, "
@@ -120,13 +122,13 @@ def file_prompts(path, n: int, target_path, categories: list | None = None) -> l
     return out
 
 
-def stop_token_ids(target_path) -> set:
+def stop_token_ids(target_path, trust_remote_code: bool = False) -> set:
     """The ids a served request stops at: the tokenizer's eos and generation_config.json's eos ids."""
     from transformers import AutoTokenizer
 
     path = Path(target_path)
     ids = set()
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
     gen = path / "generation_config.json"

@@ -128,8 +128,9 @@ class ReferenceScorer:
     there is something to score and freed right after: the next vLLM engine sizes its KV cache from
     the device's free memory."""
 
-    def __init__(self, target_path, prompts: list, device: str = "auto"):
+    def __init__(self, target_path, prompts: list, device: str = "auto", trust_remote_code: bool = False):
         self.target_path, self.prompts, self.device = target_path, prompts, device
+        self.trust_remote_code = trust_remote_code
 
     def gaps(self, spec_outputs: list, plain_outputs: list, bad: list) -> list[dict]:
         """Per prompt in ``bad``: where the outputs part, both tokens, the target's logit gap between
@@ -137,7 +138,8 @@ class ReferenceScorer:
         from transformers import AutoModelForCausalLM
 
         dev = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(str(self.target_path), dtype=torch.float32).to(dev).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(self.target_path), dtype=torch.float32,
+                                                     trust_remote_code=self.trust_remote_code).to(dev).eval()
         rows = []
         try:
             for i in bad:
@@ -195,10 +197,12 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
-                  seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0) -> Verification:
+                  seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0,
+                  trust_remote_code: bool = False) -> Verification:
     """Run steps 1-8; returns what they measured; raises VerificationError on any failure.
     ``categories``: each prompt's category (None without one), parallel to ``prompts``; ``marker``:
-    the export marker step 1 reads the directory with (default: its file)."""
+    the export marker step 1 reads the directory with (default: its file); ``trust_remote_code``:
+    target.trust_remote_code, for every engine and model that loads the target."""
     import vllm
 
     from .offline_eval import offline_acceptance
@@ -213,7 +217,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
     run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-               gpu_memory_utilization=gpu_memory_utilization)
+               gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code)
     domain_counting, groups = None, None
     if categories is not None and any(c is not None for c in categories):
         if per_request_metrics_supported():
@@ -231,11 +235,12 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         run_spec = run
 
     offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
-                                 device=device, progress=progress)
+                                 device=device, progress=progress, trust_remote_code=trust_remote_code)
     log.info("verify: offline evaluator (trained draft, HF target), k=%d: acceptance length %.3f", k,
              offline.acceptance_length)
     plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
-    scorer, margin = ReferenceScorer(target_path, prompts, device), tie_margin_for(target_dtype, tie_margin)
+    scorer = ReferenceScorer(target_path, prompts, device, trust_remote_code=trust_remote_code)
+    margin = tie_margin_for(target_dtype, tie_margin)
     near_ties: dict[str, list] = {}
     by_k: dict[int, AcceptanceStats] = {}
     sampled: dict[float, dict[int, AcceptanceStats]] = {t: {} for t in temps[1:]}

@@ -156,12 +156,13 @@ def _generate(llm, items: list, n: int, max_tokens: int, stop_ids, k: int, tempe
 
 def run_vllm(target_path, prompts: list, max_tokens: int, stop_ids, *, dtype: str, max_model_len: int,
              kv_cache_gb: float = 1.0, speculative_config: Optional[dict] = None,
-             gpu_memory_utilization: Optional[float] = None) -> AcceptanceStats:
+             gpu_memory_utilization: Optional[float] = None, trust_remote_code: bool = False) -> AcceptanceStats:
     """Build an engine (optionally speculative), generate greedily, shut it down."""
     return run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, [0.0], dtype=dtype,
                                  max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                  speculative_config=speculative_config,
-                                 gpu_memory_utilization=gpu_memory_utilization)[0.0]
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 trust_remote_code=trust_remote_code)[0.0]
 
 
 def per_request_metrics_supported() -> bool:
@@ -176,7 +177,7 @@ def per_request_metrics_supported() -> bool:
 def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids, temperatures, *, dtype: str,
                           max_model_len: int, kv_cache_gb: float = 1.0, speculative_config: Optional[dict] = None,
                           seed: int = 0, gpu_memory_utilization: Optional[float] = None,
-                          groups: Optional[list] = None) -> dict:
+                          groups: Optional[list] = None, trust_remote_code: bool = False) -> dict:
     """One engine (optionally speculative): the prompts at each temperature in turn (0 = greedy, else
     sampled with request i seeded ``seed + i``); {temperature: AcceptanceStats}. A speculative engine
     also reports acceptance per request where this vLLM can (``per_request_metrics_supported``);
@@ -189,7 +190,7 @@ def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids,
         if per_request_metrics_supported():
             extra["per_request_spec_decode_metrics"] = "summary"
     llm = build_llm(str(target_path), max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, dtype=dtype,
-                    gpu_memory_utilization=gpu_memory_utilization, **extra)
+                    gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code, **extra)
     try:
         k = int((speculative_config or {}).get("num_speculative_tokens", 0))
         return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed,

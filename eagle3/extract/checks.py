@@ -329,7 +329,7 @@ def layer_names(layout) -> list[str]:
 
 
 def parity_sample(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg,
-                  samples: int, tolerance: float) -> dict:
+                  samples: int, tolerance: float, trust_remote_code: bool = False) -> dict:
     """Re-extract ``samples`` seeded-random samples alone with the transformers backend and compare
     them with the stored rows. Returns the facts: {"samples": [[split, index], ...], "worst": {layer:
     worst relative error}, "worst_sample": {layer: [split, index]}, "max": ..., "tolerance": ...,
@@ -362,7 +362,8 @@ def parity_sample(store_dir, splits, layout, target_path, target_config: dict, t
     names = layer_names(layout)
     worst = dict.fromkeys(names, -1.0)
     worst_at: dict = {}
-    ex = HFExtractor(target_path, layout, target_dtype, dataclasses.replace(extract_cfg, batch_size=1))
+    ex = HFExtractor(target_path, layout, target_dtype, dataclasses.replace(extract_cfg, batch_size=1),
+                     trust_remote_code=trust_remote_code)
     try:
         for split, i in picked:
             item = stores[split][i]
@@ -405,7 +406,7 @@ def _per_layer(aux, last, n_aux: int) -> list:
 
 
 def reference_parity(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg,
-                     samples: int, factor: float = REFERENCE_FACTOR) -> dict:
+                     samples: int, factor: float = REFERENCE_FACTOR, trust_remote_code: bool = False) -> dict:
     """The parity sample of a bfloat16/float16 target: the stored rows of ``samples`` seeded-random
     samples against transformers in float32 (one sample at a time), each layer allowed ``factor``
     times transformers' own error in ``target_dtype`` on the same samples (floored at
@@ -432,7 +433,7 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
     one = dataclasses.replace(extract_cfg, batch_size=1)
     refs: dict = {}
     for dtype in ("float32", target_dtype):
-        ex = HFExtractor(target_path, layout, dtype, one)
+        ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
         try:
             for split, i in picked:
                 aux, last = ex.states(stores[split][i]["input_ids"])
@@ -548,7 +549,7 @@ def judge(agreement: Optional[dict], parity: Optional[dict], *, enforce_agreemen
 
 
 def check_store(store_dir, splits, layout, target_path, target_config: dict, target_dtype: str, extract_cfg, *,
-                greedy: bool, prepare_run: str = "") -> tuple:
+                greedy: bool, prepare_run: str = "", trust_remote_code: bool = False) -> tuple:
     """Every check of a finished store, as the extract stage runs them: target agreement
     (``extract_cfg.agreement_positions``), the parity sample (``extract_cfg.verify_samples``), then the verdict
     (:func:`judge`). ``greedy``: the answers were regenerated greedily by this target, so the
@@ -560,7 +561,8 @@ def check_store(store_dir, splits, layout, target_path, target_config: dict, tar
     if extract_cfg.verify_samples:
         if uses_reference_parity(target_dtype, layout.dtype, extract_cfg.parity_tolerance):
             parity = reference_parity(store_dir, splits, layout, target_path, target_config, target_dtype, extract_cfg,
-                                      extract_cfg.verify_samples, factor=extract_cfg.parity_factor)
+                                      extract_cfg.verify_samples, factor=extract_cfg.parity_factor,
+                                      trust_remote_code=trust_remote_code)
             if "skipped" in parity:  # no room for a float32 copy: the fixed tolerance in the target dtype
                 log.warning("extract: no float32 parity reference: %s; comparing in %s with the fixed tolerance",
                             parity["skipped"], target_dtype)
@@ -568,7 +570,7 @@ def check_store(store_dir, splits, layout, target_path, target_config: dict, tar
         if parity is None:
             tol = parity_tolerance(target_dtype, layout.dtype, extract_cfg.parity_tolerance)
             parity = parity_sample(store_dir, splits, layout, target_path, target_config, target_dtype, extract_cfg,
-                                   extract_cfg.verify_samples, tol)
+                                   extract_cfg.verify_samples, tol, trust_remote_code=trust_remote_code)
     threshold = extract_cfg.min_agreement if (greedy and extract_cfg.min_agreement > 0 and agreement) else None
     judge(agreement, parity, enforce_agreement=threshold is not None, min_agreement=extract_cfg.min_agreement,
           store_dir=store_dir, prepare_run=prepare_run)

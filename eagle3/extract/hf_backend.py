@@ -29,9 +29,10 @@ class HFExtractor:
     name = "hf"
 
     def __init__(self, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, model=None, *,
-                 max_model_len: int = 0, work_dir=None):
-        """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built).
-        ``max_model_len`` and ``work_dir`` (the common constructor's) are not needed here."""
+                 max_model_len: int = 0, work_dir=None, trust_remote_code: bool = False):
+        """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built),
+        running the checkpoint's own code only with ``trust_remote_code``. ``max_model_len`` and
+        ``work_dir`` (the common constructor's) are not needed here."""
         import torch
         from transformers import AutoModel
 
@@ -42,7 +43,8 @@ class HFExtractor:
         self.layout = layout
         self.batch_size = extract_cfg.batch_size
         if model is None:
-            model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype))
+            model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype),
+                                              trust_remote_code=trust_remote_code)
         self.model = model.to(self.device)
         self.model.eval()
         layers = getattr(self.model, "layers", None)

@@ -107,7 +107,7 @@ class VLLMExtractor:
     name = "vllm"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
-                 aux_setup: str | None = None, *, work_dir=None, **engine_extra):
+                 aux_setup: str | None = None, *, work_dir=None, trust_remote_code: bool = False, **engine_extra):
         """``aux_setup``: overrides ``extract_cfg.aux_setup`` (the benchmark's); ``engine_extra``: more
         ``vllm.LLM`` arguments (the benchmark's ``load_format=dummy``)."""
         from ..vllm_engine import build_llm, import_vllm, on_cpu
@@ -126,7 +126,8 @@ class VLLMExtractor:
                  extract_cfg.tensor_parallel_size, ", eager" if kwargs.get("enforce_eager") else "")
         self.layout = layout
         self.aux_setup = aux_setup
-        self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, work="batch", **kwargs)
+        self.llm = build_llm(target_path, worker_extension_cls=EXTENSION, work="batch",
+                             trust_remote_code=trust_remote_code, **kwargs)
         self.capture_info = None
         self.last_stats = None  # CPU seconds of the capture and the writer thread in the last run
         self.engine_info = engine_info(self.llm)

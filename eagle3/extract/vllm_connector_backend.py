@@ -56,7 +56,7 @@ class VLLMConnectorExtractor:
     name = "vllm_connector"
 
     def __init__(self, target_path: str, layout: StoreLayout, target_dtype: str, extract_cfg, max_model_len: int,
-                 work_dir: str | Path, **engine_extra):
+                 work_dir: str | Path, trust_remote_code: bool = False, **engine_extra):
         from ..vllm_engine import build_llm, import_vllm, on_cpu, uses_mla
 
         import_vllm()
@@ -86,7 +86,8 @@ class VLLMConnectorExtractor:
         # the worker extension only reports the engine's settings here (eagle3_engine_info); the
         # connector, not eagle3's capture, writes the states
         self.llm = build_llm(target_path, speculative_config=extract_hidden_states_spec(layout),
-                             kv_transfer_config=kv, work="batch", worker_extension_cls=EXTENSION, **kwargs)
+                             kv_transfer_config=kv, work="batch", worker_extension_cls=EXTENSION,
+                             trust_remote_code=trust_remote_code, **kwargs)
         self.engine_info = engine_info(self.llm)
         log.info("extract: engine %s", self.engine_info)
 

@@ -72,7 +72,7 @@ class OnlineRun:
             if torch.cuda.is_available():
                 extract_cfg = dataclasses.replace(extract_cfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
         return make_extractor(extract_cfg.backend, self.target.path, self.layout, self.target_dtype, extract_cfg,
-                              self.max_model_len, self.dir)
+                              self.max_model_len, self.dir, trust_remote_code=self.target.trust_remote_code)
 
     def stores(self, world_size: int, rank: int = 0) -> tuple:
         """(train store, eval store or None) for the trainer: OnlineHiddenStates over this run's source."""

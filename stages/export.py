@@ -31,7 +31,8 @@ def run(cfg, manifest):
     if (done := job.claim()) is not None:
         if export_cfg.out_dir:
             action = publish(done.out_dir / MODEL_DIR, export_cfg.out_dir, export_cfg.overwrite)
-            print(f"export: {export_cfg.out_dir}: {'already up to date' if action == 'same' else 'copied'}")
+            said = {"same": "already up to date", "repair": "copied again (its files did not match its marker)"}
+            print(f"export: {export_cfg.out_dir}: {said.get(action, 'copied')}")
         return done
     if export_cfg.out_dir:  # refuse a taken destination before spending minutes on verification
         precheck_destination(export_cfg.out_dir, export_cfg.overwrite)

@@ -1279,3 +1279,46 @@ def test_exported_files_take_the_umask(experiment, tmp_path, mask, prompts):
     for d in (rec.out_dir / "model", tmp_path / "published"):
         modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
         assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, (d, modes)
+
+
+# ----------------------------------------------------------------------------------------------
+# publishing into export.out_dir
+# ----------------------------------------------------------------------------------------------
+def _digests(d: Path) -> dict:
+    """Every entry of ``d``: a file's sha256, or a directory (a leftover of a publish)."""
+    from eagle3.hashing import sha256_file
+
+    return {p.name: sha256_file(p) if p.is_file() else "a directory" for p in sorted(d.iterdir())}
+
+
+def test_a_truncated_published_draft_is_published_again(experiment, tmp_path, capsys):
+    """The same command again over a published draft whose weights were cut short: not "already up
+    to date" (the marker's fingerprint alone matched), the files are checked against the marker's
+    digests and copied again. A marker without digests (an older eagle3) is checked by its fingerprint."""
+    from eagle3.atomic import atomic_write_json
+    from eagle3.export.outdir import MARKER, publish, read_marker
+
+    out = tmp_path / "served"
+    run = ["stage=export", "export.verify=false", "export.eval_prompts=11", f"export.out_dir={out}"]
+    _stage(experiment, *run)
+    good = _digests(out)
+    weights = out / "model.safetensors"
+
+    def truncate():
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    truncate()
+    capsys.readouterr()
+    _stage(experiment, *run)  # the complete run, copied again
+    shown = capsys.readouterr().out
+    assert "already up to date" not in shown and "copied again" in shown, shown
+    assert _digests(out) == good
+    _stage(experiment, *run)
+    assert "already up to date" in capsys.readouterr().out
+    model = experiment["manifest"].current("export").out_dir / "model"
+    older = {k: v for k, v in read_marker(out).items() if k != "files"}
+    atomic_write_json(out / MARKER, older)
+    assert publish(model, out, overwrite=False) == "same"
+    truncate()
+    atomic_write_json(out / MARKER, older)
+    assert publish(model, out, overwrite=False) == "repair" and _digests(out) == good

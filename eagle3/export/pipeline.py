@@ -73,7 +73,7 @@ def write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype: str, model_dir
     from ..contracts import ExportFacts
     from .formats import ExportSpec, write_format
     from .model_card import model_card
-    from .outdir import fingerprint
+    from .outdir import file_digests, fingerprint
 
     export_cfg = cfg.export
     spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
@@ -98,7 +98,9 @@ def write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype: str, model_dir
             "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.num_train,
                       "eval samples": prep.facts.num_eval} if prep else None)}
     (model_dir / "README.md").write_text(model_card(meta, facts))
-    (model_dir / EXPORT_MARKER).write_text(json.dumps(export_marker(facts, identity, run), indent=2,
+    # the marker records every other file's size and sha256: a copy in export.out_dir is checked against them
+    (model_dir / EXPORT_MARKER).write_text(json.dumps({**export_marker(facts, identity, run),
+                                                       "files": file_digests(model_dir)}, indent=2,
                                                       sort_keys=True) + "\n")
     return facts
 

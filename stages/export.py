@@ -3,7 +3,8 @@ vLLM (or SGLang) serves, verified in the real vLLM: it loads, it is lossless, it
 length agrees with the offline evaluator's for the trained draft, and it is compared with prompt
 lookup. The export lives in the experiment (``export/<hash>/model``, recorded with its facts in the
 manifest); ``export.out_dir`` additionally receives a copy, never over another model unless
-``export.overwrite=true``. The steps (writing, verification, the facts the marker and the model
+``export.overwrite=true``, and swapped in only once it is complete beside the draft it replaces
+(eagle3/export/outdir.py). The steps (writing, verification, the facts the marker and the model
 card are derived from, the summary): eagle3/export/pipeline.py.
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def run(cfg, manifest):
     if (done := job.claim()) is not None:
         if export_cfg.out_dir:
             action = publish(done.out_dir / MODEL_DIR, export_cfg.out_dir, export_cfg.overwrite)
-            print(f"export: {export_cfg.out_dir}: {'already up to date' if action == 'same' else 'copied'}")
+            said = {"same": "already up to date", "repair": "copied again (its files did not match its marker)"}
+            print(f"export: {export_cfg.out_dir}: {said.get(action, 'copied')}")
         return done
     if export_cfg.out_dir:  # refuse a taken destination before spending minutes on verification
         precheck_destination(export_cfg.out_dir, export_cfg.overwrite)
@@ -39,10 +41,7 @@ def run(cfg, manifest):
         check_kv_fits(export_cfg, target, ckpt)
     with job:
         final_dir = job.out_dir / MODEL_DIR
-        facts = export_verified(cfg, job, target, ckpt, inputs, prep, dtype, final_dir)
-        if export_cfg.out_dir:
-            publish(final_dir, export_cfg.out_dir, export_cfg.overwrite)
-            facts.exported_to = str(export_cfg.out_dir)
+        facts = export_verified(cfg, job, target, ckpt, inputs, prep, dtype, final_dir)  # and publishes it
         job.add_output(final_dir)
         job.facts = facts
     print_summary(job.record)

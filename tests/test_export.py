@@ -1280,3 +1280,157 @@ def test_exported_files_take_the_umask(experiment, tmp_path, mask, prompts):
     for d in (rec.out_dir / "model", tmp_path / "published"):
         modes = {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()}
         assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, (d, modes)
+
+
+# ----------------------------------------------------------------------------------------------
+# publishing into export.out_dir: whole or not at all (a full disk simulated: the one mock here)
+# ----------------------------------------------------------------------------------------------
+def _digests(d: Path) -> dict:
+    """Every entry of ``d``: a file's sha256, or a directory (a leftover of a publish)."""
+    from eagle3.hashing import sha256_file
+
+    return {p.name: sha256_file(p) if p.is_file() else "a directory" for p in sorted(d.iterdir())}
+
+
+def _disk_full_for_weights_under(monkeypatch, root: Path) -> None:
+    """A full disk under ``root``: shutil.copyfile of a weights file there writes half of it and fails
+    with ENOSPC; every other copy is real."""
+    import errno
+    import shutil
+
+    real = shutil.copyfile
+
+    def copyfile(src, dst, *args, **kwargs):
+        if "model.safetensors" in Path(dst).name and Path(dst).resolve().is_relative_to(root.resolve()):
+            data = Path(src).read_bytes()
+            Path(dst).write_bytes(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+
+
+def test_a_full_disk_while_overwriting_keeps_the_published_draft_whole(experiment, tmp_path, monkeypatch):
+    """export.overwrite=true over a published draft, the disk full part-way through the new weights:
+    the old draft stays byte for byte (and the user's own file), nothing hidden is left behind, the
+    error names the file, the bytes needed and free, and the run recorded failed leaves no model/.
+    With space again, the same command publishes the new draft."""
+    import re
+
+    from eagle3.export.errors import ExportError
+
+    out = tmp_path / "served"
+    _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=9", f"export.out_dir={out}")
+    (out / "notes.txt").write_text("keep me")
+    before = _digests(out)
+    other = ["stage=export", "export.verify=false", "export.eval_prompts=9", "export.include_embedding=true",
+             f"export.out_dir={out}", "export.overwrite=true"]  # another model: the embedding in its weights
+    _disk_full_for_weights_under(monkeypatch, out)
+    with pytest.raises(ExportError) as e:
+        _stage(experiment, *other)
+    msg = str(e.value)
+    assert _digests(out) == before, msg
+    assert f"export.out_dir={str(out)!r}" in msg and re.search(rf"writing {re.escape(str(out))}/\S*model\.safetensors", msg)
+    assert re.search(r"needs about \d+ bytes \(.*\) there, \d+ bytes \(.*\) are free", msg), msg
+    assert "the draft it held is whole" in msg and "set export.out_dir to a directory on another disk" in msg
+    names, rec = _export_dirs(experiment)
+    assert rec.status == "failed" and names == [], names
+    monkeypatch.undo()
+    _stage(experiment, *other)
+    from safetensors.torch import load_file
+
+    assert "embed_tokens.weight" in load_file(str(out / "model.safetensors"))
+    now = _digests(out)
+    assert now["notes.txt"] == before["notes.txt"] and set(now) == set(before), now  # nothing hidden left
+    assert now == _digests(experiment["manifest"].current("export").out_dir / "model") | {"notes.txt": now["notes.txt"]}
+
+
+def test_a_full_disk_during_the_swap_puts_the_old_draft_back(experiment, tmp_path, monkeypatch):
+    """The new draft copied whole, then a rename into out_dir fails (ENOSPC: a directory that needs
+    another block): the files already moved in are taken back out, the old ones put back."""
+    import errno
+    import os
+
+    from eagle3.export.errors import ExportError
+    from eagle3.export.outdir import publish
+
+    _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=10")
+    old = experiment["manifest"].current("export").out_dir / "model"
+    _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=10", "export.include_embedding=true")
+    new = experiment["manifest"].current("export").out_dir / "model"
+    out = tmp_path / "served"
+    assert publish(old, out, overwrite=False) == "write"
+    before = _digests(out)
+    real, into_out = os.replace, []
+
+    def replace(src, dst):  # the second rename into out_dir fails, once
+        if Path(dst).parent == out.resolve():
+            into_out.append(dst)
+            if len(into_out) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(ExportError, match="no space left writing"):
+        publish(new, out, overwrite=True)
+    monkeypatch.undo()
+    assert len(into_out) > 2 and _digests(out) == before  # the failed swap, and putting the old files back
+    assert publish(new, out, overwrite=True) == "replace" and _digests(out) == _digests(new)
+
+
+def test_a_truncated_published_draft_is_published_again(experiment, tmp_path, capsys):
+    """The same command again over a published draft whose weights were cut short: not "already up
+    to date" (the marker's fingerprint alone matched), the files are checked against the marker's
+    digests and copied again. A marker without digests (an older eagle3) is checked by its fingerprint."""
+    from eagle3.atomic import atomic_write_json
+    from eagle3.export.outdir import MARKER, publish, read_marker
+
+    out = tmp_path / "served"
+    run = ["stage=export", "export.verify=false", "export.eval_prompts=11", f"export.out_dir={out}"]
+    _stage(experiment, *run)
+    good = _digests(out)
+    weights = out / "model.safetensors"
+
+    def truncate():
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    truncate()
+    capsys.readouterr()
+    _stage(experiment, *run)  # the complete run, copied again
+    shown = capsys.readouterr().out
+    assert "already up to date" not in shown and "copied again" in shown, shown
+    assert _digests(out) == good
+    _stage(experiment, *run)
+    assert "already up to date" in capsys.readouterr().out
+    model = experiment["manifest"].current("export").out_dir / "model"
+    older = {k: v for k, v in read_marker(out).items() if k != "files"}
+    atomic_write_json(out / MARKER, older)
+    assert publish(model, out, overwrite=False) == "same"
+    truncate()
+    atomic_write_json(out / MARKER, older)
+    assert publish(model, out, overwrite=False) == "repair" and _digests(out) == good
+
+
+def test_a_full_disk_in_the_workspace_names_the_directory_and_the_sizes(experiment, monkeypatch):
+    """safetensors says only "os error 28" when the workspace is full: the error names the export's
+    directory, the bytes it needs and those free, and the failed run leaves no model/."""
+    import re
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from eagle3.export.errors import ExportError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ExportError) as e:
+        _stage(experiment, "stage=export", "export.verify=false", "export.eval_prompts=12")
+    msg = str(e.value)
+    names, rec = _export_dirs(experiment)
+    assert f"writing {rec.out_dir / '.model.partial'}: it needs about " in msg, msg
+    assert re.search(r"needs about \d+ bytes \(.*\) there, \d+ bytes \(.*\) are free", msg) and "workspace=" in msg
+    assert rec.status == "failed" and names == [], names

@@ -4,7 +4,7 @@
 - formats.py: writers for ``vllm`` (default), ``speculators`` and ``sglang`` layouts
 - importers.py: readers for drafts written by eagle3, EAGLE/SpecForge (``midlayer``) and speculators
 - sources.py: the draft to export, from the manifest (train/extract/prepare runs) or ``export.from``
-- outdir.py: publishing into ``export.out_dir`` without clobbering another model
+- outdir.py: publishing into ``export.out_dir`` without clobbering another model, swapped in whole or not at all
 - acceptance.py: acceptance statistics counted as vLLM counts them
 - offline_eval.py: chain speculative decoding in PyTorch (HF target + draft)
 - vllm_eval.py: greedy generation in vLLM counting drafts, accepted tokens and target steps

@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from ..atomic import fsync_dir
+
 log = logging.getLogger("eagle3.export")
 
 
@@ -49,8 +51,14 @@ def check_kv_fits(export_cfg, target, ckpt) -> None:
 
 
 def export_verified(cfg, job, target, ckpt, inputs, prep, dtype: str, final_dir: Path):
-    """The export written and verified in a hidden sibling of ``final_dir``, renamed to it once it
-    passed: a failed export leaves no complete-looking model directory behind. Returns its facts."""
+    """The export written and verified in a hidden sibling of ``final_dir``, copied from there to
+    ``export.out_dir`` (when set), and renamed to ``final_dir`` once both succeeded: a failed export
+    (verification, a full disk in the workspace or in export.out_dir) leaves no complete-looking
+    model directory behind. Returns its facts."""
+    from ..errors import Eagle3Error, disk_full
+    from .errors import ExportError
+    from .outdir import no_space_message, publish
+
     if final_dir.exists():  # a failed earlier attempt of this same config (before partial exports)
         shutil.rmtree(final_dir)
     model_dir = final_dir.parent / f".{final_dir.name}.partial"
@@ -58,11 +66,36 @@ def export_verified(cfg, job, target, ckpt, inputs, prep, dtype: str, final_dir:
         shutil.rmtree(model_dir)
     try:
         facts = write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype, model_dir, final_dir)
-    except BaseException:
+        if cfg.export.out_dir:
+            publish(model_dir, cfg.export.out_dir, cfg.export.overwrite)
+            facts.exported_to = str(cfg.export.out_dir)
+    except BaseException as e:
         shutil.rmtree(model_dir, ignore_errors=True)
+        if not isinstance(e, Eagle3Error) and disk_full(e):  # safetensors' "os error 28" names no path
+            needed = export_bytes(ckpt, cfg.export, dtype, target.path)
+            raise ExportError(f"export: {no_space_message(model_dir, needed, model_dir.parent)}. The partial export "
+                              f"was removed; the run is recorded failed. Free space there, or set workspace= to a "
+                              f"directory on a larger disk, then run the same command again.") from e
         raise
     os.replace(model_dir, final_dir)
+    fsync_dir(final_dir.parent)
     return facts
+
+
+def export_bytes(ckpt, export_cfg, dtype: str, target_path: Path) -> int:
+    """About what an export of ``ckpt`` takes on disk: its tensors in ``dtype``, the vocabulary
+    mapping, the embedding when included, and the target's tokenizer files."""
+    import torch
+
+    from ..target import TOKENIZER_FILES
+
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    n = sum(t.numel() for t in ckpt.tensors.values())
+    if export_cfg.include_embedding and ckpt.embed is not None:
+        n += ckpt.embed.numel()
+    mapping = 0 if ckpt.identity_mapping else ckpt.d2t.numel() * 8 + ckpt.t2d.numel()
+    tokenizer = sum((Path(target_path) / f).stat().st_size for f in TOKENIZER_FILES if (Path(target_path) / f).is_file())
+    return n * size + mapping + tokenizer
 
 
 def write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype: str, model_dir: Path, final_dir: Path):
@@ -73,7 +106,7 @@ def write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype: str, model_dir
     from ..contracts import ExportFacts
     from .formats import ExportSpec, write_format
     from .model_card import model_card
-    from .outdir import fingerprint
+    from .outdir import file_digests, fingerprint
 
     export_cfg = cfg.export
     spec = ExportSpec(target_path=str(target.path), target_config=target.config, dtype=dtype,
@@ -98,7 +131,9 @@ def write_and_verify(cfg, job, target, ckpt, inputs, prep, dtype: str, model_dir
             "data": ({"prepare run": prep.config_hash[:12], "train samples": prep.facts.num_train,
                       "eval samples": prep.facts.num_eval} if prep else None)}
     (model_dir / "README.md").write_text(model_card(meta, facts))
-    (model_dir / EXPORT_MARKER).write_text(json.dumps(export_marker(facts, identity, run), indent=2,
+    # the marker records every other file's size and sha256: a copy in export.out_dir is checked against them
+    (model_dir / EXPORT_MARKER).write_text(json.dumps({**export_marker(facts, identity, run),
+                                                       "files": file_digests(model_dir)}, indent=2,
                                                       sort_keys=True) + "\n")
     return facts
 

@@ -14,7 +14,6 @@ so a resumed run sees exactly the batches an uninterrupted one would have) and t
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -25,12 +24,8 @@ import torch
 
 from ..artifacts import CHECKPOINT_COMPLETE, CHECKPOINTS_DIR
 from ..atomic import apply_umask, atomic_write_text, fsync_dir
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, disk_full
 from .ttt import STAT_NAMES
-
-# what torch.save and safetensors say when a write fails for want of space (they raise RuntimeError
-# or SafetensorError, not always OSError(ENOSPC))
-_DISK_FULL_WORDS = ("no space left", "storagefull", "disk quota", "file write failed")
 
 
 class CheckpointError(Eagle3Error):
@@ -131,19 +126,6 @@ def _any_failed(accelerator, failure: Optional[BaseException]) -> bool:
     return accelerator.reduce(flag, reduction="sum").item() > 0
 
 
-def _disk_full(e: Optional[BaseException]) -> bool:
-    for _ in range(8):  # the exception and what caused it
-        if e is None:
-            return False
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e).lower().replace(" ", "")
-        if any(w.replace(" ", "") in text for w in _DISK_FULL_WORDS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def _raise_save_error(e: Optional[BaseException], directory: Path, step: int, needed: int) -> None:
     from ..report import fmt_size
 
@@ -154,7 +136,7 @@ def _raise_save_error(e: Optional[BaseException], directory: Path, step: int, ne
     if e is None:  # another process failed
         raise CheckpointError(f"writing the checkpoint of step {step} into {directory} failed on another process. "
                               f"{kept}")
-    if _disk_full(e) or free < needed:
+    if disk_full(e) or free < needed:
         raise CheckpointError(
             f"no space left for the checkpoint of step {step} in {directory}: it needs about {needed} bytes "
             f"({fmt_size(needed)}), {free} bytes ({fmt_size(free)}) are free there. {kept} Free space there (or "

@@ -178,6 +178,20 @@ def check_writable(path: Path, what: str) -> None:
                              f"writable directory (`stage=status` reads a read-only one)")
 
 
+def check_no_dotdot_past_missing(raw: str, key: str = "workspace") -> None:
+    """A ``..`` after a directory that does not exist (``/a/missing/../ws``): the stages would take
+    it lexically (``/a/ws``) while Hydra's log directory, made by ``mkdir -p`` of the path as
+    written, would create ``/a/missing`` too. The shell refuses such a path (``cd`` fails): so do we."""
+    path = Path(raw).expanduser()
+    prefix = Path(path.anchor)  # "" (this directory) for a relative path
+    for part in path.parts[1:] if path.anchor else path.parts:
+        if part == ".." and not os.path.isdir(prefix):
+            fixed = os.path.normpath(path if path.is_absolute() else Path.cwd() / path)
+            raise WorkspaceError(f"{key}={raw}: {prefix} does not exist, so '..' cannot be taken from it (running "
+                                 f"would create it); write the path without it: {key}={fixed}")
+        prefix = prefix / part
+
+
 def check_target_tokenizer(target_cfg) -> None:
     """A target directory must hold a tokenizer (every stage that reads text loads it)."""
     if not target_cfg.path:
@@ -198,6 +212,7 @@ def check_environment(cfg) -> None:
     check_experiment_name(cfg.name)  # (a multirun's shared config arrives here unvalidated)
     if cfg.stage == "status":
         return
+    check_no_dotdot_past_missing(cfg.workspace)
     workspace = Path(cfg.workspace).expanduser().resolve()
     # beside the experiments: wandb's files, the converted GGUF target, plan's probe cache
     wandb = cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled" and not cfg.logger.dir

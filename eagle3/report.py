@@ -6,6 +6,7 @@ the printing functions.
 from __future__ import annotations
 
 import datetime as _dt
+from pathlib import Path
 
 from .contracts import STAGES
 from .manifest import Manifest, StageRecord
@@ -30,7 +31,16 @@ def _seconds(rec: StageRecord) -> float | None:
 
 
 def _stored(rec: StageRecord) -> int:
-    return sum(m["size"] for m in rec.data.get("outputs", {}).values())
+    """Bytes a run holds: its recorded outputs once complete; before that (running, interrupted,
+    failed: nothing is recorded yet) what its directory holds on disk now."""
+    if rec.status == "complete":
+        return sum(m["size"] for m in rec.data.get("outputs", {}).values())
+    out = Path(rec.out_dir)
+    return sum(p.lstat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink()) if out.is_dir() else 0
+
+
+def _size_cell(rec: StageRecord) -> str:
+    return fmt_size(_stored(rec)) + ("" if rec.status == "complete" else " on disk")
 
 
 def _facts_line(stage: str, facts) -> str:
@@ -79,13 +89,14 @@ def status_rows(manifest: Manifest) -> list[dict]:
             note = "; ".join(x for x in (note, _resume_note(manifest, last)) if x)
         if rec is None:
             rows.append({"stage": stage, "status": manifest.status_of(last) if latest else "not run",
-                         "config": (latest or "")[:12], "runs": len(entry.get("runs", {})), "note": note})
+                         "config": (latest or "")[:12], "runs": len(entry.get("runs", {})), "note": note,
+                         "size": _size_cell(last) if latest else ""})
             continue
         stale = manifest.stale_reason(rec) if rec.status == "complete" else None
         status = manifest.status_of(rec)
         resume = _resume_note(manifest, rec) if latest == rec.config_hash else ""
         rows.append({"stage": stage, "status": "stale" if stale else status, "config": rec.config_hash[:12],
-                     "runs": len(entry.get("runs", {})), "size": fmt_size(_stored(rec)),
+                     "runs": len(entry.get("runs", {})), "size": _size_cell(rec),
                      "started": rec.data.get("started") or "", "ended": rec.data.get("ended") or "",
                      "facts": _facts_line(stage, rec.facts),
                      "note": "; ".join(x for x in (stale, note, resume) if x)})

@@ -311,6 +311,18 @@ def test_an_upstream_run_in_progress_is_named_and_waited_for(tmp_path, monkeypat
     proc.join(30)
 
 
+def test_status_shows_what_an_unfinished_run_holds_on_disk(tmp_path):
+    """A run records its outputs only when it completes: stage=status showed a failed or interrupted
+    one as holding "0 B", though its directory held what it had written (checkpoints, shards)."""
+    from eagle3.report import status_rows
+
+    m = Manifest(tmp_path / "exp")
+    with pytest.raises(RuntimeError):
+        _run(m, "prepare", {"a": 1}, fail=True, payload=b"x" * 3000)  # the only run: failed, 3000 B written
+    (row,) = [r for r in status_rows(m) if r["stage"] == "prepare"]
+    assert row["status"] == "failed" and row["size"] == "2.9 KiB on disk", row
+
+
 def test_an_upstream_run_that_failed_or_was_killed_says_so(tmp_path):
     proc = _start_holder(tmp_path, seconds=1.0, complete=False)
     m = Manifest(tmp_path / "exp")

@@ -91,6 +91,16 @@ def test_workspace_under_a_file(tmp_path):
     assert _tree(tmp_path) == ["notes.txt"]
 
 
+def test_dotdot_after_a_missing_directory_is_refused(tmp_path):
+    """workspace=<tmp>/missing/../ws: the stages would read it as <tmp>/ws while Hydra's log directory,
+    made as written, would create <tmp>/missing as well."""
+    out = _cli("stage=prepare", f"workspace={tmp_path}/missing/../ws", cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{tmp_path}/missing does not exist, so '..' cannot be taken from it" in out.stderr
+    assert f"workspace={tmp_path}/ws" in out.stderr
+    assert _tree(tmp_path) == []
+
+
 def test_target_without_a_tokenizer(tmp_path, tiny_llama_dir):
     target = tmp_path / "weights_only"
     target.mkdir()

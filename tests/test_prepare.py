@@ -3,6 +3,7 @@ composed Hydra config and the manifest."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,27 @@ def test_skip_bad_records_counts_them(compose, tiny_llama_dir, workspace, tmp_pa
     data.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe bad bytes\n")
     _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.on_bad_record=skip")
     assert rec.facts.bad_records == 3 and rec.facts.num_train + rec.facts.num_eval == 6
+
+
+def test_a_file_of_bad_records_only_says_so_once(compose, tiny_llama_dir, workspace, tmp_path):
+    from eagle3.data.sources import DataError
+
+    data = tmp_path / "allbad.jsonl"
+    data.write_text("{not json\n")
+    with pytest.raises(DataError) as e:
+        _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "data.on_bad_record=skip")
+    assert "read 0 records from" in str(e.value) and ", dropped 1 bad record (e.g. " in str(e.value), str(e.value)
+    assert "skipped" not in str(e.value)
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_names_the_key(compose, tiny_llama_dir, workspace, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="eagle3.prepare")
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(20))
+    _, rec = _prepare(compose, tiny_llama_dir, workspace, f"data.path={data}", "prepare.draft_vocab_size=100000")
+    vocab = rec.facts.vocab_size
+    assert rec.facts.draft_vocab_size == vocab
+    assert (f"prepare.draft_vocab_size=100000 is larger than the target's vocabulary ({vocab} ids)" in caplog.text
+            and f"set prepare.draft_vocab_size={vocab} or less" in caplog.text), caplog.text
 
 
 @pytest.mark.parametrize("record,fragment", [

@@ -87,6 +87,11 @@ def build_dataset(cfg, target, tokenizer, out: Path) -> Prepared:
                         f"conversations (drops: {dict(drops)}).")
     freq = token_frequencies(train_rows, target.vocab_size, target.path)
     mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
+    if cfg.prepare.draft_vocab_size > target.vocab_size:
+        log.warning("prepare.draft_vocab_size=%d is larger than the target's vocabulary (%d ids): the draft predicts "
+                    "the whole vocabulary (identity mapping, lm_head of %d rows); set prepare.draft_vocab_size=%d or "
+                    "less to silence this", cfg.prepare.draft_vocab_size, target.vocab_size, target.vocab_size,
+                    target.vocab_size)
     curve = coverage_curve(freq, chosen=mapping.draft_vocab_size)
     by_category = {split: category_counts(r) for split, r in (("train", train_rows), ("eval", eval_rows))}
     if mapping.num_seen < min(cfg.prepare.draft_vocab_size, target.vocab_size):

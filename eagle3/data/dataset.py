@@ -196,7 +196,8 @@ def nothing_to_train_message(cfg, report, drops: Counter) -> str:
     reasons = sorted(((n, r) for r, n in drops.items() if n), reverse=True)
     counts = [f"{n} {DROP_REASONS.get(r, (r,))[0]}" for n, r in reasons]
     if report.bad_records:
-        counts.append(f"{report.bad_records} bad records skipped (e.g. {report.bad_examples[0]})")
+        counts.append(f"{report.bad_records} bad record{'s' if report.bad_records != 1 else ''} "
+                      f"(e.g. {report.bad_examples[0]})")
     regen = "" if cfg.prepare.regenerate else ", or set prepare.regenerate=true to have the target write them"
     fixes = [DROP_REASONS[r][1].format(regen=regen, max_length=cfg.prepare.max_length)
              for _, r in reasons if r in DROP_REASONS]

@@ -19,6 +19,10 @@ records it).
 Every claim and consume checks that a run's outputs exist with their recorded sizes; the extract
 stage's claim and the train stage check their recorded digests too (``StageRecord.damaged_outputs``:
 a store's shards by their sha256 trees), so a shard corrupted in place is found, named and rebuilt.
+A run also records the digest of the upstream outputs it depends on byte for byte (``read``:
+``READ_TRACKED``, a train run's store, an export's draft); a re-run of that upstream that writes
+them anew with other content makes it stale (:func:`read_stale`): its own stage runs it again from
+the start, the stages after it refuse it.
 
 Schema versions: 2 (current) nests the train stage's metrics (``eagle3.contracts.TrainFacts``);
 a version-1 manifest is read and upgraded in memory, and written as version 2 on the next update.
@@ -49,6 +53,11 @@ SCHEMA_VERSION = 2
 # is well defined (``stage=export train.seed=0`` exports seed 0's draft even when seed 1's was trained
 # last). Other stages' runs record derived values and are read as the current run.
 SELECTED_BY_CONFIG = ("extract", "train")
+# Upstream runs whose outputs a run depends on byte for byte (the store a draft is trained on, the
+# draft an export ships), where a re-run of the upstream's same config may write them again (a
+# damaged store's shards extracted anew, a train run resumed): a run records the digest of those
+# outputs as it consumed them (``read``), and is stale once they are no longer those (``read_stale``).
+READ_TRACKED: dict[str, tuple[str, ...]] = {"train": ("extract",), "export": ("train",), "eval": ("train",)}
 READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 log = logging.getLogger("eagle3.manifest")
@@ -105,14 +114,21 @@ class StageRecord:
         """An output of this run (relative to its out_dir)."""
         return self.out_dir / rel
 
+    @property
+    def outputs_digest(self) -> str:
+        """One digest over the recorded outputs (each one's path, size and recorded digest): changes
+        when a re-run records any output with other content."""
+        return hash_obj({rel: [meta.get("size"), _recorded_digest(meta)]
+                         for rel, meta in self.data.get("outputs", {}).items()})
+
     def damaged_outputs(self, digests: bool = True, select: Optional[Callable[[str], bool]] = None,
-                        progress: bool = False) -> list["Damage"]:
+                        progress: bool = False, reread: bool = False) -> list["Damage"]:
         """The recorded outputs (``select``: those whose experiment-relative path it accepts) that
         are missing, changed size or, with ``digests``, whose content no longer has the recorded
         digest (sha256, or a store shard's sha256 tree: hashed on every core, a progress bar past
         1 GiB). A file this process verified before and that has not changed since (size, mtime,
-        ctime, inode) is not read again: ``stage=all`` reads a store once for extract's check and
-        train's."""
+        ctime, inode) is not read again (``stage=all`` reads a store once for extract's check and
+        train's), unless ``reread``."""
         out, todo = [], []
         for rel, meta in sorted(self.data.get("outputs", {}).items()):
             if select is not None and not select(rel):
@@ -122,7 +138,7 @@ class StageRecord:
                 out.append(Damage(rel, "missing"))
             elif p.stat().st_size != meta["size"]:
                 out.append(Damage(rel, f"{p.stat().st_size} bytes, recorded {meta['size']} (truncated or appended to)"))
-            elif digests and _VERIFIED.get(str(p)) != (_file_key(p), _recorded_digest(meta)):
+            elif digests and (reread or _VERIFIED.get(str(p)) != (_file_key(p), _recorded_digest(meta))):
                 todo.append((rel, p, meta))
         trees = {p: meta for _, p, meta in todo if "sha256_tree" in meta}
         found = _tree_digests(list(trees), progress)
@@ -134,6 +150,29 @@ class StageRecord:
             else:
                 _VERIFIED[str(p)] = (_file_key(p), _recorded_digest(meta))
         return out
+
+
+def read_stale(rec: StageRecord, up: str, cur: StageRecord) -> Optional[str]:
+    """Why run ``rec`` no longer holds for the outputs of the run ``cur`` of its upstream ``up`` (of the
+    config it consumed; ``READ_TRACKED`` pairs only), or None. A run that recorded the digest of those
+    outputs as it consumed them (``read``) is stale once they have another one: the upstream was run
+    again and wrote other bytes. A run that recorded none (an eagle3 before ``read``, or a train run
+    that could not check each sample of its store as it read it) is stale once the upstream run was
+    recorded again after this run started: it may have read what that re-run replaced."""
+    if up not in READ_TRACKED.get(rec.stage, ()):
+        return None
+    read = rec.data.get("read") or {}
+    if up in read:
+        if read[up] != cur.outputs_digest:
+            return (f"the outputs of its input '{up}' run {cur.config_hash[:12]} were written again with other "
+                    f"content (recorded again {cur.data.get('ended')}) since this {rec.stage} run read them")
+        return None
+    started, ended = rec.data.get("started") or "", cur.data.get("ended") or ""
+    if ended > started:
+        return (f"its input '{up}' run {cur.config_hash[:12]} was run again (recorded {ended}: outputs found "
+                f"damaged were written anew) after this {rec.stage} run started ({started}), and this run did not "
+                f"check what it read byte for byte: it may have read the damaged outputs")
+    return None
 
 
 @dataclass(frozen=True)
@@ -251,6 +290,9 @@ class Manifest:
                         f"this {rec.stage} run used {up_hash[:12]})")
             if cur.status != "complete":
                 return f"its input stage '{up}' is {self.status_of(cur)}"
+            reason = read_stale(rec, up, cur)
+            if reason:
+                return reason
             reason = self.stale_reason(cur)
             if reason:
                 return f"'{up}' is stale: {reason}"
@@ -413,6 +455,12 @@ class StageJob:
         self.record: Optional[StageRecord] = None
         # set by claim(): outputs of this config's complete run that are not what was recorded
         self.damaged: list[Damage] = []
+        # the digests of the READ_TRACKED upstream outputs this run consumes, recorded as ``read``
+        self.read: dict[str, str] = {up: inputs[up].outputs_digest for up in READ_TRACKED.get(stage, ())
+                                     if up in inputs}
+        # set by claim(): why this config's recorded run (complete or not) no longer holds for its inputs'
+        # outputs (read_stale); the stage then runs from the start, not from that run's checkpoints
+        self.stale: Optional[str] = None
         self._run = None  # the wandb run while the job runs (eagle3.tracking)
         # False in a process other than the main one of a launch (across_ranks): it runs the work
         # and records nothing
@@ -427,6 +475,21 @@ class StageJob:
         would fix its device and distributed mode too early."""
         self.is_main = int(os.environ.get("RANK", "0")) == 0
         return self
+
+    def unchecked(self, up: str) -> None:
+        """This run cannot check the outputs of upstream ``up`` byte for byte as it reads them (a store
+        without per-sample checksums): it records no digest of them, so a later re-run of ``up`` makes
+        it stale (:func:`read_stale`). Before ``with job:``."""
+        self.read.pop(up, None)
+
+    def _stale_reads(self, rec: Optional[StageRecord]) -> Optional[str]:
+        """Why ``rec`` (this config's recorded run) no longer holds for the upstream runs this job consumes."""
+        if rec is None:
+            return None
+        for up in READ_TRACKED.get(self.stage, ()):
+            if up in self.inputs and (reason := read_stale(rec, up, self.inputs[up])):
+                return reason
+        return None
 
     def _acquire_run_lock(self) -> None:
         """Hold the run lock on out_dir; wait (saying so) while another process runs this config."""
@@ -451,7 +514,9 @@ class StageJob:
         lock: it must run the stage (``with job:``). Intact: every output exists with its recorded
         size, and with ``digests`` its recorded digest too (reads every output: the extract stage
         asks for it, see :meth:`StageRecord.damaged_outputs`); the outputs that are not are in
-        ``self.damaged``, for the stage to rebuild.
+        ``self.damaged``, for the stage to rebuild. Not stale: a recorded run (complete or not) whose
+        READ_TRACKED inputs' outputs are no longer those it read (:func:`read_stale`) sets
+        ``self.stale``, and the stage runs again from the start (never from that run's checkpoints).
 
         The lock is taken before looking, so two sweep jobs that need the same upstream run compute
         it once: the second waits for the first and then finds it complete.
@@ -461,10 +526,19 @@ class StageJob:
         """
         if not self.is_main:  # another process of a launch: never the lock, never the record's pins
             rec = self.manifest.record(self.stage, self.config_hash)
-            return rec if rec is not None and rec.status == "complete" else None
+            self.stale = self._stale_reads(rec)
+            return rec if rec is not None and rec.status == "complete" and not self.stale else None
         self._acquire_run_lock()
         rec = self.manifest.record(self.stage, self.config_hash)
+        self.stale = self._stale_reads(rec)
         if rec is None or rec.status != "complete":
+            if self.stale:
+                log.warning("stage %s: the earlier attempt %s (%s) is stale: %s; running from the start",
+                            self.stage, self.config_hash[:12], rec.status, self.stale)
+            return None
+        if self.stale:
+            log.warning("stage %s: the complete run %s is stale, running it again from the start: %s", self.stage,
+                        self.config_hash[:12], self.stale)
             return None
         self.damaged = rec.damaged_outputs(digests=digests, progress=progress)
         if self.damaged:
@@ -549,7 +623,7 @@ class StageJob:
         self._acquire_run_lock()
         now = _now()
         rec = {"status": "running", "config_hash": self.config_hash, "config": self.config,
-               "upstream": self.upstream, "target": self.target, "out_dir": self.rel_out,
+               "upstream": self.upstream, "read": self.read, "target": self.target, "out_dir": self.rel_out,
                "versions": package_versions(), "started": now, "ended": None,
                "host": socket.gethostname(), "pid": os.getpid(), "outputs": {}, "facts": {}}
 

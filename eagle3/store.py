@@ -5,8 +5,8 @@ Layout of a store directory (the extract run's out_dir)::
     store.json                       written last: layer ids, dtype, per-split shard list (+ sha256 tree)
     <split>/shard-00000-of-00012.safetensors
     <split>/shard-00000-of-00012.json   sidecar: the shard's size and sha256 tree (eagle3.hashing.sha256_tree_file,
-                                        leaves of tree_chunk bytes), written before the shard
-    <split>/index.json               per-split: shards and every sample's length (for batching)
+                                        leaves of tree_chunk bytes) and each sample's checksum, written before the shard
+    <split>/index.json               per-split: shards (their sidecars' records) and every sample's length (for batching)
 
 Each shard holds a contiguous range of samples [first, first + n) of one split, concatenated along
 the token axis, with ``offsets`` (n + 1) marking where each sample starts:
@@ -35,6 +35,15 @@ never read as plain numbers; bf16/fp16/float32 stores keep format ``/1`` and the
 A shard's bytes depend only on its samples, the target and the layer ids/dtype (no timestamps, a
 fixed header), so a resumed or scaled-out run writes the same files as one uninterrupted run.
 Shards are written to a temp file, fsync'ed, then renamed: a shard file that exists is complete.
+
+Each sample's checksum (``sample_xxh3_64`` in the sidecar and the index, one hex string a sample;
+:func:`sample_checksum`) covers every byte a reader takes for it: its row range in the shard (so
+the ``offsets`` that locate it) and its rows of ``input_ids``, ``loss_mask``, both state tensors
+and, in an fp8 store, both scale tensors. :class:`HiddenStates` verifies it on every read of a
+whole sample, so bytes that change after a shard was verified (the train stage verifies its
+shards' digests once, before the first step, and then reads them memory-mapped) fail the read,
+naming the shard and the sample. Stores written before the checksum have none (``checks_samples``
+is false): read unchecked, as before.
 """
 from __future__ import annotations
 
@@ -59,6 +68,9 @@ FORMATS = (FORMAT, FORMAT_FP8)
 _ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "fp8": ("F8_E4M3", 1)}
 # per-token tensors written as rows arrive (the rest of a shard is written when it is opened)
 ROW_TENSORS = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")
+# what a sample's checksum covers, in this order (the scales only in an fp8 store)
+SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")
+SAMPLE_CHECKSUMS = "sample_xxh3_64"  # the sidecar's and the index's key: one checksum a sample (sample_checksum)
 log = logging.getLogger("eagle3.store")
 
 
@@ -329,6 +341,46 @@ def finalize_store(store_dir: Path, layout: StoreLayout, split_lengths: dict, sa
     return store
 
 
+# -- per-sample checksums ----------------------------------------------------------------------------
+
+def sample_hasher(a: int, b: int):
+    """The hasher of the checksum of a sample at rows ``a:b`` of its shard, fed with those two bounds
+    (int64): update it with the sample's rows of each tensor of SAMPLE_TENSORS the store has, in that
+    order, and its ``hexdigest()`` is the checksum (eagle3.hashing.sample_hasher, xxh3_64). The writer
+    computes it from the finished file, the reader from the rows it read (:func:`sample_checksum`)."""
+    from .hashing import sample_hasher as hasher
+
+    h = hasher()
+    h.update(np.array([a, b], dtype=np.int64).tobytes())
+    return h
+
+
+def sample_checksum(a: int, b: int, parts) -> str:
+    """The checksum of a sample at rows ``a:b`` whose rows are the buffers ``parts`` (:func:`sample_hasher`)."""
+    h = sample_hasher(a, b)
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def _tensor_bytes(t):
+    """A CPU tensor's bytes (no copy: the rows of a shard tensor are contiguous)."""
+    import torch
+
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def check_sample(rows: dict, a: int, b: int, want: str, shard: Path, i: int) -> None:
+    """``rows`` ({name: tensor} of sample ``i``'s rows ``a:b``, as read from ``shard``) have the checksum
+    ``want`` recorded when the shard was written; a StoreError naming the shard and the sample if not."""
+    got = sample_checksum(a, b, [_tensor_bytes(rows[n]) for n in SAMPLE_TENSORS if n in rows])
+    if got != want:
+        raise StoreError(f"shard {shard}: sample {i} (rows {a}:{b}) is not what extract wrote: its bytes as read "
+                         f"have checksum {got}, the one recorded when the shard was written is {want}. The shard "
+                         f"changed after it was written (if this process verified it first: while it was being "
+                         f"read); {REBUILD}")
+
+
 # -- reading ----------------------------------------------------------------------------------------
 
 def checked_scales(scales, name: str, shard: Path, i: int):
@@ -343,19 +395,26 @@ def checked_scales(scales, name: str, shard: Path, i: int):
     return scales
 
 
-def shard_item(tensor, a: int, b: int, i: int, is_fp8: bool, fp8: str, shard: Path) -> dict:
+def shard_item(tensor, a: int, b: int, i: int, is_fp8: bool, fp8: str, shard: Path,
+               checksum: Optional[str] = None) -> dict:
     """Sample ``i`` (rows ``a:b`` of a shard) as a store item. ``tensor(name)`` gives the shard's tensor
-    (or a safetensors slice) of that name; ``fp8``: ``dequantize`` or ``raw`` (values + scales)."""
+    (or a safetensors slice) of that name; ``fp8``: ``dequantize`` or ``raw`` (values + scales).
+    ``checksum``: the sample's recorded checksum, verified over the rows as read (:func:`check_sample`),
+    before anything converts them."""
     import torch
 
-    item = {"input_ids": tensor("input_ids")[a:b].to(torch.int64),
-            "loss_mask": tensor("loss_mask")[a:b].to(torch.bool),
-            "aux_hidden_states": tensor("aux_hidden_states")[a:b],
-            "last_hidden_state": tensor("last_hidden_state")[a:b],
+    rows = {n: tensor(n)[a:b] for n in SAMPLE_TENSORS[:4] + (SAMPLE_TENSORS[4:] if is_fp8 else ())}
+    if is_fp8:  # a bad scale is named as such, before the checksum would refuse it too
+        aux_s = checked_scales(rows["aux_scales"], "aux_scales", shard, i)
+        last_s = checked_scales(rows["last_scales"], "last_scales", shard, i)
+    if checksum is not None:
+        check_sample(rows, a, b, checksum, shard, i)
+    item = {"input_ids": rows["input_ids"].to(torch.int64),
+            "loss_mask": rows["loss_mask"].to(torch.bool),
+            "aux_hidden_states": rows["aux_hidden_states"],
+            "last_hidden_state": rows["last_hidden_state"],
             "sample_index": i}
     if is_fp8:
-        aux_s = checked_scales(tensor("aux_scales")[a:b], "aux_scales", shard, i)
-        last_s = checked_scales(tensor("last_scales")[a:b], "last_scales", shard, i)
         if fp8 == "raw":
             item.update(aux_scales=aux_s, last_scales=last_s)
         else:
@@ -400,7 +459,11 @@ class HiddenStates(Sequence):
 
     Reads are lazy: each item reads only its own rows from the memory-mapped shard (safetensors
     ``safe_open``), so stores far larger than RAM work. Safe to use from DataLoader workers (each
-    process opens its own file handles)."""
+    process opens its own file handles).
+
+    Every item of a store with per-sample checksums (``checks_samples``) is verified as it is read
+    (a StoreError naming the shard and the sample when its bytes are not those written);
+    ``tokens`` and ``rows`` read parts of a sample and are not."""
 
     _MAX_OPEN = 32
 
@@ -431,6 +494,8 @@ class HiddenStates(Sequence):
             if not p.exists() or p.stat().st_size != s["size"]:
                 raise StoreError(f"{p} is missing or changed size since the store was written "
                                  f"(expected {s['size']} bytes); {REBUILD}")
+        # each shard's per-sample checksums (None: a store written before them)
+        self._checksums = [s.get(SAMPLE_CHECKSUMS) for s in self.index["shards"]]
         self._handles: OrderedDict = OrderedDict()
         self._offsets: dict = {}
         self._pid = os.getpid()
@@ -465,6 +530,12 @@ class HiddenStates(Sequence):
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    @property
+    def checks_samples(self) -> bool:
+        """Whether every sample has a recorded checksum, verified as it is read (a store written
+        before per-sample checksums has none)."""
+        return all(c is not None for c in self._checksums)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -559,7 +630,9 @@ class HiddenStates(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         h, k, a, b = self._locate(i)
         i = int(i) + (len(self) if int(i) < 0 else 0)
-        return shard_item(h.get_slice, a, b, i, self.is_fp8, self.fp8, self._shard_path(k))
+        sums = self._checksums[k]
+        return shard_item(h.get_slice, a, b, i, self.is_fp8, self.fp8, self._shard_path(k),
+                          checksum=None if sums is None else sums[i - self._firsts[k]])
 
     def __repr__(self) -> str:
         return (f"HiddenStates({self.store_dir}, split={self.split!r}, samples={len(self)}, tokens={self.num_tokens}, "

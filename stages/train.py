@@ -10,7 +10,10 @@ Outputs in the run's directory: ``draft.safetensors`` (vLLM tensor names, float3
 config.json for it), ``metrics.jsonl`` and ``checkpoints/`` (resumable). Multi-GPU:
 ``accelerate launch -m eagle3 stage=train``; only the main process records the run
 (``StageJob.across_ranks``). The store's opening and checks and the draft's inputs:
-eagle3/train/inputs.py.
+eagle3/train/inputs.py: every shard's digest before the first step, every sample's checksum as it
+is read (a store without them: every shard again at the end), the store's outputs digest recorded
+(``read``: a store rewritten with other bytes later makes the run stale, and it runs again from
+step 0).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def run(cfg, manifest):
     from eagle3.contracts import TrainFacts
     from eagle3.hashing import semantic_dict
     from eagle3.target import resolve
-    from eagle3.train.inputs import open_store, result_line, train_inputs, verify_store
+    from eagle3.train.inputs import check_reads, open_store, result_line, train_inputs, verify_store
     from eagle3.train.loop import train
 
     tcfg = cfg.train
@@ -51,13 +54,18 @@ def run(cfg, manifest):
                  " (start the producer: `python -m eagle3 stage=produce` with this run's overrides)"))
     else:
         train_store, eval_store = open_store(ext, layer_ids)
+        checked = check_reads(job, (train_store, eval_store))
     inputs = train_inputs(cfg, target, prep, layer_ids, train_store, eval_store)
     with job:
         if online is None:
             verify_store(ext, cfg.progress and job.is_main)
-        result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main)
+        # a stale earlier attempt (its store rewritten since): from step 0, its checkpoints removed
+        result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main,
+                       fresh=job.stale is not None)
         if online is not None:  # an online store: the producer may stop, the cache becomes a store if complete
             train_store.close(finished=True)
+        elif not checked and job.is_main:  # damage while it was read, found before the run is complete
+            verify_store(ext, cfg.progress, again=True)
         for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):
             job.add_output(job.out_dir / name)
         job.facts = TrainFacts(steps=result.steps, ttt_steps=tcfg.ttt_steps, layer_ids=layer_ids,

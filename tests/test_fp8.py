@@ -250,6 +250,30 @@ def test_reader_refuses_bad_scales_naming_the_shard(fp8_store, bad):
     assert hs[0]["aux_hidden_states"].shape[0] == len(ids[0])  # other shards read on
 
 
+@pytest.mark.parametrize("tensor", ["aux_hidden_states", "aux_scales", "last_scales"])
+def test_the_checksum_covers_an_fp8_samples_values_and_scales(fp8_store, tensor):
+    """An fp8 sample's checksum covers what the reader takes: the float8 values and both scale
+    tensors (a scale changed to another valid one dequantises to other states, unnoticed otherwise)."""
+    store, layout, ids, mask, states = fp8_store
+    path = store / "train" / "shard-00001-of-00003.safetensors"
+    spec = ShardSpec("train", 1, 3, 3, ids[3:6], mask[3:6])
+    _, off = shard_header(spec, layout)
+    hs = open_hidden_states(store, fp8="raw")
+    hs[4]  # the shard opened and mapped before its bytes change
+    a = int(spec.offsets[1])  # sample 4's first row
+    at = off[tensor] + a * {"aux_hidden_states": 3 * 16, "aux_scales": 3 * 4, "last_scales": 4}[tensor]
+    data = bytearray(path.read_bytes())
+    if tensor == "aux_hidden_states":
+        data[at] ^= 0x01  # one float8 value's lowest bit
+    else:  # a finite positive scale, doubled
+        data[at:at + 4] = (np.frombuffer(bytes(data[at:at + 4]), np.float32) * 2).tobytes()
+    path.write_bytes(bytes(data))
+    for reader in (hs, open_hidden_states(store)):  # raw, and dequantised
+        with pytest.raises(StoreError, match=f"{path.name}: sample 4 .*not what extract wrote"):
+            reader[4]
+        assert reader[3]["input_ids"].tolist() == ids[3] and reader[5]["input_ids"].tolist() == ids[5]
+
+
 def test_reader_refuses_a_shard_without_scales(fp8_store):
     from safetensors import safe_open
     from safetensors.torch import save_file

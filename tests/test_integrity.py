@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,201 @@ def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):
     assert completed_shard(rec.out_dir / "train", spec, layout) is None
     shards[0].write_bytes(full[:8] + b"#" * 16 + full[24:])
     assert completed_shard(rec.out_dir / "train", spec, layout) is None
+
+
+# -- item: what a train run read is what the store has ------------------------------------------
+
+def _first_read(rec, cfg):
+    """(shard path, global sample index, first row, end row) of the first sample the train loop reads."""
+    from safetensors import safe_open
+
+    from eagle3.train.data import Epochs
+
+    index = json.loads((rec.out_dir / "train" / "index.json").read_text())
+    i = Epochs(index["lengths"], cfg.train, 1).micro_batches(0, 1, 0)[0][0][0]
+    shard = next(s for s in index["shards"] if s["first_sample"] <= i < s["first_sample"] + s["num_samples"])
+    path = rec.out_dir / "train" / shard["file"]
+    with safe_open(str(path), "pt") as f:
+        off = f.get_tensor("offsets").tolist()
+    j = i - shard["first_sample"]
+    return path, i, off[j], off[j + 1]
+
+
+def _flip_state(path: Path, row: int, hidden: int = 64) -> None:
+    """8 bytes of the last hidden state at ``row`` of a float32 shard inverted in place."""
+    at = _tensor_offset(path, "last_hidden_state") + 4 * hidden * row
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(8)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _flip_after_verification(monkeypatch, path: Path, row: int) -> list:
+    """The train stage's up-front store check runs as it is, then 8 bytes of ``path`` change: as a disk
+    or another process would while the run reads the memory-mapped shard. Returns the flips done."""
+    import eagle3.train.inputs as inputs_mod
+
+    real, done = inputs_mod.verify_store, []
+
+    def verify_then_flip(ext, progress, again=False):
+        real(ext, progress, again) if again else real(ext, progress)
+        if not again and not done:
+            _flip_state(path, row)
+            done.append(path)
+
+    monkeypatch.setattr(inputs_mod, "verify_store", verify_then_flip)
+    return done
+
+
+def test_bytes_flipped_while_train_reads_the_store_fail_the_run_naming_shard_and_sample(tmp_path, tiny_llama_dir,
+                                                                                       monkeypatch):
+    """Digests verified before the first step, then a shard changes while the loop reads it: the read
+    of the damaged sample fails the run, naming the shard and the sample; nothing is complete."""
+    from eagle3.store import StoreError
+
+    rec, _ = _extracted(tmp_path, tiny_llama_dir)
+    cfg = _cfg(tmp_path, tiny_llama_dir, "train")
+    path, i, a, b = _first_read(rec, cfg)
+    done = _flip_after_verification(monkeypatch, path, a + 1)
+    with pytest.raises(StoreError) as e:
+        run(cfg)
+    assert done == [path]
+    msg = str(e.value)
+    assert str(path) in msg and f"sample {i} (rows {a}:{b})" in msg and "python -m eagle3 stage=extract" in msg
+    manifest = Manifest(tmp_path / "ws" / "t")
+    (train_run,) = manifest.read()["stages"]["train"]["runs"].values()
+    assert train_run["status"] == "failed" and f"sample {i}" in train_run["error"]
+    assert manifest.current("train") is None  # nothing complete: export has nothing to ship
+    monkeypatch.undo()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))  # the way out the message gives
+    run(cfg)
+    assert manifest.current("train").status == "complete"
+
+
+def _strip_sample_checksums(rec) -> None:
+    """The store as an eagle3 before per-sample checksums wrote it: its sidecars and indexes without
+    them, and the extract run's record with those files' digests."""
+    from eagle3.hashing import sha256_file
+
+    for p in sorted(rec.out_dir.rglob("*.json")):
+        data = json.loads(p.read_text())
+        if p.name == "index.json":
+            for s in data["shards"]:
+                s.pop("sample_xxh3_64", None)
+        elif p.name.startswith("shard-"):
+            data.pop("sample_xxh3_64", None)
+        else:
+            continue
+        p.write_text(json.dumps(data))
+
+    def fix(d):
+        outs = d["stages"]["extract"]["runs"][rec.config_hash]["outputs"]
+        for rel, meta in outs.items():
+            if rel.endswith(".json"):
+                meta.update(size=(rec.exp_dir / rel).stat().st_size, sha256=sha256_file(rec.exp_dir / rel))
+
+    Manifest(rec.exp_dir).update(fix)
+
+
+def test_a_store_without_sample_checksums_is_verified_again_before_the_run_is_complete(tmp_path, tiny_llama_dir,
+                                                                                       monkeypatch, caplog):
+    """A store written before per-sample checksums: the run says so, and damage during the run is
+    found by verifying every shard again at the end, before the run would be recorded complete."""
+    from eagle3.store import StoreError
+
+    rec, _ = _extracted(tmp_path, tiny_llama_dir)
+    _strip_sample_checksums(rec)
+    cfg = _cfg(tmp_path, tiny_llama_dir, "train")
+    path, i, a, b = _first_read(rec, cfg)
+    _flip_after_verification(monkeypatch, path, a + 1)
+    with pytest.raises(StoreError) as e:
+        run(cfg)
+    assert "no per-sample checksums" in caplog.text
+    msg = str(e.value)
+    assert "at the end of this run" in msg and path.name in msg and "python -m eagle3 stage=extract" in msg
+    (train_run,) = Manifest(tmp_path / "ws" / "t").read()["stages"]["train"]["runs"].values()
+    assert train_run["status"] == "failed" and path.name in train_run["error"]
+
+
+def _train_rerun(tmp_path, target, capsys) -> dict:
+    """``stage=train`` again: not "already complete", from step 0 (no checkpoint of the earlier run left
+    to resume from); returns the new record."""
+    ckpts = tmp_path / "ws" / "t" / Manifest(tmp_path / "ws" / "t").current("train").data["out_dir"] / "checkpoints"
+    marker = ckpts / "step-00000001"
+    marker.mkdir()
+    (marker / "COMPLETE").write_text("")  # a checkpoint a resumed run would load (and fail to)
+    capsys.readouterr()
+    run(_cfg(tmp_path, target, "train"))
+    out = capsys.readouterr().out
+    assert "already complete" not in out and "train: 2 steps" in out
+    assert not marker.exists()
+    rec = Manifest(tmp_path / "ws" / "t").current("train")
+    assert rec.status == "complete"
+    run(_cfg(tmp_path, target, "train"))
+    assert "already complete" in capsys.readouterr().out
+    return rec.data
+
+
+def test_a_shard_rewritten_with_other_bytes_makes_the_train_run_stale(tmp_path, tiny_llama_dir, capsys, monkeypatch):
+    """A damaged shard extracted again with other bytes (a GPU engine's numerics need not repeat
+    bit for bit; here every value one ulp up): the complete train run read the old bytes, so export
+    refuses it and ``stage=train`` with the same config runs it again from step 0."""
+    import eagle3.extract.writer as writer_mod
+
+    for stage in ("prepare", "extract", "train"):
+        run(_cfg(tmp_path, tiny_llama_dir, stage))
+    manifest = Manifest(tmp_path / "ws" / "t")
+    trained = manifest.current("train")
+    ext = manifest.current("extract")
+    shard = sorted((ext.out_dir / "train").glob("shard-*.safetensors"))[1]
+    rel = str(shard.relative_to(ext.exp_dir))
+    _flip_state(shard, 3)
+    real = writer_mod.store_rows
+
+    def other_bits(aux, last, layout):
+        return real(torch.nextafter(aux, aux + 1), torch.nextafter(last, last + 1), layout)
+
+    monkeypatch.setattr(writer_mod, "store_rows", other_bits)
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    assert f"train/{shard.name}" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert manifest.current("extract").data["outputs"][rel]["sha256_tree"] != ext.data["outputs"][rel]["sha256_tree"]
+
+    with pytest.raises(ManifestError) as e:
+        run(_cfg(tmp_path, tiny_llama_dir, "export"))
+    msg = str(e.value)
+    assert "stale" in msg and "written again with other content" in msg and "stage=train" in msg
+    again = _train_rerun(tmp_path, tiny_llama_dir, capsys)
+    assert again["config_hash"] == trained.config_hash
+    assert trained.data["read"] == {"extract": ext.outputs_digest}  # what each run read, recorded
+    assert again["read"] == {"extract": manifest.current("extract").outputs_digest} != trained.data["read"]
+    run(_cfg(tmp_path, tiny_llama_dir, "export"))
+    assert manifest.current("export").status == "complete"
+
+
+def test_a_repaired_store_keeps_a_checked_train_run_and_makes_an_unchecked_one_stale(tmp_path, tiny_llama_dir, capsys):
+    """A damaged shard extracted again to its very bytes: a train run that verified every sample as it
+    read it read those bytes, and stays complete. A run recorded without that check (an eagle3
+    before it: no ``read`` in its record) may have read the damage: it is stale, export refuses it,
+    and ``stage=train`` runs it again from step 0."""
+    for stage in ("prepare", "extract", "train"):
+        run(_cfg(tmp_path, tiny_llama_dir, stage))
+    manifest = Manifest(tmp_path / "ws" / "t")
+    trained = manifest.current("train")
+    shard = sorted((manifest.current("extract").out_dir / "train").glob("shard-*.safetensors"))[1]
+    time.sleep(1.1)  # the manifest's times are whole seconds: the repair recorded after the train run began
+    _flip_state(shard, 3)
+    capsys.readouterr()
+    run(_cfg(tmp_path, tiny_llama_dir, "extract"))
+    assert f"train/{shard.name}" in capsys.readouterr().out
+    run(_cfg(tmp_path, tiny_llama_dir, "train"))
+    assert "already complete" in capsys.readouterr().out
+
+    manifest.update(lambda d: d["stages"]["train"]["runs"][trained.config_hash].pop("read", None))
+    with pytest.raises(ManifestError) as e:
+        run(_cfg(tmp_path, tiny_llama_dir, "export"))
+    msg = str(e.value)
+    assert "stale" in msg and "was run again" in msg and "did not check what it read" in msg and "stage=train" in msg
+    _train_rerun(tmp_path, tiny_llama_dir, capsys)

@@ -20,6 +20,8 @@ from eagle3.store import (
     completed_shard,
     finalize_store,
     open_hidden_states,
+    shard_header,
+    shard_name,
     shard_ranges,
 )
 
@@ -274,6 +276,60 @@ def test_reader_errors(tmp_path):
         open_hidden_states(tmp_path / "s")
     with pytest.raises(StoreError, match="neither"):
         open_hidden_states(tmp_path / "nothing")
+
+
+def _flip(path, offset: int, n: int = 1) -> None:
+    """``n`` bytes of a file inverted in place (its size kept), as a disk or a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("tensor", ["aux_hidden_states", "last_hidden_state", "input_ids", "loss_mask", "offsets"])
+def test_every_sample_is_verified_as_it_is_read(tmp_path, tensor):
+    """Bytes changed after the reader opened a shard (it is memory-mapped) fail the read of the sample
+    they belong to, naming the shard and the sample; the other samples read on."""
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "s", ids, mask, states)
+    index = json.loads((tmp_path / "s" / "train" / "index.json").read_text())
+    assert all(len(s["sample_xxh3_64"]) == s["num_samples"] for s in index["shards"])
+    hs = open_hidden_states(tmp_path / "s")
+    assert hs.checks_samples
+    first = [hs[i] for i in range(len(hs))]  # every shard opened and mapped, every sample read once
+    k, i = 1, 5  # sample 5 is the second of shard 1 (4 samples a shard)
+    spec = ShardSpec("train", k, 3, 4, ids[4:8], mask[4:8])
+    _, off = shard_header(spec, LAYOUT)
+    a = int(spec.offsets[1])
+    at = {"aux_hidden_states": off["aux_hidden_states"] + a * 3 * H * 4 + 5,
+          "last_hidden_state": off["last_hidden_state"] + a * H * 4 + 2, "input_ids": off["input_ids"] + 4 * a,
+          "loss_mask": off["loss_mask"] + a, "offsets": off["offsets"] + 8 * 2}[tensor]
+    shard = tmp_path / "s" / "train" / shard_name(k, 3)
+    _flip(shard, at)
+    if tensor == "offsets":  # read when a shard is opened: a reader opening it anew
+        hs = open_hidden_states(tmp_path / "s")
+    with pytest.raises(StoreError, match=f"shard {shard}: sample {i} .*not what extract wrote.*stage=extract"):
+        hs[i]
+    if tensor == "offsets":  # offsets[2] ends sample 5 and starts sample 6
+        with pytest.raises(StoreError, match=f"sample {i + 1} "):
+            hs[i + 1]
+    for j in (0, 4, 7, 10):
+        assert torch.equal(hs[j]["last_hidden_state"], first[j]["last_hidden_state"])
+
+
+def test_a_store_without_sample_checksums_is_read_unchecked(tmp_path):
+    """A store written before per-sample checksums: read as before, ``checks_samples`` false."""
+    ids, mask, states = _samples()
+    _write_store(tmp_path / "s", ids, mask, states)
+    path = tmp_path / "s" / "train" / "index.json"
+    index = json.loads(path.read_text())
+    for s in index["shards"]:
+        del s["sample_xxh3_64"]
+    path.write_text(json.dumps(index))
+    hs = open_hidden_states(tmp_path / "s")
+    assert not hs.checks_samples
+    assert all(hs[i]["input_ids"].tolist() == ids[i] for i in range(len(hs)))
 
 
 def test_finalize_refuses_missing_shards_and_is_deterministic(tmp_path):

@@ -144,12 +144,18 @@ def _raise_save_error(e: Optional[BaseException], directory: Path, step: int, ne
     raise e
 
 
-def load_latest_checkpoint(accelerator, state: LoopState, out_dir: Path) -> Optional[Path]:
+def load_latest_checkpoint(accelerator, state: LoopState, out_dir: Path, fresh: bool = False) -> Optional[Path]:
     """Loads the newest complete checkpoint into the accelerator's objects and ``state``; returns
-    its path, or None when there is none (a fresh run)."""
-    if accelerator.is_main_process:  # saves cut short by a kill in an earlier run
-        for partial in (Path(out_dir) / CHECKPOINTS_DIR).glob(".step-*.partial"):
+    its path, or None when there is none (a fresh run). ``fresh`` (the main process's word):
+    every checkpoint is removed instead (an earlier attempt's, trained on inputs that are no longer
+    these: the manifest's ``StageJob.stale``). The main process cleans up while the others wait, so
+    every process then finds the same checkpoints."""
+    if accelerator.is_main_process:
+        if fresh:
+            shutil.rmtree(Path(out_dir) / CHECKPOINTS_DIR, ignore_errors=True)
+        for partial in (Path(out_dir) / CHECKPOINTS_DIR).glob(".step-*.partial"):  # saves cut short by a kill
             shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
     ckpts = complete_checkpoints(out_dir)
     if not ckpts:
         return None

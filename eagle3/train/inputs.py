@@ -9,23 +9,46 @@ import os
 log = logging.getLogger("eagle3.train")
 
 
-def verify_store(ext, progress: bool) -> None:
+def verify_store(ext, progress: bool, again: bool = False) -> None:
     """Every file of the store this run reads has its recorded digest (the shards' sha256 trees,
     eagle3.manifest.StageRecord.damaged_outputs): all up front, before the first step, hashed on
     every core. Up front, not as shards are first opened: the epoch's order is shuffled, so the
     first steps open nearly every shard anyway, and a corrupt shard fails the run before any
-    compute is spent. Under several processes each verifies its share (every W-th file)."""
+    compute is spent. Under several processes each verifies its share (every W-th file).
+
+    ``again``: the check at the end of a run over a store without per-sample checksums (see
+    :func:`check_reads`): every file read again (none taken as verified before), by this process
+    alone (the main one, which records the run)."""
     from ..store import REBUILD, StoreError
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world, rank = (1, 0) if again else (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
     prefix = ext.data["out_dir"] + "/"
     files = sorted(r for r in ext.data.get("outputs", {}) if r.startswith(prefix))
     mine = set(files[rank::world])
-    damaged = ext.damaged_outputs(select=mine.__contains__, progress=progress)
+    damaged = ext.damaged_outputs(select=mine.__contains__, progress=progress, reread=again)
     if damaged:
-        raise StoreError(f"the hidden-state store {ext.out_dir} (extract run {ext.config_hash[:12]}) is damaged: "
+        when = " at the end of this run (it changed while the run read it)" if again else ""
+        raise StoreError(f"the hidden-state store {ext.out_dir} (extract run {ext.config_hash[:12]}) is damaged{when}: "
                          + "; ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
                          + f". {REBUILD}; then run train again.")
+
+
+def check_reads(job, stores) -> bool:
+    """Whether every sample this run reads is verified as it is read (``stores``: the splits it reads,
+    eagle3.store.HiddenStates.checks_samples); the run then records the digest of the store's outputs
+    (``job.read``), and only a store rewritten with other bytes makes it stale. A store written before
+    per-sample checksums is not: the run says so, records no digest (a later re-run of extract makes
+    it stale) and verifies the whole store again at the end (:func:`verify_store` ``again``) before it
+    is recorded complete."""
+    if all(s.checks_samples for s in stores if s is not None):
+        return True
+    job.unchecked("extract")
+    if job.is_main:
+        log.warning("train: the store %s has no per-sample checksums (written by an earlier eagle3): the samples are "
+                    "not verified as they are read; every shard is verified again at the end of the run instead, "
+                    "a full read. Extracting into a new store (a new experiment, or this store's directory removed) "
+                    "gives it the per-sample checks.", stores[0].store_dir)
+    return False
 
 
 def open_store(ext, layer_ids: list) -> tuple:

@@ -71,13 +71,15 @@ class TrainResult:
 
 
 def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[dict, int], None]] = None,
-          progress: bool = True, prefetch: Optional[bool] = None) -> TrainResult:
+          progress: bool = True, prefetch: Optional[bool] = None, fresh: bool = False) -> TrainResult:
     """Train the draft; returns the last metrics, which the stage records as facts.
 
     ``log_fn(numbers, step)``: where the main process sends every logged window and eval besides
     metrics.jsonl (the stage job's wandb run: ``StageJob.log``), or None. ``prefetch``: read and
     collate the batches in a background thread (:class:`~eagle3.train.data.Prefetcher`); None =
-    on a GPU with ``train.num_workers=0`` (on a CPU the thread would take cores from the step)."""
+    on a GPU with ``train.num_workers=0`` (on a CPU the thread would take cores from the step).
+    ``fresh``: from step 0, the checkpoints in ``out_dir`` removed (an earlier attempt's, made from
+    other inputs), instead of resuming from the latest."""
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -108,7 +110,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     accelerator.register_for_checkpointing(scheduler, state)
 
     metrics = JsonlLogger(out_dir / METRICS_FILE)
-    resumed = load_latest_checkpoint(accelerator, state, out_dir)
+    resumed = load_latest_checkpoint(accelerator, state, out_dir, fresh=fresh)
     if resumed:
         log.info("train: resumed from %s (step %d of %d)", resumed.name, state.step, total)
     if accelerator.is_main_process:

@@ -160,6 +160,11 @@ def main() -> None:
             args = _insert(args, STATUS_HYDRA)
     sys.argv = [sys.argv[0]] + args
     _hydra_main()
+    if any(a in ("-m", "--multirun") for a in args):
+        from .sweep import failed_jobs
+
+        if failed_jobs():  # the table and the failed jobs are printed (eagle3.sweep.SweepSummary)
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Runs a composed config: each stage of ``cfg.stage`` in order (``stages/<name>.py``, one
 ``run(cfg, manifest)`` each), the status table for ``stage=status``, the summary after
 ``stage=all``; user errors end the process with their message, and inside a multirun a failed
-job is reported to the sweep instead of ending it."""
+job is reported to the sweep instead of ending it (eagle3.sweep: the sweep exits 1 at its end)."""
 from __future__ import annotations
 
 import gc

@@ -1,5 +1,6 @@
 """Hydra multirun: shared upstream, outputs kept apart, a ranking table; a bad swept value refused
-before any job runs; the submitit local launcher (the SLURM code path on this machine)."""
+before any job runs; a failing job reported, the others run, the sweep exits 1; the submitit local
+launcher (the SLURM code path on this machine)."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,24 @@ def test_a_bad_swept_value_is_refused_before_any_job(tmp_path, values):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"{key}={bad} (job #" in out.stderr and "none ran" in out.stderr, out.stderr
     assert "Launching" not in out.stdout + out.stderr and not (tmp_path / "ws").exists()
+
+
+@pytest.mark.parametrize("launcher", ["basic", "submitit"])
+def test_a_failed_job_fails_the_sweep_after_the_others_ran(tmp_path, launcher):
+    """One job fails at run time (its experiment's manifest is damaged), the next one runs, the
+    table is printed, and the sweep exits 1 naming the failed job; for submitit too, whose jobs end
+    in other processes."""
+    ws = tmp_path / "ws"
+    (ws / "bad").mkdir(parents=True)
+    (ws / "bad" / "manifest.json").write_text("{not json")
+    extra = ["hydra/launcher=local"] if launcher == "submitit" else []
+    out = _cli("-m", *extra, "stage=status", f"workspace={ws}", "experiment=bad,good", timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    text = " ".join(out.stdout.split())  # the table's title wraps at its width
+    assert "2 jobs, 1 failed" in text and "failed job: name=bad" in text, out.stdout[-3000:]
+    assert "eagle3: 1 of 2 jobs of the sweep failed: name=bad" in out.stderr, out.stderr[-3000:]
+    ok = _cli("-m", *extra, "stage=status", f"workspace={ws}", "experiment=good,other", timeout=300)
+    assert ok.returncode == 0 and "2 jobs, 0 failed" in " ".join(ok.stdout.split()), ok.stdout[-2000:] + ok.stderr
 
 
 def test_submitit_local_launcher_runs_a_job(extracted):

@@ -413,7 +413,9 @@ class OnlineConfig:
     run's directory (``stage=produce`` prints it). Local NVMe, /dev/shm or a shared filesystem."""
     window_bytes: int = 4 << 30
     """External producer: how far it may run ahead of the trainer, in bytes of hidden states on disk
-    (what the trainer has not read yet), per training process. Must hold the largest micro-batch."""
+    (what the trainer has not read yet), per training process. Must hold the largest micro-batch
+    (``train.batch_size`` rows): the trainer refuses a smaller one when it starts, ``stage=plan``
+    before (the bytes depend on the target and the data, so the config alone cannot)."""
     cache_bytes: int = 0
     """Bytes of hidden states kept on disk and reused in later epochs (the first samples of the
     split, by index, that fit), per training process; 0 = none: every epoch computes every sample

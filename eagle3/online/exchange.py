@@ -58,6 +58,26 @@ def shard_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout) 
     return int(shard_header(shard, layout)[1]["__end__"]) + _SIDECAR_BYTES
 
 
+def largest_micro_batch(lengths: Sequence[int], layout: StoreLayout, micro_batches, cached: int = 0) -> tuple:
+    """(bytes, index) of the micro-batch (rows of sample ids) whose uncached samples' shards take the
+    most disk at once: what the window must hold for the trainer to read it."""
+    N, size, worst, worst_mb = len(lengths), {}, 0, 0
+    for m, mb in enumerate(micro_batches):
+        ids = {i for row in mb for i in row if i >= cached}
+        b = sum(size.setdefault(i, shard_bytes("train", i, N, int(lengths[i]), layout)) for i in ids)
+        if b > worst:
+            worst, worst_mb = b, m
+    return worst, worst_mb
+
+
+def window_too_small(window_bytes: int, rows: int, need: int, index: int, how: str = "") -> OnlineError:
+    """The refusal of a window below one micro-batch (the trainer's, and ``stage=plan``'s)."""
+    return OnlineError(f"train.online.window_bytes={window_bytes} is smaller than one micro-batch of "
+                       f"train.batch_size={rows} rows: micro-batch {index} needs {need} bytes of hidden states on "
+                       f"disk at once{how}; set train.online.window_bytes to at least {need} (a few micro-batches "
+                       f"lets the producer run ahead), or lower train.batch_size")
+
+
 def cached_count(lengths: Sequence[int], layout: StoreLayout, cache_bytes: int, split: str = "train") -> int:
     """How many leading samples (by index) of ``lengths`` fit the cache budget."""
     total, n = 0, 0

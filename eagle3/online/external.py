@@ -22,8 +22,9 @@ from .exchange import (
     cached_count,
     check_writable,
     finalize_cache,
+    largest_micro_batch,
     read_json,
-    shard_bytes,
+    window_too_small,
 )
 from .hidden_states import OnlineHiddenStates
 
@@ -66,18 +67,9 @@ class ExternalSource:
             return
         N = len(store)
         order = [i for mb in micro_batches for row in mb for i in row]
-        size = {}
-        worst, worst_mb = 0, 0
-        for m, mb in enumerate(micro_batches):
-            ids = {i for row in mb for i in row if i >= self.cached}
-            b = sum(size.setdefault(i, shard_bytes("train", i, N, int(store.lengths[i]), self.layout)) for i in ids)
-            if b > worst:
-                worst, worst_mb = b, m
+        worst, worst_mb = largest_micro_batch(store.lengths, self.layout, micro_batches, self.cached)
         if worst > self.ocfg.window_bytes:
-            raise OnlineError(f"train.online.window_bytes={self.ocfg.window_bytes} is smaller than one micro-batch: "
-                              f"micro-batch {worst_mb} needs {worst} bytes of hidden states on disk at once; set "
-                              f"train.online.window_bytes to at least {worst} (a few micro-batches lets the producer "
-                              f"run ahead)")
+            raise window_too_small(self.ocfg.window_bytes, len(micro_batches[worst_mb]), worst, worst_mb)
         self._drop_ahead()
         self.order, self.pos = order, 0
         self.plan_id = uuid.uuid4().hex

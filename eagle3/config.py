@@ -422,7 +422,9 @@ class OnlineConfig:
     again. The cache is in the store's format (one sample per shard)."""
     timeout_s: float = 600.0
     """The trainer stops with an error when a sample it needs has not arrived and the producer has
-    not been heard from for this long."""
+    not been heard from for this long, after saving a checkpoint of its last completed step (the
+    same command resumes from it). While it waits it says so every 30 s. Ten minutes covers a
+    producer that loads a large target before its first sample (it writes no heartbeat until then)."""
     poll_s: float = 0.05
     """How often the trainer and producer look at the exchange directory."""
 

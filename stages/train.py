@@ -55,7 +55,12 @@ def run(cfg, manifest):
     with job:
         if online is None:
             verify_store(ext, cfg.progress and job.is_main)
-        result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main)
+        try:
+            result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main)
+        except BaseException:
+            if online is not None:  # a read still waiting gives up: the process does not wait for it to end
+                train_store.close(finished=False)
+            raise
         if online is not None:  # an online store: the producer may stop, the cache becomes a store if complete
             train_store.close(finished=True)
         for name in (DRAFT_FILE, DRAFT_CONFIG_FILE, VLLM_CONFIG_FILE, METRICS_FILE):

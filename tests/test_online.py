@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -209,8 +210,9 @@ ext.close()
 """
 
 TRAINER = """
-import json, os, sys
+import json, logging, os, sys
 sys.path.insert(0, {tests!r})
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from pathlib import Path
 from eagle3.config import OnlineConfig, TrainConfig
 from eagle3.online import ExternalSource, OnlineHiddenStates
@@ -222,7 +224,9 @@ W, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"
 src = ExternalSource(Path(d), layout, OnlineConfig(producer="external", poll_s=0.02, **ocfg), identity(layout, backend),
                      rank=rank, world_size=W)
 stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
-train(TrainConfig(**dict(TCFG, batch_size=TCFG["batch_size"] // W)), make_inputs(target, *stores), run, progress=False)
+tcfg = dict(TCFG, batch_size=TCFG["batch_size"] // W)
+tcfg.update(json.loads(os.environ.get("TRAINER_TCFG", "{{}}")))
+train(TrainConfig(**tcfg), make_inputs(target, *stores), run, progress=False)
 stores[0].close(finished=True)
 """
 
@@ -242,11 +246,13 @@ def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, **ocfg) -> subprocess.Popen:
+def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, tcfg: Optional[dict] = None,
+                  **ocfg) -> subprocess.Popen:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER.format(tests=str(TESTS)))
     return subprocess.Popen([sys.executable, str(script), str(d), str(run), str(target_dir), backend, json.dumps(ocfg)],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=dict(_env(), TRAINER_TCFG=json.dumps(tcfg or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 class DiskWatch:
@@ -336,6 +342,47 @@ def test_trainer_kill9_resumes_with_the_same_losses(offline, target_dir, splits,
     assert_same_training(offline, run)
     assert not list((d / "train").glob("shard-*")), "cache=none: nothing left on disk"
     assert "Traceback" not in out
+
+
+def test_a_silent_producer_stops_the_trainer_with_a_checkpoint_it_resumes_from(offline, target_dir, splits, layout,
+                                                                              tmp_path):
+    """The producer killed with -9 mid-run and not started again: the trainer says that it waits,
+    then stops within train.online.timeout_s with a checkpoint of its last completed step (no
+    train.save_every step here), its message naming the directory, the producer and the setting;
+    run again with a producer, it resumes from that checkpoint, with the offline losses and weights."""
+    import re
+
+    from eagle3.online import CONSUMED_FILE, read_json, shard_bytes
+    from eagle3.train.checkpoint import complete_checkpoints
+
+    d, run = tmp_path / "x", tmp_path / "run"
+    N = len(splits["train"])
+    window = 4 * max(shard_bytes("train", i, N, int(n), layout) for i, n in enumerate(splits["train"].lengths))
+    tcfg = dict(save_every=1000)  # the only checkpoint is the one the stall saves
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    trainer = start_trainer(tmp_path, d, run, target_dir, "hf", tcfg=tcfg, window_bytes=window, timeout_s=5)
+    deadline = time.time() + 300
+    while time.time() < deadline and (read_json(d / CONSUMED_FILE) or {}).get("position", 0) < 4:
+        time.sleep(0.01)
+    assert trainer.poll() is None, "the run finished before the producer could be killed"
+    producer.kill()  # SIGKILL: its heartbeat stops with it
+    producer.wait()
+    t_kill = time.monotonic()
+    out, _ = trainer.communicate(timeout=300)
+    stopped_after = time.monotonic() - t_kill
+    assert trainer.returncode != 0, out[-3000:]
+    m = re.search(r"Checkpoint of step (\d+) of 12 saved in (\S+): run the same command again", out)
+    assert m, out[-3000:]
+    step = int(m[1])
+    assert 1 <= step < 12 and [p.name for p in complete_checkpoints(run)] == [f"step-{step:08d}"] == [Path(m[2]).name]
+    assert "online: waiting for training sample" in out and "train.online.timeout_s" in out, out[-3000:]
+    assert str(d) in out and f"pid {producer.pid}" in out and "larger train.online.timeout_s (now 5 s)" in out
+    assert stopped_after < 5 + 60, stopped_after  # the timeout, and the checkpoint's save on a loaded machine
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    out = _wait(start_trainer(tmp_path, d, run, target_dir, "hf", tcfg=tcfg, window_bytes=window, timeout_s=120))
+    _wait(producer)
+    assert f"resumed from step-{step:08d}" in out, out[-3000:]
+    assert_same_training(offline, run)
 
 
 def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, layout, tmp_path):
@@ -621,6 +668,7 @@ def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_
     rec = Manifest(tmp_path / "ws" / "t").record("train", Manifest(tmp_path / "ws" / "t").read()["stages"]["train"]
                                                   ["latest"])
     assert rec.status == "failed" and str(rec.out_dir / "online") in str(e.value)
+    assert "no checkpoint yet" in str(e.value)  # it stopped before its first step
     assert not (rec.out_dir / "draft.safetensors").exists()
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..store import StoreLayout, one_sample_shard, read_shard_item, shard_name, sidecar_path
+from ..train.source import SourceStalled
 from .exchange import (
     CONSUMED_FILE,
     PLAN_FILE,
@@ -31,6 +33,11 @@ from .hidden_states import OnlineHiddenStates
 log = logging.getLogger("eagle3.online")
 
 _READ_AHEAD = 2  # training samples the trainer reads ahead of the loop (the next ones, in order)
+WAIT_LOG_S = 30.0  # while it waits for a sample, the trainer says so this often (or twice per timeout_s)
+
+
+class ProducerTimeout(OnlineError, SourceStalled):
+    """No shard arrived and no producer was heard from for ``train.online.timeout_s``."""
 
 
 class ExternalSource:
@@ -55,6 +62,7 @@ class ExternalSource:
         # the next samples are read by a thread while the loop computes (file reads release the GIL)
         self.ahead: dict = {}  # position -> Future of its item
         self._pool = None
+        self._closed = threading.Event()  # close(): a read still waiting gives up at once
 
     def attach(self, store: OnlineHiddenStates) -> None:
         self.stores[store.split] = store
@@ -71,6 +79,7 @@ class ExternalSource:
         if worst > self.ocfg.window_bytes:
             raise window_too_small(self.ocfg.window_bytes, len(micro_batches[worst_mb]), worst, worst_mb)
         self._drop_ahead()
+        self._closed.clear()
         self.order, self.pos = order, 0
         self.plan_id = uuid.uuid4().hex
         evals = self.stores.get("eval")
@@ -112,17 +121,30 @@ class ExternalSource:
                          f"last heard from {time.time() - float(p.get('heartbeat', 0)):.0f} s ago" for p in owners)
 
     def _wait(self, path: Path, i: int, what: str) -> None:
+        """Until ``path`` is there; a line every WAIT_LOG_S while it is not, and a ProducerTimeout
+        once neither it nor a heartbeat of its producer came for ``timeout_s``."""
         t0 = time.monotonic()
+        timeout = self.ocfg.timeout_s
+        every = min(WAIT_LOG_S, timeout / 2)
+        said = t0
         while not path.exists():
+            if self._closed.is_set():
+                raise OnlineError(f"online: the read of {what} was given up (the trainer closed its source)")
             beats = [float(p.get("heartbeat", 0)) for p in self._owners(i)]
-            waited = time.monotonic() - t0
+            now = time.monotonic()
+            waited = now - t0
             silent = time.time() - max(beats) if beats else waited
-            if waited > self.ocfg.timeout_s and silent > self.ocfg.timeout_s:
-                raise OnlineError(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
-                                  f"{self._producer_line(i)}. Restart the producer on that directory "
-                                  f"(`python -m eagle3 stage=produce` with the trainer's overrides) and then this "
-                                  f"run (it resumes from its last checkpoint); train.online.timeout_s="
-                                  f"{self.ocfg.timeout_s}")
+            if waited > timeout and silent > timeout:
+                raise ProducerTimeout(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
+                                      f"{self._producer_line(i)}. Start the producer on that directory again "
+                                      f"(`python -m eagle3 stage=produce` with the trainer's overrides); one that is "
+                                      f"only slow (loading its target, a long sample) needs a larger "
+                                      f"train.online.timeout_s (now {timeout:g} s)")
+            if now - said >= every:
+                said = now
+                log.warning("online: waiting for %s in %s: none for %.0f s; %s (stops after %g s without a sample "
+                            "or a heartbeat, train.online.timeout_s)", what, self.dir, waited, self._producer_line(i),
+                            timeout)
             time.sleep(self.ocfg.poll_s)
 
     def item(self, store: OnlineHiddenStates, i: int) -> dict:
@@ -180,6 +202,8 @@ class ExternalSource:
         self.ahead.clear()
 
     def close(self, store, finished: bool) -> None:
+        if store.split == "train":
+            self._closed.set()
         self._drop_ahead()
         if self._pool is not None:
             self._pool.shutdown()

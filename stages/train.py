@@ -58,7 +58,7 @@ def run(cfg, manifest):
         try:
             result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main)
         except BaseException:
-            if online is not None:  # a read still waiting gives up: the process does not wait for it to end
+            if online is not None:  # reads given up, the trainer's heartbeat stopped (producers see it gone)
                 train_store.close(finished=False)
             raise
         if online is not None:  # an online store: the producer may stop, the cache becomes a store if complete

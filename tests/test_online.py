@@ -385,6 +385,52 @@ def test_a_silent_producer_stops_the_trainer_with_a_checkpoint_it_resumes_from(o
     assert_same_training(offline, run)
 
 
+def test_a_producer_stops_when_its_trainer_is_gone_not_while_it_lives(target_dir, splits, layout, tmp_path):
+    """idle_timeout_s: the window written, a trainer that reads nothing for longer (an eval, a
+    checkpoint) but whose heartbeat runs keeps the producer; once the heartbeat stops (the trainer
+    killed), the producer stops within the timeout, naming the trainer and the setting."""
+    import threading
+
+    from eagle3.atomic import atomic_write_json
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import CONSUMED_FILE, PLAN_FILE, OnlineError, produce, shard_bytes
+    from eagle3.online.exchange import TRAINER_FILE, Heartbeat
+    from eagle3.store import shard_name
+
+    d = tmp_path / "x"
+    d.mkdir()
+    ident = identity(layout, "hf")
+    window = sum(shard_bytes("train", i, 12, int(splits["train"].lengths[i]), layout) for i in (5, 3))
+    atomic_write_json(d / CONSUMED_FILE, {"plan_id": "p", "position": 0, "finished": False})
+    atomic_write_json(d / PLAN_FILE, {"plan_id": "p", "identity": ident, "order": [5, 3, 7], "num_samples": 12,
+                                      "cached": 0, "window_bytes": window, "eval": 0})
+    beat = Heartbeat(d / TRAINER_FILE, {"host": "trainer-host", "pid": 4243}, 0.2)
+    ext = HFExtractor(str(target_dir), layout, "float32", ECFG)
+    result = {}
+
+    def producer():
+        try:
+            result["stats"] = produce(d, splits, layout, ext, ident, poll_s=0.01, idle_timeout_s=1.5, progress=False)
+        except OnlineError as e:
+            result["error"], result["at"] = e, time.monotonic()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not (d / "train" / shard_name(3, 12)).exists():
+        time.sleep(0.01)
+    time.sleep(4)  # more than idle_timeout_s with nothing read: the heartbeat alone keeps it
+    assert t.is_alive() and not result, result
+    beat.close()
+    gone = time.monotonic()
+    t.join(timeout=60)
+    assert not t.is_alive() and "error" in result, result
+    msg = str(result["error"])
+    assert "no trainer has shown life" in msg and "pid 4243 on host trainer-host" in msg and str(d) in msg, msg
+    assert "train.online.idle_timeout_s=1.5" in msg and "at position 0" in msg, msg
+    assert result["at"] - gone < 1.5 + 10
+
+
 def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, layout, tmp_path):
     """No shard arrives and the producer's heartbeat is older than train.online.timeout_s: the
     trainer stops with an error naming the producer and the directory; no draft is written (the
@@ -653,15 +699,18 @@ def test_fp8_items_equal_the_fp8_store_computed_and_cached(target_dir, splits, t
 
 def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_dir, tmp_path):
     """stage=train, external producer, none started: after train.online.timeout_s the stage fails
-    with the error naming the directory; the manifest's train run is failed, not complete."""
+    with the error naming the directory; the manifest's train run is failed, not complete. A
+    producer started then (`stage=produce`) serves the dead trainer's plan and stops after
+    train.online.idle_timeout_s (the failed stage stopped the trainer's heartbeat)."""
     import dataclasses
+    import threading
 
     from eagle3.manifest import Manifest
     from eagle3.online import OnlineError
     from eagle3.runner import run
 
     cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
-                        online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05))
+                        online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05, idle_timeout_s=2))
     run(dataclasses.replace(cfg, stage="prepare"))
     with pytest.raises(OnlineError, match=r"no producer has written .*producer-\*-of-\*.json") as e:
         run(dataclasses.replace(cfg, stage="train"))
@@ -670,6 +719,21 @@ def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_
     assert rec.status == "failed" and str(rec.out_dir / "online") in str(e.value)
     assert "no checkpoint yet" in str(e.value)  # it stopped before its first step
     assert not (rec.out_dir / "draft.safetensors").exists()
+    result = {}
+
+    def producer():
+        try:
+            run(dataclasses.replace(cfg, stage="produce"))
+        except OnlineError as err:
+            result["error"] = err
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the producer still waits for a trainer that is gone"
+    msg = str(result.get("error"))
+    assert "no trainer has shown life" in msg and f"trainer pid {os.getpid()}" in msg, msg
+    assert "train.online.idle_timeout_s=2" in msg and str(rec.out_dir / "online") in msg, msg
 
 
 def test_producer_waits_for_a_new_plan_after_a_finished_run(target_dir, splits, layout, tmp_path):

@@ -7,6 +7,8 @@ the protocol, no server.
                    hash, layer ids, dtype), the window and the cached samples; rewritten atomically
                    at every (re)start with a new ``plan_id``
 ``consumed.json``  the trainer's position in the order (samples read), ``finished`` at the end
+``trainer.json``   the trainer's host, pid, plan and a heartbeat, while it reads (a producer stops
+                   when no trainer shows life for ``train.online.idle_timeout_s``)
 ``producer-<p>-of-<N>.json``  each producer's identity (target hash, layer ids, dtype, backend),
                    host, pid and a heartbeat; producer p of N writes the samples i with i % N == p
 ``train/``, ``eval/``  one sample per shard, in the store's own format (eagle3.store, written by the
@@ -28,18 +30,51 @@ This module holds the file names, the sizes both sides count and the small file 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..atomic import atomic_write_json
 from ..errors import Eagle3Error
 from ..store import ShardSpec, StoreLayout, shard_header
 
+log = logging.getLogger("eagle3.online")
+
 PLAN_FILE = "plan.json"
 CONSUMED_FILE = "consumed.json"
+TRAINER_FILE = "trainer.json"
 PRODUCER_GLOB = "producer-*-of-*.json"
 
 _SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
+
+
+class Heartbeat:
+    """``record`` with the time written to ``path`` now and every ``every`` seconds from a thread,
+    until :meth:`close`: a producer's (``producer-<p>-of-<N>.json``) and a trainer's (``trainer.json``)."""
+
+    def __init__(self, path: Path, record: dict, every: float):
+        self.path, self.record, self.every = path, record, every
+        self.stop = threading.Event()
+        self.beat()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="eagle3-online-heartbeat")
+        self.thread.start()
+
+    def beat(self) -> None:
+        atomic_write_json(self.path, dict(self.record, heartbeat=time.time()))
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                self.beat()
+            except OSError as e:
+                log.warning("online: heartbeat %s not written: %s", self.path, e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def producer_file(part: int = 0, parts: int = 1) -> str:

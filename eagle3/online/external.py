@@ -20,6 +20,8 @@ from .exchange import (
     CONSUMED_FILE,
     PLAN_FILE,
     PRODUCER_GLOB,
+    TRAINER_FILE,
+    Heartbeat,
     OnlineError,
     cached_count,
     check_writable,
@@ -62,6 +64,7 @@ class ExternalSource:
         # the next samples are read by a thread while the loop computes (file reads release the GIL)
         self.ahead: dict = {}  # position -> Future of its item
         self._pool = None
+        self._beat = None  # trainer.json, from the first plan until close: the producers see this trainer live
         self._closed = threading.Event()  # close(): a read still waiting gives up at once
 
     def attach(self, store: OnlineHiddenStates) -> None:
@@ -89,6 +92,10 @@ class ExternalSource:
         # consumed first: a producer that sees the new plan finds its position
         atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": 0, "finished": False})
         atomic_write_json(self.dir / PLAN_FILE, plan)
+        if self._beat is None:
+            self._beat = Heartbeat(self.dir / TRAINER_FILE, {"host": socket.gethostname(), "pid": os.getpid()},
+                                   max(1.0, 10 * self.ocfg.poll_s))
+        self._beat.record["plan_id"] = self.plan_id
         log.info("online: plan %s written to %s: %d samples to read, window %d bytes, %d samples cached",
                  self.plan_id[:8], self.dir, len(order), self.ocfg.window_bytes, self.cached)
 
@@ -208,6 +215,9 @@ class ExternalSource:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if store.split == "train" and self._beat is not None:
+            self._beat.close()
+            self._beat = None
         if store.split == "train" and finished and self.plan_id:
             atomic_write_json(self.dir / CONSUMED_FILE,
                               {"plan_id": self.plan_id, "position": self.pos, "finished": True})

@@ -95,15 +95,22 @@ STATUS_HYDRA = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_loggin
 def preflight(args: list[str], keys_only: bool = False):
     """Refuse a command line (message on stderr, exit 2 for a bad config, 1 for a workspace this run
     cannot use) before Hydra creates anything for it; returns the composed Config of a single run
-    (None for a multirun, whose jobs' values are checked as each one starts, or when composing
-    failed: Hydra then reports it as it always has, before it creates anything). ``keys_only``:
-    only the command line's keys are checked (for a config Hydra prints)."""
+    (None for a multirun, or when composing failed: Hydra then reports it as it always has, before
+    it creates anything). A multirun's shared config is checked as a run's is, and every one of its
+    jobs' configs too (eagle3.preflight.check_sweep_jobs). ``keys_only``: only the command line's
+    keys are checked (for a config Hydra prints)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from .config import to_config
     from .errors import Eagle3Error
-    from .preflight import check_config_keys, check_environment, check_override_keys, check_runs_recorded
+    from .preflight import (
+        check_config_keys,
+        check_environment,
+        check_override_keys,
+        check_runs_recorded,
+        check_sweep_jobs,
+    )
 
     multirun = any(a in ("-m", "--multirun") for a in args)
     overrides = [a for a in args if not a.startswith("-")]
@@ -111,19 +118,22 @@ def preflight(args: list[str], keys_only: bool = False):
         check_override_keys(overrides)
         if keys_only:
             return None
+        shared = overrides
         if multirun:  # what every job shares: the overrides that are not swept
             from hydra.core.override_parser.overrides_parser import OverridesParser
 
             parser = OverridesParser.create()
-            overrides = [o for o in overrides if not parser.parse_override(o).is_sweep_override()]
+            shared = [o for o in overrides if not parser.parse_override(o).is_sweep_override()]
         try:
-            dcfg = _compose(overrides)
+            dcfg = _compose(shared)
         except (HydraException, OmegaConfBaseException):
             return None
         check_config_keys(dcfg)
         cfg = dcfg if multirun else to_config(dcfg)
         check_environment(cfg)
         check_runs_recorded(cfg)
+        if multirun:
+            check_sweep_jobs(overrides, _compose)
     except Eagle3Error as e:
         print(f"eagle3: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -150,6 +160,11 @@ def main() -> None:
             args = _insert(args, STATUS_HYDRA)
     sys.argv = [sys.argv[0]] + args
     _hydra_main()
+    if any(a in ("-m", "--multirun") for a in args):
+        from .sweep import failed_jobs
+
+        if failed_jobs():  # the table and the failed jobs are printed (eagle3.sweep.SweepSummary)
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

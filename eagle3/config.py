@@ -415,24 +415,34 @@ class OnlineConfig:
     run's directory (``stage=produce`` prints it). Local NVMe, /dev/shm or a shared filesystem."""
     window_bytes: int = 4 << 30
     """External producer: how far it may run ahead of the trainer, in bytes of hidden states on disk
-    (what the trainer has not read yet), per training process. Must hold the largest micro-batch."""
+    (what the trainer has not read yet), per training process. Must hold the largest micro-batch
+    (``train.batch_size`` rows): the trainer refuses a smaller one when it starts, ``stage=plan``
+    before (the bytes depend on the target and the data, so the config alone cannot)."""
     cache_bytes: int = 0
     """Bytes of hidden states kept on disk and reused in later epochs (the first samples of the
     split, by index, that fit), per training process; 0 = none: every epoch computes every sample
     again. The cache is in the store's format (one sample per shard)."""
     timeout_s: float = 600.0
     """The trainer stops with an error when a sample it needs has not arrived and the producer has
-    not been heard from for this long."""
+    not been heard from for this long, after saving a checkpoint of its last completed step (the
+    same command resumes from it). While it waits it says so every 30 s. Ten minutes covers a
+    producer that loads a large target before its first sample (it writes no heartbeat until then)."""
+    idle_timeout_s: float = 600.0
+    """``stage=produce``: the producer stops with an error when no trainer has shown life (a new
+    plan, a sample read, the trainer's heartbeat, which runs through evals and checkpoints) for
+    this long while it has nothing to write: a trainer that died does not hold the producer's GPUs
+    forever. 0 = wait forever (a trainer job that may wait longer in a queue)."""
     poll_s: float = 0.05
     """How often the trainer and producer look at the exchange directory."""
 
-    NON_SEMANTIC = ("producer", "dir", "window_bytes", "cache_bytes", "timeout_s", "poll_s")
+    NON_SEMANTIC = ("producer", "dir", "window_bytes", "cache_bytes", "timeout_s", "idle_timeout_s", "poll_s")
 
     def __post_init__(self):
         _check_choice("train.online.producer", self.producer, ("colocated", "external"))
         _check_positive("train.online.window_bytes", self.window_bytes)
         _check_positive("train.online.cache_bytes", self.cache_bytes, allow_zero=True)
         _check_positive("train.online.timeout_s", self.timeout_s)
+        _check_positive("train.online.idle_timeout_s", self.idle_timeout_s, allow_zero=True)
         _check_positive("train.online.poll_s", self.poll_s)
 
 

@@ -332,6 +332,29 @@ def train_steps(cfg, lengths: list) -> int:
     return int(Epochs(np.asarray(lengths, dtype=np.int64), cfg.train, 1).total_steps())
 
 
+def check_online_window(cfg, data: DataCount, layout) -> None:
+    """An external producer's window (``train.online.window_bytes``) must hold the largest
+    micro-batch of the run's data order, which the trainer refuses only when it starts: refused
+    here with the trainer's message, over the counted lengths (or the estimated ones, said so). Not
+    a config check: the bytes depend on the target's hidden size and the samples' lengths."""
+    import numpy as np
+
+    from .online.exchange import cached_count, largest_micro_batch, window_too_small
+    from .train.data import Epochs
+
+    if not data.lengths:
+        return
+    ocfg, lengths = cfg.train.online, np.asarray(data.lengths, dtype=np.int64)
+    epochs = Epochs(lengths, cfg.train, 1)
+    micro_batches = epochs.micro_batches(0, epochs.total_steps(), 0)
+    if not micro_batches:
+        return
+    need, index = largest_micro_batch(lengths, layout, micro_batches, cached_count(lengths, layout, ocfg.cache_bytes))
+    if need > ocfg.window_bytes:
+        how = "" if data.exact else f" ({data.how}; prepare counts them exactly)"
+        raise window_too_small(ocfg.window_bytes, len(micro_batches[index]), need, index, how)
+
+
 def make_plan(cfg, manifest, probe: bool = True) -> dict:
     """Every figure of the table, with where it came from."""
     import dataclasses
@@ -350,6 +373,8 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         store[dt] = {"bytes_per_token": lay.bytes_per_token, "bytes": lay.bytes_per_token * split_tokens}
     store_dtype, run_dtype = derived.store_dtype, derived.target_dtype
     steps = train_steps(cfg, data.lengths)
+    if cfg.train.hidden_states == "online" and cfg.train.online.producer == "external":
+        check_online_window(cfg, data, derived.layout)  # before the probes: the trainer would refuse it
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum
     plan = {"target": str(target.path), "layer_ids": list(layer_ids), "hidden_size": H, "num_layers": L,
             "data": asdict(data) | {"lengths": None}, "store": store, "store_dtype": store_dtype,

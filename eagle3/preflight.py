@@ -8,6 +8,8 @@
 - An experiment name that is a path; a workspace this process cannot write (under a regular
   file, or read-only); a target directory without a tokenizer; a stage that reads earlier runs
   in an experiment where nothing ran (a mistyped workspace= or experiment=).
+- A sweep with a job whose config is refused (a swept value Hydra cannot merge, or one the
+  schema refuses): every job's config is checked before any runs.
 
 ``eagle3/__main__.py`` runs these on the composed config before it hands the command line to
 Hydra; ``eagle3.runner.run`` runs the environment checks again for callers that compose
@@ -132,6 +134,47 @@ def check_override_keys(overrides: list[str]) -> None:
             continue  # Hydra's own config, and config groups: Hydra checks those
         if not _is_known(key.split(".")):
             raise UnknownKeyError(unknown_key_message(key, arg.partition("=")[2]))
+
+
+class SweepError(ValueError):
+    """A job of a sweep whose config is refused (the CLI prints it as an invalid config, before any job runs)."""
+
+
+def check_sweep_jobs(overrides: list[str], compose) -> None:
+    """Every job of a sweep over command-line values (Hydra's basic sweeper: every combination)
+    composed and validated as the job will be when it starts (``compose(overrides)``, then the
+    schema's keys and ``__post_init__`` checks), before any job runs:
+    a value Hydra cannot merge (``train.lr=bad``) or one the schema refuses (``train.grad_clip=-1``)
+    is a :class:`SweepError` naming the job's swept values and the reason. Hydra composes every job
+    before it launches any as well, so a sweep runs all its jobs or none. Not enumerated: another
+    sweeper's (Optuna draws its values as it goes; each is checked when its trial starts)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from .config import to_config
+
+    if any(o.partition("=")[0].lstrip("+") == "hydra/sweeper" for o in overrides):
+        return
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch] if swept else []
+    except HydraException:
+        return  # a sweep the basic sweeper cannot run: Hydra says why
+    refused = []
+    for num, job in enumerate(jobs):
+        try:
+            to_config(compose(job))
+        except Exception as e:
+            cause = e.__cause__ if isinstance(e, HydraException) and e.__cause__ is not None else e
+            why = (str(cause) or repr(cause)).splitlines()[0]
+            refused.append(f"{' '.join(o for o in job if o.partition('=')[0] in swept)} (job #{num}): {why}")
+    if refused:
+        shown = "; ".join(refused[:5]) + (f"; and {len(refused) - 5} more" if len(refused) > 5 else "")
+        raise SweepError(f"{shown}. {len(refused)} of the sweep's {len(jobs)} jobs refused; every job of a "
+                         f"sweep is checked before any runs, and none ran")
 
 
 def check_config_keys(dcfg) -> None:

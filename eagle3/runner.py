@@ -1,7 +1,7 @@
 """Runs a composed config: each stage of ``cfg.stage`` in order (``stages/<name>.py``, one
 ``run(cfg, manifest)`` each), the status table for ``stage=status``, the summary after
 ``stage=all``; user errors end the process with their message, and inside a multirun a failed
-job is reported to the sweep instead of ending it."""
+job is reported to the sweep instead of ending it (eagle3.sweep: the sweep exits 1 at its end)."""
 from __future__ import annotations
 
 import gc
@@ -101,7 +101,7 @@ def run_from_hydra(dcfg: DictConfig):
         cfg = to_config(dcfg)
     except Exception as e:  # validation errors from __post_init__
         msg = str(e).splitlines()[0] if str(e) else repr(e)
-        if _in_multirun():  # one bad job of a sweep is reported, the others go on
+        if _in_multirun():  # a sweeper's drawn values (the command line's were checked up front): the others go on
             log.error("job failed: invalid config: %s", msg)
             return {"error": f"invalid config: {msg}"}
         print(f"eagle3: invalid config: {msg}", file=sys.stderr)

@@ -1,18 +1,32 @@
-"""Multirun support: a Hydra callback that ranks the sweep's jobs when the sweep ends.
+"""Multirun support: a Hydra callback that ranks the sweep's jobs when the sweep ends, and says
+which failed (``python -m eagle3 -m ...`` then exits 1).
 
 Jobs share upstream artifacts through the manifest (same config hash = same run, computed once);
 each job's own outputs live under its config hash. The ranking reads the manifest, so it works
-the same for the basic launcher, submitit (SLURM or local) and the Optuna sweeper.
+the same for the basic launcher, submitit (SLURM or local) and the Optuna sweeper. Each job's
+result is also written to the sweep directory (``.eagle3-jobs/``): a submitit job ends in another
+process (another host, on SLURM), where the launching process's callback never sees it.
 """
 from __future__ import annotations
 
+import json
 import logging
+import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
 log = logging.getLogger("eagle3.sweep")
+
+JOBS_DIR = ".eagle3-jobs"  # in the sweep directory: one file per finished job
+_failed: list[str] = []  # the last sweep's failed jobs in this process (read by eagle3.__main__)
+
+
+def failed_jobs() -> list[str]:
+    """The failed jobs of the sweep that ended last in this process (their swept overrides)."""
+    return list(_failed)
 
 
 def objective_value(manifest, objective: str) -> float | None:
@@ -91,27 +105,63 @@ class SweepSummary(Callback):
     """Collects job results (failures included) and prints the ranking table at the end."""
 
     def __init__(self) -> None:
-        self.jobs: list[dict] = []
+        self.jobs: dict[int, dict] = {}
+        self.sweep_id = ""
+        self.sweep_dir = ""
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        # set before the launcher sends this callback to the jobs (submitit pickles it): the jobs
+        # write where the launching process reads, under this sweep's id
+        self.sweep_id, self.sweep_dir = uuid.uuid4().hex, str(config.hydra.sweep.dir)
+        self.jobs = {}
+        _failed.clear()
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         ret = getattr(job_return, "_return_value", None)
         overrides = list(getattr(job_return, "overrides", []) or [])
         if isinstance(ret, dict):
-            self.jobs.append({"overrides": overrides, **ret})
+            job = {"overrides": overrides, **ret}
         elif isinstance(ret, float):  # an objective returned to a sweeper
-            self.jobs.append({"overrides": overrides, "objective": ret,
-                              **({"error": "no objective value"} if ret != ret else {})})
+            job = {"overrides": overrides, "objective": ret, **({"error": "no objective value"} if ret != ret else {})}
         else:
-            self.jobs.append({"overrides": overrides, "error": "job raised (see its log)"})
+            job = {"overrides": overrides, "error": "job raised (see its log)"}
+        num = int(config.hydra.job.num) if config.hydra.job.get("num") is not None else len(self.jobs)
+        self.jobs[num] = job
+        if self.sweep_dir:
+            try:
+                d = Path(self.sweep_dir) / JOBS_DIR
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"{self.sweep_id}-{num}.json").write_text(json.dumps(job, default=str))
+            except OSError as e:
+                log.warning("sweep: the result of job #%d not written to %s: %s", num, self.sweep_dir, e)
+
+    def _collected(self) -> list[dict]:
+        """This sweep's jobs, in job order: those that ended in this process and those whose result
+        another process wrote (submitit)."""
+        jobs = dict(self.jobs)
+        if self.sweep_dir:
+            for f in (Path(self.sweep_dir) / JOBS_DIR).glob(f"{self.sweep_id}-*.json"):
+                num = int(f.stem.rsplit("-", 1)[1])
+                if num not in jobs:
+                    try:
+                        jobs[num] = json.loads(f.read_text())
+                    except (OSError, json.JSONDecodeError):
+                        continue
+        return [jobs[n] for n in sorted(jobs)]
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
-        shared = set.intersection(*(set(j["overrides"]) for j in self.jobs)) if self.jobs else set()
-        failures = [f"{' '.join(o for o in j['overrides'] if o not in shared)}: {j['error']}"
-                    for j in self.jobs if j.get("error")]
-        exp_dirs = {j["experiment_dir"] for j in self.jobs if j.get("experiment_dir")}
+        jobs = self._collected()
+        shared = set.intersection(*(set(j["overrides"]) for j in jobs)) if jobs else set()
+        varied = [" ".join(o for o in j["overrides"] if o not in shared) for j in jobs]
+        failures = [f"{v}: {j['error']}" for v, j in zip(varied, jobs) if j.get("error")]
+        exp_dirs = {j["experiment_dir"] for j in jobs if j.get("experiment_dir")}
         if not exp_dirs:
             exp_dirs = {str(Path(config.workspace).expanduser().resolve() / config.name)}
         for exp in sorted(exp_dirs):
-            hashes = {j["records"].get("train") for j in self.jobs if j.get("records", {}).get("train")}
+            hashes = {j["records"].get("train") for j in jobs if j.get("records", {}).get("train")}
             rows = sweep_rows(Path(exp), {h for h in hashes if h} or None) if (Path(exp) / "manifest.json").exists() else []
-            print_sweep_table(rows, failures, f"sweep over {exp}: {len(self.jobs)} jobs, {len(failures)} failed")
+            print_sweep_table(rows, failures, f"sweep over {exp}: {len(jobs)} jobs, {len(failures)} failed")
+        _failed[:] = [v or "(no swept value)" for v, j in zip(varied, jobs) if j.get("error")]
+        if _failed:
+            print(f"eagle3: {len(_failed)} of {len(jobs)} jobs of the sweep failed: {'; '.join(_failed)}",
+                  file=sys.stderr, flush=True)

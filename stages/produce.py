@@ -6,8 +6,9 @@ the same train run (its config hash) and hence the same exchange directory (``tr
 default ``online/`` in the train run's directory), loads the target with ``extract.backend`` (any
 backend, any ``extract.tensor_parallel_size``) and writes the shards the trainer needs next, in the
 store's format, never more than ``train.online.window_bytes`` ahead. It records nothing in the
-manifest (the train run does) and exits when the trainer has finished. Killed, it is simply started
-again: it resumes from what is on disk. Several producers (engines) share the work as the extract
+manifest (the train run does) and exits when the trainer has finished, or with an error when no
+trainer has shown life for ``train.online.idle_timeout_s`` (600 s; 0 = wait forever). Killed, it
+is simply started again: it resumes from what is on disk. Several producers (engines) share the work as the extract
 stage's scale-out does: ``extract.num_shards=N extract.shard_index=p`` (producer p writes the samples
 i with i % N == p). On SLURM, a producer job and a trainer job:
 
@@ -34,7 +35,8 @@ def run(cfg, manifest):
     extractor = run_.extractor()
     try:
         stats = produce(run_.dir, run_.splits, run_.layout, extractor, run_.identity, poll_s=cfg.train.online.poll_s,
-                        progress=cfg.progress, part=cfg.extract.shard_index, parts=cfg.extract.num_shards)
+                        idle_timeout_s=cfg.train.online.idle_timeout_s, progress=cfg.progress,
+                        part=cfg.extract.shard_index, parts=cfg.extract.num_shards)
     finally:
         extractor.close()
     print(f"produce: the trainer finished; {stats['written']} samples written for {stats['plans']} plan(s)")

@@ -59,9 +59,14 @@ def run(cfg, manifest):
     with job:
         if online is None:
             verify_store(ext, cfg.progress and job.is_main)
-        # a stale earlier attempt (its store rewritten since): from step 0, its checkpoints removed
-        result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main,
-                       fresh=job.stale is not None)
+        try:
+            # a stale earlier attempt (its store rewritten since): from step 0, its checkpoints removed
+            result = train(tcfg, inputs, job.out_dir, log_fn=job.log, progress=cfg.progress and job.is_main,
+                           fresh=job.stale is not None)
+        except BaseException:
+            if online is not None:  # reads given up, the trainer's heartbeat stopped (producers see it gone)
+                train_store.close(finished=False)
+            raise
         if online is not None:  # an online store: the producer may stop, the cache becomes a store if complete
             train_store.close(finished=True)
         elif not checked and job.is_main:  # damage while it was read, found before the run is complete

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -209,8 +210,9 @@ ext.close()
 """
 
 TRAINER = """
-import json, os, sys
+import json, logging, os, sys
 sys.path.insert(0, {tests!r})
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from pathlib import Path
 from eagle3.config import OnlineConfig, TrainConfig
 from eagle3.online import ExternalSource, OnlineHiddenStates
@@ -222,7 +224,9 @@ W, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"
 src = ExternalSource(Path(d), layout, OnlineConfig(producer="external", poll_s=0.02, **ocfg), identity(layout, backend),
                      rank=rank, world_size=W)
 stores = [OnlineHiddenStates(s, splits[s], layout, src) for s in ("train", "eval")]
-train(TrainConfig(**dict(TCFG, batch_size=TCFG["batch_size"] // W)), make_inputs(target, *stores), run, progress=False)
+tcfg = dict(TCFG, batch_size=TCFG["batch_size"] // W)
+tcfg.update(json.loads(os.environ.get("TRAINER_TCFG", "{{}}")))
+train(TrainConfig(**tcfg), make_inputs(target, *stores), run, progress=False)
 stores[0].close(finished=True)
 """
 
@@ -242,11 +246,13 @@ def start_producer(tmp_path, d: Path, backend: str, target_dir, layer_ids=(1, 2,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, **ocfg) -> subprocess.Popen:
+def start_trainer(tmp_path, d: Path, run: Path, target_dir, backend: str, tcfg: Optional[dict] = None,
+                  **ocfg) -> subprocess.Popen:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER.format(tests=str(TESTS)))
     return subprocess.Popen([sys.executable, str(script), str(d), str(run), str(target_dir), backend, json.dumps(ocfg)],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=dict(_env(), TRAINER_TCFG=json.dumps(tcfg or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 class DiskWatch:
@@ -336,6 +342,93 @@ def test_trainer_kill9_resumes_with_the_same_losses(offline, target_dir, splits,
     assert_same_training(offline, run)
     assert not list((d / "train").glob("shard-*")), "cache=none: nothing left on disk"
     assert "Traceback" not in out
+
+
+def test_a_silent_producer_stops_the_trainer_with_a_checkpoint_it_resumes_from(offline, target_dir, splits, layout,
+                                                                              tmp_path):
+    """The producer killed with -9 mid-run and not started again: the trainer says that it waits,
+    then stops within train.online.timeout_s with a checkpoint of its last completed step (no
+    train.save_every step here), its message naming the directory, the producer and the setting;
+    run again with a producer, it resumes from that checkpoint, with the offline losses and weights."""
+    import re
+
+    from eagle3.online import CONSUMED_FILE, read_json, shard_bytes
+    from eagle3.train.checkpoint import complete_checkpoints
+
+    d, run = tmp_path / "x", tmp_path / "run"
+    N = len(splits["train"])
+    window = 4 * max(shard_bytes("train", i, N, int(n), layout) for i, n in enumerate(splits["train"].lengths))
+    tcfg = dict(save_every=1000)  # the only checkpoint is the one the stall saves
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    trainer = start_trainer(tmp_path, d, run, target_dir, "hf", tcfg=tcfg, window_bytes=window, timeout_s=5)
+    deadline = time.time() + 300
+    while time.time() < deadline and (read_json(d / CONSUMED_FILE) or {}).get("position", 0) < 4:
+        time.sleep(0.01)
+    assert trainer.poll() is None, "the run finished before the producer could be killed"
+    producer.kill()  # SIGKILL: its heartbeat stops with it
+    producer.wait()
+    t_kill = time.monotonic()
+    out, _ = trainer.communicate(timeout=300)
+    stopped_after = time.monotonic() - t_kill
+    assert trainer.returncode != 0, out[-3000:]
+    m = re.search(r"Checkpoint of step (\d+) of 12 saved in (\S+): run the same command again", out)
+    assert m, out[-3000:]
+    step = int(m[1])
+    assert 1 <= step < 12 and [p.name for p in complete_checkpoints(run)] == [f"step-{step:08d}"] == [Path(m[2]).name]
+    assert "online: waiting for training sample" in out and "train.online.timeout_s" in out, out[-3000:]
+    assert str(d) in out and f"pid {producer.pid}" in out and "larger train.online.timeout_s (now 5 s)" in out
+    assert stopped_after < 5 + 60, stopped_after  # the timeout, and the checkpoint's save on a loaded machine
+    producer = start_producer(tmp_path, d, "hf", target_dir)
+    out = _wait(start_trainer(tmp_path, d, run, target_dir, "hf", tcfg=tcfg, window_bytes=window, timeout_s=120))
+    _wait(producer)
+    assert f"resumed from step-{step:08d}" in out, out[-3000:]
+    assert_same_training(offline, run)
+
+
+def test_a_producer_stops_when_its_trainer_is_gone_not_while_it_lives(target_dir, splits, layout, tmp_path):
+    """idle_timeout_s: the window written, a trainer that reads nothing for longer (an eval, a
+    checkpoint) but whose heartbeat runs keeps the producer; once the heartbeat stops (the trainer
+    killed), the producer stops within the timeout, naming the trainer and the setting."""
+    import threading
+
+    from eagle3.atomic import atomic_write_json
+    from eagle3.extract.hf_backend import HFExtractor
+    from eagle3.online import CONSUMED_FILE, PLAN_FILE, OnlineError, produce, shard_bytes
+    from eagle3.online.exchange import TRAINER_FILE, Heartbeat
+    from eagle3.store import shard_name
+
+    d = tmp_path / "x"
+    d.mkdir()
+    ident = identity(layout, "hf")
+    window = sum(shard_bytes("train", i, 12, int(splits["train"].lengths[i]), layout) for i in (5, 3))
+    atomic_write_json(d / CONSUMED_FILE, {"plan_id": "p", "position": 0, "finished": False})
+    atomic_write_json(d / PLAN_FILE, {"plan_id": "p", "identity": ident, "order": [5, 3, 7], "num_samples": 12,
+                                      "cached": 0, "window_bytes": window, "eval": 0})
+    beat = Heartbeat(d / TRAINER_FILE, {"host": "trainer-host", "pid": 4243}, 0.2)
+    ext = HFExtractor(str(target_dir), layout, "float32", ECFG)
+    result = {}
+
+    def producer():
+        try:
+            result["stats"] = produce(d, splits, layout, ext, ident, poll_s=0.01, idle_timeout_s=1.5, progress=False)
+        except OnlineError as e:
+            result["error"], result["at"] = e, time.monotonic()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not (d / "train" / shard_name(3, 12)).exists():
+        time.sleep(0.01)
+    time.sleep(4)  # more than idle_timeout_s with nothing read: the heartbeat alone keeps it
+    assert t.is_alive() and not result, result
+    beat.close()
+    gone = time.monotonic()
+    t.join(timeout=60)
+    assert not t.is_alive() and "error" in result, result
+    msg = str(result["error"])
+    assert "no trainer has shown life" in msg and "pid 4243 on host trainer-host" in msg and str(d) in msg, msg
+    assert "train.online.idle_timeout_s=1.5" in msg and "at position 0" in msg, msg
+    assert result["at"] - gone < 1.5 + 10
 
 
 def test_a_producer_that_never_comes_back_stops_the_trainer(target_dir, splits, layout, tmp_path):
@@ -606,22 +699,41 @@ def test_fp8_items_equal_the_fp8_store_computed_and_cached(target_dir, splits, t
 
 def test_stage_train_with_no_producer_fails_and_records_nothing_complete(target_dir, tmp_path):
     """stage=train, external producer, none started: after train.online.timeout_s the stage fails
-    with the error naming the directory; the manifest's train run is failed, not complete."""
+    with the error naming the directory; the manifest's train run is failed, not complete. A
+    producer started then (`stage=produce`) serves the dead trainer's plan and stops after
+    train.online.idle_timeout_s (the failed stage stopped the trainer's heartbeat)."""
     import dataclasses
+    import threading
 
     from eagle3.manifest import Manifest
     from eagle3.online import OnlineError
     from eagle3.runner import run
 
     cfg = _stage_config(tmp_path, target_dir, hidden_states="online",
-                        online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05))
+                        online=OnlineConfig(producer="external", timeout_s=1, poll_s=0.05, idle_timeout_s=2))
     run(dataclasses.replace(cfg, stage="prepare"))
     with pytest.raises(OnlineError, match=r"no producer has written .*producer-\*-of-\*.json") as e:
         run(dataclasses.replace(cfg, stage="train"))
     rec = Manifest(tmp_path / "ws" / "t").record("train", Manifest(tmp_path / "ws" / "t").read()["stages"]["train"]
                                                   ["latest"])
     assert rec.status == "failed" and str(rec.out_dir / "online") in str(e.value)
+    assert "no checkpoint yet" in str(e.value)  # it stopped before its first step
     assert not (rec.out_dir / "draft.safetensors").exists()
+    result = {}
+
+    def producer():
+        try:
+            run(dataclasses.replace(cfg, stage="produce"))
+        except OnlineError as err:
+            result["error"] = err
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the producer still waits for a trainer that is gone"
+    msg = str(result.get("error"))
+    assert "no trainer has shown life" in msg and f"trainer pid {os.getpid()}" in msg, msg
+    assert "train.online.idle_timeout_s=2" in msg and str(rec.out_dir / "online") in msg, msg
 
 
 def test_producer_waits_for_a_new_plan_after_a_finished_run(target_dir, splits, layout, tmp_path):

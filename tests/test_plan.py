@@ -104,3 +104,27 @@ def test_plan_sizes_the_fp8_store_auto_gives_a_wide_target(compose, tmp_path):
     assert plan["store_dtype"] == "fp8"
     assert plan["offline_online"]["offline"]["disk"] == plan["store"]["fp8"]["bytes"] > 0
     assert plan["store"]["fp8"]["bytes_per_token"] == 2 * (2048 + 4) + 5  # layer 0 + the last, + id and mask
+
+
+def test_plan_refuses_an_online_window_below_one_micro_batch(compose, tmp_path):
+    """train.online.window_bytes below the largest micro-batch, which the trainer refuses only when
+    it starts: stage=plan refuses it with the trainer's message (both keys and the minimum), before
+    its probes; the minimum it names is accepted."""
+    import re
+
+    import pytest
+    from conftest import build_config_only_target
+
+    from eagle3.online import OnlineError
+    from eagle3.plan import make_plan
+
+    target = build_config_only_target(tmp_path / "t", hidden=64, num_layers=4, dtype="float32")
+    online = ["train.hidden_states=online", "train.online.producer=external", "train.batch_size=2"]
+    with pytest.raises(OnlineError) as e:
+        run(_small_plan_config(compose, target, tmp_path, *online, "train.online.window_bytes=1000"))
+    msg = str(e.value)
+    assert "train.online.window_bytes=1000 is smaller than one micro-batch of train.batch_size=2 rows" in msg, msg
+    assert "estimated" in msg and not (tmp_path / "ws" / "plan_cache.json").exists()  # no probe ran
+    need = int(re.search(r"at least (\d+)", msg).group(1))
+    make_plan(_small_plan_config(compose, target, tmp_path, *online, f"train.online.window_bytes={need}"),
+              Manifest(tmp_path / "ws" / "p"), probe=False)

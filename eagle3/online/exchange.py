@@ -7,6 +7,8 @@ the protocol, no server.
                    hash, layer ids, dtype), the window and the cached samples; rewritten atomically
                    at every (re)start with a new ``plan_id``
 ``consumed.json``  the trainer's position in the order (samples read), ``finished`` at the end
+``trainer.json``   the trainer's host, pid, plan and a heartbeat, while it reads (a producer stops
+                   when no trainer shows life for ``train.online.idle_timeout_s``)
 ``producer-<p>-of-<N>.json``  each producer's identity (target hash, layer ids, dtype, backend),
                    host, pid and a heartbeat; producer p of N writes the samples i with i % N == p
 ``train/``, ``eval/``  one sample per shard, in the store's own format (eagle3.store, written by the
@@ -28,18 +30,51 @@ This module holds the file names, the sizes both sides count and the small file 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..atomic import atomic_write_json
 from ..errors import Eagle3Error
 from ..store import ShardSpec, StoreLayout, shard_header
 
+log = logging.getLogger("eagle3.online")
+
 PLAN_FILE = "plan.json"
 CONSUMED_FILE = "consumed.json"
+TRAINER_FILE = "trainer.json"
 PRODUCER_GLOB = "producer-*-of-*.json"
 
 _SIDECAR_BYTES = 512  # a shard's sidecar JSON, rounded up (counted in the window)
+
+
+class Heartbeat:
+    """``record`` with the time written to ``path`` now and every ``every`` seconds from a thread,
+    until :meth:`close`: a producer's (``producer-<p>-of-<N>.json``) and a trainer's (``trainer.json``)."""
+
+    def __init__(self, path: Path, record: dict, every: float):
+        self.path, self.record, self.every = path, record, every
+        self.stop = threading.Event()
+        self.beat()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="eagle3-online-heartbeat")
+        self.thread.start()
+
+    def beat(self) -> None:
+        atomic_write_json(self.path, dict(self.record, heartbeat=time.time()))
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                self.beat()
+            except OSError as e:
+                log.warning("online: heartbeat %s not written: %s", self.path, e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def producer_file(part: int = 0, parts: int = 1) -> str:
@@ -56,6 +91,26 @@ def shard_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout) 
     """Bytes on disk of sample ``i``'s one-sample shard (file + sidecar)."""
     shard = ShardSpec(split, i, num, i, [range(int(length))], [range(int(length))])
     return int(shard_header(shard, layout)[1]["__end__"]) + _SIDECAR_BYTES
+
+
+def largest_micro_batch(lengths: Sequence[int], layout: StoreLayout, micro_batches, cached: int = 0) -> tuple:
+    """(bytes, index) of the micro-batch (rows of sample ids) whose uncached samples' shards take the
+    most disk at once: what the window must hold for the trainer to read it."""
+    N, size, worst, worst_mb = len(lengths), {}, 0, 0
+    for m, mb in enumerate(micro_batches):
+        ids = {i for row in mb for i in row if i >= cached}
+        b = sum(size.setdefault(i, shard_bytes("train", i, N, int(lengths[i]), layout)) for i in ids)
+        if b > worst:
+            worst, worst_mb = b, m
+    return worst, worst_mb
+
+
+def window_too_small(window_bytes: int, rows: int, need: int, index: int, how: str = "") -> OnlineError:
+    """The refusal of a window below one micro-batch (the trainer's, and ``stage=plan``'s)."""
+    return OnlineError(f"train.online.window_bytes={window_bytes} is smaller than one micro-batch of "
+                       f"train.batch_size={rows} rows: micro-batch {index} needs {need} bytes of hidden states on "
+                       f"disk at once{how}; set train.online.window_bytes to at least {need} (a few micro-batches "
+                       f"lets the producer run ahead), or lower train.batch_size")
 
 
 def cached_count(lengths: Sequence[int], layout: StoreLayout, cache_bytes: int, split: str = "train") -> int:

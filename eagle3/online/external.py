@@ -8,28 +8,38 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
 
 from ..atomic import atomic_write_json
 from ..store import StoreLayout, one_sample_shard, read_shard_item, shard_name, sidecar_path
+from ..train.source import SourceStalled
 from .exchange import (
     CONSUMED_FILE,
     PLAN_FILE,
     PRODUCER_GLOB,
+    TRAINER_FILE,
+    Heartbeat,
     OnlineError,
     cached_count,
     check_writable,
     finalize_cache,
+    largest_micro_batch,
     read_json,
-    shard_bytes,
+    window_too_small,
 )
 from .hidden_states import OnlineHiddenStates
 
 log = logging.getLogger("eagle3.online")
 
 _READ_AHEAD = 2  # training samples the trainer reads ahead of the loop (the next ones, in order)
+WAIT_LOG_S = 30.0  # while it waits for a sample, the trainer says so this often (or twice per timeout_s)
+
+
+class ProducerTimeout(OnlineError, SourceStalled):
+    """No shard arrived and no producer was heard from for ``train.online.timeout_s``."""
 
 
 class ExternalSource:
@@ -54,6 +64,8 @@ class ExternalSource:
         # the next samples are read by a thread while the loop computes (file reads release the GIL)
         self.ahead: dict = {}  # position -> Future of its item
         self._pool = None
+        self._beat = None  # trainer.json, from the first plan until close: the producers see this trainer live
+        self._closed = threading.Event()  # close(): a read still waiting gives up at once
 
     def attach(self, store: OnlineHiddenStates) -> None:
         self.stores[store.split] = store
@@ -66,19 +78,11 @@ class ExternalSource:
             return
         N = len(store)
         order = [i for mb in micro_batches for row in mb for i in row]
-        size = {}
-        worst, worst_mb = 0, 0
-        for m, mb in enumerate(micro_batches):
-            ids = {i for row in mb for i in row if i >= self.cached}
-            b = sum(size.setdefault(i, shard_bytes("train", i, N, int(store.lengths[i]), self.layout)) for i in ids)
-            if b > worst:
-                worst, worst_mb = b, m
+        worst, worst_mb = largest_micro_batch(store.lengths, self.layout, micro_batches, self.cached)
         if worst > self.ocfg.window_bytes:
-            raise OnlineError(f"train.online.window_bytes={self.ocfg.window_bytes} is smaller than one micro-batch: "
-                              f"micro-batch {worst_mb} needs {worst} bytes of hidden states on disk at once; set "
-                              f"train.online.window_bytes to at least {worst} (a few micro-batches lets the producer "
-                              f"run ahead)")
+            raise window_too_small(self.ocfg.window_bytes, len(micro_batches[worst_mb]), worst, worst_mb)
         self._drop_ahead()
+        self._closed.clear()
         self.order, self.pos = order, 0
         self.plan_id = uuid.uuid4().hex
         evals = self.stores.get("eval")
@@ -88,6 +92,10 @@ class ExternalSource:
         # consumed first: a producer that sees the new plan finds its position
         atomic_write_json(self.dir / CONSUMED_FILE, {"plan_id": self.plan_id, "position": 0, "finished": False})
         atomic_write_json(self.dir / PLAN_FILE, plan)
+        if self._beat is None:
+            self._beat = Heartbeat(self.dir / TRAINER_FILE, {"host": socket.gethostname(), "pid": os.getpid()},
+                                   max(1.0, 10 * self.ocfg.poll_s))
+        self._beat.record["plan_id"] = self.plan_id
         log.info("online: plan %s written to %s: %d samples to read, window %d bytes, %d samples cached",
                  self.plan_id[:8], self.dir, len(order), self.ocfg.window_bytes, self.cached)
 
@@ -120,17 +128,30 @@ class ExternalSource:
                          f"last heard from {time.time() - float(p.get('heartbeat', 0)):.0f} s ago" for p in owners)
 
     def _wait(self, path: Path, i: int, what: str) -> None:
+        """Until ``path`` is there; a line every WAIT_LOG_S while it is not, and a ProducerTimeout
+        once neither it nor a heartbeat of its producer came for ``timeout_s``."""
         t0 = time.monotonic()
+        timeout = self.ocfg.timeout_s
+        every = min(WAIT_LOG_S, timeout / 2)
+        said = t0
         while not path.exists():
+            if self._closed.is_set():
+                raise OnlineError(f"online: the read of {what} was given up (the trainer closed its source)")
             beats = [float(p.get("heartbeat", 0)) for p in self._owners(i)]
-            waited = time.monotonic() - t0
+            now = time.monotonic()
+            waited = now - t0
             silent = time.time() - max(beats) if beats else waited
-            if waited > self.ocfg.timeout_s and silent > self.ocfg.timeout_s:
-                raise OnlineError(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
-                                  f"{self._producer_line(i)}. Restart the producer on that directory "
-                                  f"(`python -m eagle3 stage=produce` with the trainer's overrides) and then this "
-                                  f"run (it resumes from its last checkpoint); train.online.timeout_s="
-                                  f"{self.ocfg.timeout_s}")
+            if waited > timeout and silent > timeout:
+                raise ProducerTimeout(f"online training waited {waited:.0f} s for {what} in {self.dir}: "
+                                      f"{self._producer_line(i)}. Start the producer on that directory again "
+                                      f"(`python -m eagle3 stage=produce` with the trainer's overrides); one that is "
+                                      f"only slow (loading its target, a long sample) needs a larger "
+                                      f"train.online.timeout_s (now {timeout:g} s)")
+            if now - said >= every:
+                said = now
+                log.warning("online: waiting for %s in %s: none for %.0f s; %s (stops after %g s without a sample "
+                            "or a heartbeat, train.online.timeout_s)", what, self.dir, waited, self._producer_line(i),
+                            timeout)
             time.sleep(self.ocfg.poll_s)
 
     def item(self, store: OnlineHiddenStates, i: int) -> dict:
@@ -188,10 +209,15 @@ class ExternalSource:
         self.ahead.clear()
 
     def close(self, store, finished: bool) -> None:
+        if store.split == "train":
+            self._closed.set()
         self._drop_ahead()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if store.split == "train" and self._beat is not None:
+            self._beat.close()
+            self._beat = None
         if store.split == "train" and finished and self.plan_id:
             atomic_write_json(self.dir / CONSUMED_FILE,
                               {"plan_id": self.plan_id, "position": self.pos, "finished": True})

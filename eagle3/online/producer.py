@@ -6,38 +6,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
-from ..atomic import atomic_write_json
 from ..store import StoreLayout, one_sample_shard, shard_name, sidecar_path
-from .exchange import CONSUMED_FILE, PLAN_FILE, OnlineError, check_writable, producer_file, read_json, shard_bytes
+from .exchange import (
+    CONSUMED_FILE,
+    PLAN_FILE,
+    TRAINER_FILE,
+    Heartbeat,
+    OnlineError,
+    check_writable,
+    producer_file,
+    read_json,
+    shard_bytes,
+)
 
 log = logging.getLogger("eagle3.online")
 
-
-class _Heartbeat:
-    def __init__(self, path: Path, record: dict, every: float):
-        self.path, self.record, self.every = path, record, every
-        self.stop = threading.Event()
-        self.beat()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="eagle3-producer-heartbeat")
-        self.thread.start()
-
-    def beat(self) -> None:
-        atomic_write_json(self.path, dict(self.record, heartbeat=time.time()))
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.every):
-            try:
-                self.beat()
-            except OSError as e:
-                log.warning("online producer: heartbeat not written: %s", e)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
+WAIT_LOG_S = 30.0  # while no trainer shows life, the producer says so this often (or twice per idle timeout)
 
 
 def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity: dict, *, poll_s: float = 0.05,
@@ -50,8 +37,10 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
 
     ``splits``: {"train": samples, "eval": samples} of the prepared dataset (``lengths``, ``get``);
     ``extractor``: a built backend (``Extractor.run(specs, dir, progress)``); ``identity``: what
-    this producer computes (the trainer checks it). ``idle_timeout_s`` > 0: give up when no plan
-    appears for that long. Returns counts (samples written, plans served)."""
+    this producer computes (the trainer checks it). ``idle_timeout_s`` > 0: an OnlineError when no
+    trainer has shown life for that long while there is nothing to write: no new plan, no read, no
+    heartbeat (``trainer.json``, written while the trainer runs, evals and checkpoints included);
+    0: wait forever. Returns counts (samples written, plans served)."""
     from tqdm.auto import tqdm
 
     from ..extract.backend import Progress
@@ -60,21 +49,24 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
     check_writable(d, "the online exchange directory")
     if not 0 <= part < parts:
         raise OnlineError(f"producer part {part} of {parts}: the part must be in [0, {parts})")
-    beat = _Heartbeat(d / producer_file(part, parts), {"identity": identity, "host": socket.gethostname(),
+    beat = Heartbeat(d / producer_file(part, parts), {"identity": identity, "host": socket.gethostname(),
                                                         "pid": os.getpid(), "part": part, "parts": parts},
                       max(1.0, 10 * poll_s))
     stats = {"written": 0, "plans": 0}
     bar = tqdm(desc="produce", unit="sample", disable=not progress)
     chans: dict = {}  # trainer directory (the top, or rank-<r>/ of a multi-process trainer) -> its state
     try:
-        t_idle = time.monotonic()
+        # the last sign of a trainer (a new plan, a read, a heartbeat), on this host's clock: a
+        # change of what the trainer wrote counts, not its timestamps (the hosts' clocks may differ)
+        t_life = said = time.monotonic()
+        every = min(WAIT_LOG_S, idle_timeout_s / 2) if idle_timeout_s else WAIT_LOG_S
         while True:
             work, waiting = [], False
             for cd in [d] + sorted(p for p in d.glob("rank-*") if p.is_dir()):
                 plan = read_json(cd / PLAN_FILE)
                 if plan is None:
                     continue
-                ch = chans.setdefault(cd, {"plan_id": None, "served": set(), "done": False})
+                ch = chans.setdefault(cd, {"plan_id": None, "served": set(), "done": False, "sign": None})
                 if plan["plan_id"] != ch["plan_id"]:
                     ch["plan_id"], ch["done"] = plan["plan_id"], False
                     stats["plans"] += 1
@@ -83,6 +75,10 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                              len(plan["order"]), plan["window_bytes"])
                     _produce_eval(cd, plan, splits, layout, extractor, stats, part, parts)
                 consumed = read_json(cd / CONSUMED_FILE) or {}
+                sign = (plan["plan_id"], consumed.get("position"), consumed.get("finished"),
+                        (read_json(cd / TRAINER_FILE) or {}).get("heartbeat"))
+                if sign != ch["sign"]:
+                    ch["sign"], t_life = sign, time.monotonic()
                 if consumed.get("plan_id") != ch["plan_id"]:
                     waiting = True
                     continue
@@ -100,8 +96,14 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
                 log.info("online producer: every trainer finished (%s)", ", ".join(str(c) for c in chans))
                 return stats
             if not work:
-                if not chans and idle_timeout_s and time.monotonic() - t_idle > idle_timeout_s:
-                    raise OnlineError(f"no trainer wrote {d / PLAN_FILE} within {idle_timeout_s:.0f} s")
+                now = time.monotonic()
+                if idle_timeout_s and now - t_life > idle_timeout_s:
+                    raise OnlineError(_idle_message(d, chans, now - t_life, idle_timeout_s))
+                if now - t_life >= every and now - said >= every:
+                    said = now
+                    log.warning("online producer: no trainer has shown life in %s for %.0f s (%s)", d, now - t_life,
+                                f"stops after train.online.idle_timeout_s={idle_timeout_s:g} s" if idle_timeout_s
+                                else "train.online.idle_timeout_s=0: waits for one forever")
                 time.sleep(poll_s)
                 continue
             for cd, N, todo in work:
@@ -115,6 +117,22 @@ def produce(exchange_dir, splits: dict, layout: StoreLayout, extractor, identity
     finally:
         bar.close()
         beat.close()
+
+
+def _idle_message(d: Path, chans: dict, idle: float, idle_timeout_s: float) -> str:
+    again = (f"this producer stops (train.online.idle_timeout_s={idle_timeout_s:g}; 0 waits forever): start it "
+             f"again with the trainer")
+    if not chans:
+        return f"no trainer wrote {d / PLAN_FILE} within {idle:.0f} s; {again}"
+    who = []
+    for cd in chans:
+        t = read_json(cd / TRAINER_FILE) or {}
+        c = read_json(cd / CONSUMED_FILE) or {}
+        state = "finished" if c.get("finished") else f"at position {c.get('position')}"
+        who.append(f"{cd}: plan {str(chans[cd]['plan_id'])[:8]} {state}"
+                   + (f", trainer pid {t['pid']} on host {t.get('host')}" if t.get("pid") else ""))
+    return (f"no trainer has shown life for {idle:.0f} s (no new plan, no sample read, no heartbeat in "
+            f"{TRAINER_FILE}): {'; '.join(who)}. The trainer stopped or was killed; {again}")
 
 
 def _check_plan(plan: dict, identity: dict, d: Path, splits: dict) -> None:

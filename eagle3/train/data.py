@@ -215,7 +215,8 @@ class DeviceCopies:
     ~1.2 ms on an H200). The compute stream waits for a batch's copy (an event) before its first
     use, and each tensor is marked as used there (``record_stream``), so that its memory is not
     reused before the step is done with it. Tensors already on the device (an online store's) pass
-    through."""
+    through. An error reading a batch is raised by the ``next`` that would have returned it, never
+    by :meth:`ahead` (called inside a step: the loop's state is whole between steps only)."""
 
     def __init__(self, batches, device):
         self._batches = iter(batches)
@@ -223,6 +224,7 @@ class DeviceCopies:
         self._stream = torch.cuda.Stream(self._device)
         self._issued: collections.deque = collections.deque()
         self._ended = False
+        self._error: Optional[BaseException] = None
 
     def ahead(self, n: int) -> None:
         """Start the copies of the next ``n`` batches (those not started yet)."""
@@ -231,6 +233,9 @@ class DeviceCopies:
                 batch = next(self._batches)
             except StopIteration:
                 self._ended = True
+                return
+            except Exception as e:  # raised by __next__ once the batches before it are taken
+                self._error, self._ended = e, True
                 return
             with torch.cuda.stream(self._stream):
                 batch = to_device(batch, self._device)
@@ -244,6 +249,9 @@ class DeviceCopies:
     def __next__(self):
         self.ahead(1)
         if not self._issued:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
             raise StopIteration
         batch, done = self._issued.popleft()
         compute = torch.cuda.current_stream(self._device)

@@ -30,12 +30,12 @@ from ..atomic import atomic_write_bytes, atomic_write_text
 from ..interrupt import Interrupted, StopRequests, ignore_stop_signals
 from ..model.draft import Eagle3Draft, Eagle3DraftConfig, draft_config_dict
 from .attention import resolve_backend
-from .checkpoint import LoopState, load_latest_checkpoint, save_checkpoint
+from .checkpoint import LoopState, complete_checkpoints, load_latest_checkpoint, save_checkpoint
 from .data import DeviceCopies, Epochs, MicroBatches, Prefetcher, epoch_order, to_device
 from .inductor import restore_compile_threads
 from .metrics import JsonlLogger, StepMetrics, peak_flops, step_metrics, ttt_flops_per_token
 from .optim import build_optimizer, check_optimizer_distribution, clip_gradients, compiles, lr_schedule
-from .source import HiddenStateSource, check_source
+from .source import HiddenStateSource, SourceStalled, check_source
 from .target_head import InVocabCache, TargetHead, model_inputs
 from .ttt import FLEX_BLOCK, STAT_NAMES, TTTModel, loss_denominators
 
@@ -150,11 +150,15 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         log.info("train: compiling the training step (torch.compile, %d compile threads); the first step waits "
                  "for it", inductor_config.compile_threads)
     t_first = time.perf_counter()
+    saved_step = state.step if resumed else -1  # the step whose checkpoint is on disk
+    between_steps = True  # nothing of the next step done yet (a checkpoint now is the last step's state)
     try:
         # SIGTERM / SIGINT: finish the step, save a checkpoint, raise Interrupted
         with StopRequests() as stop:
             while state.step < total:
+                between_steps = True
                 micro = [next(batches) for _ in range(tcfg.grad_accum)]
+                between_steps = False
                 lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
                 grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype, cache)
                 if isinstance(batches, DeviceCopies) and state.step + 1 < total:
@@ -177,6 +181,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                 if saved:
                     logs.flush(wait=True)
                     path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last, metrics)
+                    saved_step = step
                 # several processes agree at logged steps only (a collective), one process at every step
                 if step < total and (W == 1 or step % tcfg.log_every == 0) and (signum := stop.requested(accelerator)):
                     if not saved:
@@ -185,6 +190,10 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                     raise Interrupted(signum, f"train: interrupted by {signal.Signals(signum).name} at step {step} of "
                                               f"{total}; checkpoint saved in {path}. Run the same command again to "
                                               f"resume from step {step}.")
+    except SourceStalled as e:
+        _stalled(e, accelerator, state, window, logs, metrics, out_dir, tcfg.keep_last, total,
+                 save=between_steps and state.step != saved_step)
+        raise
     finally:
         if prefetcher is not None:
             prefetcher.close()
@@ -457,6 +466,36 @@ def _checkpoint(accelerator, state: LoopState, window: Window, out_dir: Path, ke
     stats, tokens = window.global_sums(accelerator)
     state.window, state.window_tokens = stats.cpu(), int(tokens)
     return save_checkpoint(accelerator, out_dir, state.step, keep_last)
+
+
+def _stalled(e: SourceStalled, accelerator, state: LoopState, window: Window, logs, metrics, out_dir: Path,
+             keep_last: int, total: int, save: bool) -> None:
+    """The hidden-state source gave up waiting: ``e``'s message gets which step the same command
+    resumes from. ``save`` (between two steps, that step not saved yet): the state of the last
+    completed step is saved first. A trainer of several processes does not save: the others are in
+    a collective of the next step, which a save (every rank takes part) would meet."""
+    again = "run the same command again once the producer runs"
+    why = ""
+    if save and state.step > 0:
+        if accelerator.num_processes == 1:
+            try:
+                logs.flush(wait=True)
+                path = _checkpoint(accelerator, state, window, out_dir, keep_last, metrics)
+                resume = (f"Checkpoint of step {state.step} of {total} saved in {path}: {again}, and training "
+                          f"resumes from step {state.step}")
+                e.args = (f"{e.args[0] if e.args else e}. {resume}",) + tuple(e.args[1:])
+                return
+            except Exception as err:  # the stall is the error to report; the save's failure is said beside it
+                why = f" (its checkpoint could not be saved: {err})"
+        else:
+            why = f" (not saved: {accelerator.num_processes} processes save at train.save_every steps only)"
+    done = complete_checkpoints(out_dir)
+    if done:
+        resume = (f"Stopped at step {state.step} of {total}{why}: {again}, and training resumes from the last "
+                  f"checkpoint, {done[-1]}")
+    else:
+        resume = f"Stopped at step {state.step} of {total}{why}, with no checkpoint yet: {again} to start over"
+    e.args = (f"{e.args[0] if e.args else e}. {resume}",) + tuple(e.args[1:])
 
 
 # -- the result ----------------------------------------------------------------------------------

@@ -10,6 +10,14 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..errors import Eagle3Error
+
+
+class SourceStalled(Eagle3Error):
+    """A source gave up waiting for an item that is made elsewhere (an online producer that went
+    silent). Raised between two steps, the loop first saves a checkpoint of the last completed step
+    and says so in the message: the same command then resumes from it."""
+
 
 @runtime_checkable
 class HiddenStateSource(Protocol):

@@ -70,8 +70,8 @@ _DEFAULT_SETTING = f"{MASTER_SETTING} (or env {MASTER_ENV})"
 # the package eagle3 was run with (scripts/install.sh installs it; pyproject's mooncake extras)
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CPU; `pip install -e .[mooncake]`) "
                 "or mooncake-transfer-engine-cuda13==0.3.13.post1 (CUDA 13 GPU install; `.[mooncake-cuda13]`); "
-                "it needs the system libraries libibverbs1 and librdmacm1 (apt-get install libibverbs1 librdmacm1), "
-                "which scripts/install.sh installs")
+                "it needs the system libraries libibverbs1 and libnuma1 (apt-get install libibverbs1 librdmacm1 "
+                "libnuma1), which scripts/install.sh installs")
 
 # Mooncake Store's ErrorCode (mooncake-store/include/types.h); every store call returns these, none raises
 OK = 0

@@ -386,8 +386,8 @@ class MooncakeClient:
 
         ``segment_bytes``: memory this client contributes to the store (its segment; 0 = a pure client, which
         holds nothing: a producer; else at least 16 MiB). The store reserves it as virtual memory and touches
-        it as objects arrive; leave headroom (its allocator fits less than the segment's size: 6 of 2 MiB
-        objects in 16 MiB, 3 or 4 of 16 MiB in 64 MiB).
+        it as objects arrive; leave headroom of about one object (a 16 MiB segment held 8 objects of 2 MiB,
+        but a 64 MiB one only 3 or 4 of 16 MiB).
         ``buffer_bytes``: Mooncake's own staging buffer for its copying put/get of bytes, which this class
         does not use (its calls read and write the caller's buffers directly); 0 is fine.
         ``local_hostname``: the address this client advertises to the master and the other clients (default:

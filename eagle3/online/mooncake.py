@@ -243,7 +243,8 @@ class MasterProcess:
     """A local ``mooncake_master``, bound to ``host`` (127.0.0.1 by default: only this host reaches it) on free
     ports unless given; ready when this returns (its RPC port accepts connections). ``address`` is what
     clients connect to. Stop it with :meth:`stop` or a ``with`` block; it is also stopped when this Python
-    exits normally. Its output goes to ``log_path`` (appended).
+    exits normally, not when it is killed or crashes (the master then keeps running: stop it by its
+    :attr:`pid`, written first in the log). Its output goes to ``log_path`` (appended).
 
     Another ``host`` (one of this host's addresses) lets other hosts use it: they can then also read,
     overwrite and remove anything in it (no authentication; see the module's docstring). ``extra_args``
@@ -269,7 +270,9 @@ class MasterProcess:
                           "--enable_http_metadata_server=false", *extra_args]
             with open(self.log_path, "ab") as log:
                 log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(args)}\n".encode())
+                log.flush()
                 self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                log.write(f"=== pid {self.proc.pid} (started by pid {os.getpid()})\n".encode())
             atexit.register(self.stop)
             try:
                 self._wait_ready(timeout_s)

@@ -1,5 +1,5 @@
 """What moving one online-training sample through Mooncake Store costs (eagle3/online/mooncake.py,
-``train.online.transport=mooncake``), and what signing it would add.
+the client the cross-host online transport builds on), and what signing it would add.
 
 One message is one sample at the 8B shape (Llama-3.1-8B: 2048 tokens x (3 aux layers + the last) x
 hidden 4096): bf16, 64 MiB; fp8, 32 MiB of values + a float32 scale per token and layer (32 KiB).

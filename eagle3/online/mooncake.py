@@ -1,6 +1,8 @@
-"""A checked client for Mooncake Store, the transport of ``train.online.transport=mooncake``: producers
-(the target in vLLM) and the trainer exchange one-sample messages through a Mooncake master and the
-memory that clients contribute to the store, with no shared filesystem.
+"""A checked client for Mooncake Store: the layer a Mooncake transport for online training is built
+on, where producers (the target in vLLM) and the trainer exchange one-sample messages through a
+Mooncake master and the memory that clients contribute to the store, with no shared filesystem.
+The protocol over it (plan, positions, heartbeats, signed samples: a ``train.online.transport``
+setting) is not built yet; online training between hosts goes through ``train.online.dir`` today.
 
 What it is: a thin layer over ``mooncake.store.MooncakeDistributedStore`` (package
 ``mooncake-transfer-engine-non-cuda``, or ``mooncake-transfer-engine-cuda13`` on the CUDA 13 GPU

@@ -248,6 +248,39 @@ def build_round_trip_target(out_dir: Path, family: str = "llama", **kw) -> Path:
     return out_dir
 
 
+def record_sample_checksums(store: Path) -> None:
+    """The per-sample checksums of every shard recorded anew (sidecars and split indexes), as the
+    writer records them from what it wrote: a store edited in place by a test then stands for one an
+    engine wrote with those states (a capture bug), not for bytes damaged after they were written
+    (which the checksums exist to catch)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3.artifacts import INDEX_JSON
+    from eagle3.store import SAMPLE_CHECKSUMS, SAMPLE_TENSORS, sample_checksum, sidecar_path
+
+    for split_dir in sorted(p for p in Path(store).iterdir() if p.is_dir()):
+        sums = {}
+        for path in sorted(split_dir.glob("shard-*.safetensors")):
+            t = load_file(str(path))
+            off = t["offsets"].tolist()
+            names = [n for n in SAMPLE_TENSORS if n in t]
+            row = {n: t[n][:1].numel() * t[n].element_size() for n in names}  # bytes a token
+            parts = {n: t[n].contiguous().view(torch.uint8).reshape(-1).numpy() for n in names}
+            sums[path.name] = [sample_checksum(a, b, [parts[n][a * row[n]:b * row[n]] for n in parts])
+                               for a, b in zip(off[:-1], off[1:])]
+            side = sidecar_path(split_dir, path.name)
+            rec = json.loads(side.read_text())
+            rec[SAMPLE_CHECKSUMS] = sums[path.name]
+            side.write_text(json.dumps(rec))
+        index = split_dir / INDEX_JSON
+        if index.exists():
+            idx = json.loads(index.read_text())
+            for shard in idx["shards"]:
+                shard[SAMPLE_CHECKSUMS] = sums[shard["file"]]
+            index.write_text(json.dumps(idx))
+
+
 def perturb_store(store: Path, rel: float, seed: int = 0) -> None:
     """Every stored state moved, in place, by a random vector of ``rel`` times its own norm, per
     token and layer: a capture that is off by ``rel`` (the known capture bugs were 6-7% off). Works
@@ -273,6 +306,7 @@ def perturb_store(store: Path, rel: float, seed: int = 0) -> None:
             x.copy_((v + d).to(dtype))
         mm.flush()
         del mm
+    record_sample_checksums(store)  # a capture that is off records the checksums of what it wrote
 
 
 @pytest.fixture(autouse=True)

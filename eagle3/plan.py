@@ -434,6 +434,14 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         "offline": {"disk": store[store_dtype]["bytes"]},
         "online": {"disk": window},
     }
+    # what an external producer sends the trainer: every token's states at the trainer's rate (its
+    # probe here, the 8B-shaped reference on an H200); the network between the hosts must carry it
+    bpt = store[store_dtype]["bytes_per_token"]
+    plan["offline_online"]["online"]["bytes_per_token"] = bpt
+    rates = {"here": plan["probes"].get("train", {}).get("tokens_per_s"), "h200": plan.get("h200_train_tokens_per_s")}
+    for where, tps in rates.items():
+        if tps:
+            plan["offline_online"]["online"][f"network_bytes_per_s_{where}"] = bpt * tps
     for where, t in plan["times"].items():
         plan["offline_online"]["offline"][f"seconds_{where}"] = t["extract"] + t["train"]
         plan["offline_online"]["online"][f"seconds_{where}_same_device"] = t["extract"] + t["train"]
@@ -561,4 +569,10 @@ def print_plan(plan: dict) -> None:
     t.add_row("online, a device each", fmt_size(on["disk"]) + " (window + cache)",
               _hms(on.get("seconds_here_separate_devices")), _hms(on.get("seconds_h200_separate_devices")))
     console.print(t)
+    net = [f"{fmt_size(on[k])}/s ({8 * on[k] / 1e9:.2f} Gbit/s) {where}" for k, where in
+           (("network_bytes_per_s_here", "at this machine's training rate"),
+            ("network_bytes_per_s_h200", "at an H200's")) if on.get(k)]
+    if net:
+        console.print(f"online with the producer on another host: the network carries {fmt_size(on['bytes_per_token'])} "
+                      f"a token ({plan['store_dtype']} states) to the trainer, {'; '.join(net)}")
     console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in plan["assumptions"]))

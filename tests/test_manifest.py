@@ -415,6 +415,16 @@ def test_other_ranks_of_a_launch_run_the_work_and_record_nothing(tmp_path, monke
     monkeypatch.setenv("RANK", "1")
     again = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET).across_ranks()
     assert again.claim().status == "complete"
+    # a damaged output: rank 0 runs the stage again, and so does every other rank (before, they took
+    # the run as complete and left rank 0 alone in the run's collectives)
+    (main.out_dir / "out.bin").write_bytes(b"y")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        job = Manifest(m.exp_dir).start("prepare", config={"a": 1}, target=TARGET).across_ranks()
+        rel = str(main.out_dir.relative_to(m.exp_dir) / "out.bin")
+        assert job.claim(digests=True) is None and [d.rel for d in job.damaged] == [rel], job.damaged
+        if rank == "0":
+            job._run_lock.release()
 
 
 def test_a_run_in_parts_is_recorded_by_the_last_part_to_finish(tmp_path):

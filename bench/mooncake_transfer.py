@@ -16,6 +16,13 @@ Two processes (multiprocessing "spawn", each its own Mooncake client) and a loca
   store's checksum) and keyed blake3 (a MAC: ``blake3.blake3(data, key=<32 bytes>, max_threads=...)``)
   on one thread and on ``blake3.AUTO`` threads.
 
+Then the same samples as the transport sends them (eagle3/online/mooncake_exchange.py): a one-sample
+shard in the store's format staged on disk, sealed into a message (``pack_sample``: the file read into
+the message, the tag over key and bytes: xxh3-128, or keyed BLAKE3 with a secret), put into the
+trainer's segment; the trainer gets it, checks the seal, the header and the shard header and views its
+tensors (``unpack_sample`` + ``payload_item``: no copy). "end to end" is the producer's pack and put plus
+the trainer's get and open, one message after the other.
+
     python bench/mooncake_transfer.py                # ~15 s on 2 cores
     python bench/mooncake_transfer.py --reps 50 --out /tmp/mooncake_transfer.json
 
@@ -50,6 +57,47 @@ def _message(nbytes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+def sample_spec():
+    from eagle3.store import one_sample_shard
+
+    return one_sample_shard("train", 0, 1, list(range(TOKENS)), [1] * TOKENS)
+
+
+def sample_layout(dtype: str):
+    from eagle3.store import StoreLayout
+
+    return StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=HIDDEN, dtype=dtype)
+
+
+def staged_shard(path: Path, dtype: str) -> None:
+    """A one-sample shard file of the 8B shape in the store's format (random states, scales 1)."""
+    from eagle3.store import shard_header
+
+    spec, layout = sample_spec(), sample_layout(dtype)
+    blob, offs = shard_header(spec, layout)
+    buf = _message(offs["__end__"], seed=7)
+    buf[:len(blob)] = np.frombuffer(blob, np.uint8)
+    head = json.loads(blob[8:])
+
+    def put(name, arr):
+        a, b = head[name]["data_offsets"]
+        buf[len(blob) + a:len(blob) + b] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+
+    put("offsets", np.array([0, TOKENS], np.int64))
+    put("sample_index", np.array([0], np.int64))
+    put("input_ids", np.arange(TOKENS, dtype=np.int32))
+    put("loss_mask", np.ones(TOKENS, np.uint8))
+    if layout.is_fp8:
+        put("aux_scales", np.ones((TOKENS, 3), np.float32))
+        put("last_scales", np.ones(TOKENS, np.float32))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.tobytes())
+
+
+WIRE = {"bf16 message": "bfloat16", "fp8 message": "fp8"}
+SEALS = {"xxh3-128": None, "blake3-keyed": b"k" * 32}
+
+
 def producer(master: str, to_consumer, from_consumer, results, reps: int) -> None:
     import xxhash
 
@@ -69,6 +117,27 @@ def producer(master: str, to_consumer, from_consumer, results, reps: int) -> Non
                     times.setdefault(f"{kind}|put (into the consumer's segment)", []).append(time.perf_counter() - t0)
                 to_consumer.put((kind, key, nbytes, digest, r > 0))
                 assert from_consumer.get() == key  # read and removed: the segment is free again
+        to_consumer.put(None)
+        from eagle3.online.mooncake_exchange import Sealer, pack_sample
+
+        staged = Path(tempfile.mkdtemp(prefix="mooncake_bench_stage_"))
+        for kind, dtype in WIRE.items():
+            path = staged / f"{dtype}.safetensors"
+            staged_shard(path, dtype)
+            for seal, secret in SEALS.items():
+                sealer = Sealer(secret)
+                for r in range(reps + 1):
+                    key = f"bench/{kind}/{seal}/{r}"
+                    t0 = time.perf_counter()
+                    msg = pack_sample(key, {"index": 0}, path, sealer)
+                    t1 = time.perf_counter()
+                    c.put(key, msg, segment=segment)
+                    t2 = time.perf_counter()
+                    if r:
+                        times.setdefault(f"{kind}|{seal}: pack (staged file read + seal)", []).append(t1 - t0)
+                        times.setdefault(f"{kind}|{seal}: put", []).append(t2 - t1)
+                    to_consumer.put((kind, key, msg.nbytes, seal, r > 0))
+                    assert from_consumer.get() == key
         to_consumer.put(None)
     results.put(times)
 
@@ -121,6 +190,24 @@ def consumer(master: str, segment_bytes: int, from_producer, to_producer, result
             timed("control JSON|get_json", c.get_json, "bench/position")
             timed("control JSON|exists (64 keys)", c.exists, keys)
         c.remove("bench/position")
+        from eagle3.online.mooncake_exchange import Sealer, payload_item, unpack_sample
+
+        sealers = {k: Sealer(v) for k, v in SEALS.items()}
+        while (m := from_producer.get()) is not None:
+            kind, key, nbytes, seal, warm = m
+            t0 = time.perf_counter()
+            got = c.get(key)
+            t1 = time.perf_counter()
+            _, payload = unpack_sample(key, got, sealers[seal])
+            item = payload_item(payload, sample_spec(), sample_layout(WIRE[kind]), key)
+            t2 = time.perf_counter()
+            bad += item["input_ids"].shape[0] != TOKENS
+            c.remove(key)
+            if warm:
+                times.setdefault(f"{kind}|{seal}: get (new array)", []).append(t1 - t0)
+                times.setdefault(f"{kind}|{seal}: open (seal, header, tensors)", []).append(t2 - t1)
+                times.setdefault(f"{kind}|bytes", []).append(nbytes)
+            to_producer.put(key)
     results.put({"times": times, "bad": int(bad)})
 
 
@@ -141,6 +228,26 @@ def table(times: dict, bad: int, reps: int) -> str:
             rate = f"{nbytes / med / 1e9:6.2f}" if nbytes and op != "remove" else f"{'':>6}"
             mib = f"{nbytes / MiB:6.2f}" if nbytes else f"{'':>6}"
             rows.append(f"{kind:<13} | {mib} | {op:<36} | {med * 1e3:8.3f} | {rate}")
+    rows += ["", "through the transport (eagle3.online.mooncake_exchange: staged shard -> sealed message -> trainer's "
+             "segment -> checked item)",
+             f"{'message':<13} | {'MiB':>6} | {'what':<48} | {'ms':>8} | {'GB/s':>6}", "-" * 93]
+    for kind in WIRE:
+        if not times.get(f"{kind}|bytes"):
+            continue
+        nbytes = times[f"{kind}|bytes"][0]
+        for seal in SEALS:
+            steps = ["pack (staged file read + seal)", "put", "get (new array)", "open (seal, header, tensors)"]
+            total = 0.0
+            for op in steps:
+                v = times.get(f"{kind}|{seal}: {op}")
+                if not v:
+                    continue
+                med = statistics.median(v)
+                total += med
+                rows.append(f"{kind:<13} | {nbytes / MiB:6.2f} | {seal + ': ' + op:<48} | {med * 1e3:8.3f} | "
+                            f"{nbytes / med / 1e9:6.2f}")
+            rows.append(f"{kind:<13} | {nbytes / MiB:6.2f} | {seal + ': end to end (sum of the medians)':<48} | "
+                        f"{total * 1e3:8.3f} | {nbytes / total / 1e9:6.2f}")
     return "\n".join(rows)
 
 

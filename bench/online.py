@@ -15,6 +15,8 @@ eagle3.online's.
     python bench/online.py --layout split --same-gpu --producer vllm   # one GPU: a vLLM producer
                                                  # process (stage=produce's code) and the trainer share it
     python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs
+    python bench/online.py --layout split --same-gpu --producer vllm --transport mooncake [--store-dtype fp8]
+                                                 # the same through a Mooncake master on loopback TCP
 
 colocated, in one run on one device: f = the target's forward rate alone (tokens/s, one sample
 per forward, as the online producer runs it), t = the train loop's rate on in-memory states,
@@ -32,6 +34,12 @@ f = the producer's own rate (its backend writing shards, the trainer not yet sta
 figure is online / ideal as in the colocated layout. --producer vllm: the vllm backend (capture at
 load time, compiled, CUDA graphs) on a config-only target of the bench shape (load_format=dummy:
 random weights, which a rate does not depend on); --producer hf: the transformers backend.
+
+--transport mooncake (split): samples, reading order and heartbeats through a Mooncake master
+(eagle3/online/mooncake_exchange.py; the launcher starts one on 127.0.0.1) instead of the directory:
+the peak is then the bytes of training samples in the store (sampled every 2 ms), and the table adds
+the bytes a token on the wire. --store-dtype fp8: the store's fp8 layout (what the producer writes and
+what travels).
 
 Prints a markdown table last; writes the numbers to $OUT/bench_online.json when OUT is set.
 Needs no hydra (the config is a namespace with TrainConfig's fields, as bench/train.py does).
@@ -87,6 +95,8 @@ def layout_of(a):
     from eagle3.store import StoreLayout
 
     dtype = "float32" if a.device == "cpu" else "bfloat16"
+    if getattr(a, "store_dtype", "") == "fp8":
+        dtype = "fp8"
     return StoreLayout(layer_ids=tuple(default_layer_ids(a.layers)), last_layer_id=a.layers, hidden_size=a.hidden,
                        dtype=dtype, target_hash="bench-random-target")
 
@@ -270,8 +280,18 @@ def role_producer(a) -> None:
             info = getattr(ext, "engine_info", None) or {}
             Path(f"{a.result}.producer{a.part}").write_text(json.dumps({"forward_tokens_per_s": f,
                                                                         "engine": info}, default=str))
-        produce(a.dir, {"train": smp}, layout, ext, identity(layout, a.producer), poll_s=0.005, progress=False,
+        exchange = a.dir
+        if a.transport == "mooncake":
+            from eagle3.config import MooncakeConfig
+            from eagle3.online.mooncake_exchange import MooncakeProducerLink
+
+            exchange = MooncakeProducerLink(a.master, "bench", Path(a.dir) / f"staging-{a.part}", MooncakeConfig(),
+                                            layout, timeout_s=600, poll_s=0.005)
+        produce(exchange, {"train": smp}, layout, ext, identity(layout, a.producer), poll_s=0.005, progress=False,
                 part=a.part, parts=a.producers)
+        if a.transport == "mooncake":
+            Path(f"{a.result}.wire{a.part}").write_text(json.dumps({"sent_bytes": exchange.sent_bytes,
+                                                                    "sent": exchange.sent}))
     finally:
         ext.close()
 
@@ -286,12 +306,26 @@ def role_trainer(a) -> None:
     items = [{"input_ids": torch.as_tensor(smp.input_ids[i]), "loss_mask": torch.as_tensor(smp.loss_mask[i]).bool(),
               "aux_hidden_states": torch.randn(a.seq, layout.n_aux, a.hidden, generator=gen).to(dt),
               "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).to(dt)} for i in range(4)]
+    if layout.is_fp8:  # the train-only items as an fp8 store gives them: e4m3 values and their scales
+        from eagle3.fp8 import quantize
+
+        for it in items:
+            it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"].float())
+            it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"].float())
     # a trainer of several processes (torchrun): each rank its own rank-<r>/ in the directory
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     shared = (lambda kind: Path(a.dir).parent / f"{Path(a.dir).name}.{kind}") if world > 1 else (lambda kind: None)
     t = run_train(a, MemoryStore(items, a.samples, layout), "train only", shared("train-only"))
     ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)
-    src = ExternalSource(Path(a.dir), layout, ocfg, identity(layout, a.producer), rank=rank, world_size=world)
+    exchange = Path(a.dir)
+    if a.transport == "mooncake":
+        from eagle3.config import MooncakeConfig
+        from eagle3.online.mooncake_exchange import MooncakeTrainerLink
+
+        exchange = MooncakeTrainerLink(a.master, "bench", Path(a.dir) / f"trainer-{rank}", MooncakeConfig(), layout,
+                                       identity(layout, a.producer), window_bytes=a.window_bytes, timeout_s=600,
+                                       rank=rank, poll_s=0.005)
+    src = ExternalSource(exchange, layout, ocfg, identity(layout, a.producer), rank=rank, world_size=world)
     store = OnlineHiddenStates("train", smp, layout, src)
     online = run_train(a, store, "online (producer processes)", shared("online"))
     store.close(finished=True)
@@ -312,7 +346,13 @@ def split(a) -> dict:
     result = d.parent / f"{d.name}.result.json"
     for stale in [result, *d.parent.glob(f"{result.name}.producer*")]:
         stale.unlink(missing_ok=True)
-    script = [__file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)]
+    master = None
+    if a.transport == "mooncake":
+        from eagle3.online.mooncake import MasterProcess
+
+        master = MasterProcess(d / "master.log")
+    script = [__file__, *sys.argv[1:], "--dir", str(d), "--result", str(result)] + \
+        (["--master", master.address] if master else [])
     gpu = a.device != "cpu"
     procs = []
     for part in range(P):
@@ -336,11 +376,27 @@ def split(a) -> dict:
                                    "--device", ("cuda:0" if T == 1 else "cuda") if gpu else "cpu"], env=env))
     peak, stop = [0], threading.Event()
 
+    def in_store():  # the bytes of rank 0's training samples in the Mooncake store now
+        from eagle3.online.mooncake import MooncakeClient
+        from eagle3.online.mooncake_exchange import Sealer, sample_key
+
+        client, sealer = MooncakeClient.connect(master.address, segment_bytes=0), Sealer(None)
+        while not stop.is_set():
+            raw = client.get("bench/rank-0/plan")
+            if raw is None:
+                yield 0
+                continue
+            plan = sealer.open_json("bench/rank-0/plan", raw)
+            keys = [sample_key("bench", 0, plan["plan_id"], "train", i) for i in range(plan["num_samples"])]
+            yield sum(max(0, client._store.get_size(k)) for k in keys)
+        client.close()
+
     def watch():
+        sizes = in_store() if master else None
         while not stop.is_set():
             try:
-                peak[0] = max(peak[0], disk_bytes(d))
-            except FileNotFoundError:
+                peak[0] = max(peak[0], next(sizes) if sizes else disk_bytes(d))
+            except (FileNotFoundError, StopIteration):
                 pass
             time.sleep(0.002)
 
@@ -349,17 +405,26 @@ def split(a) -> dict:
     rcs = [p.wait() for p in reversed(procs)]
     stop.set()
     w.join()
+    if master is not None:
+        master.stop()
     if any(rcs):
         sys.exit(f"bench/online.py --layout split: a role failed (exit codes: trainer, then producers {P - 1}..0: "
                  f"{rcs})")
     r = json.loads(result.read_text())
     out = {"layout": "split", **r, "ratio": r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"],
            "producers": P, "trainers": T, "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes * T,
-           "producer": a.producer, "same_gpu": a.same_gpu}
+           "producer": a.producer, "same_gpu": a.same_gpu, "transport": a.transport,
+           "store_dtype": layout_of(a).dtype}
+    if master is not None:
+        wire = [json.loads(Path(f"{result}.wire{p}").read_text()) for p in range(P)]
+        sent, n = sum(w["sent_bytes"] for w in wire), sum(w["sent"] for w in wire)
+        out.update(wire_bytes=sent, wire_messages=n, wire_bytes_per_token=sent / max(1, n * a.seq),
+                   online_vs_train_only=out["ratio"])
     if a.same_gpu:
         f = sum(v["forward_tokens_per_s"] for v in producers.values())
         out.update(forward_tokens_per_s=f, producer_engines={k: v["engine"] for k, v in producers.items()},
                    ideal_tokens_per_s=1 / (1 / f + 1 / r["train_only"]["tokens_per_s"]))
+        out["online_vs_train_only"] = r["online"]["tokens_per_s"] / r["train_only"]["tokens_per_s"]
         out["ratio"] = r["online"]["tokens_per_s"] / out["ideal_tokens_per_s"]
     return out
 
@@ -377,14 +442,16 @@ def table(r: dict, a) -> str:
                   f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |"]
     elif r.get("same_gpu"):
         P = r.get("producers", 1)
-        lines[0] = f"online training, {P} {r['producer']} producer process(es) and the trainer on one GPU ({shape})"
+        lines[0] = (f"online training, {P} {r['producer']} producer process(es) and the trainer on one GPU, "
+                    f"{r.get('transport', 'dir')} transport, {r.get('store_dtype')} states ({shape})")
         lines += [f"| producer alone, {r['producer']} backend writing shards (f) | {r['forward_tokens_per_s']:.0f} |",
                   f"| train loop alone, producer idle beside it (t) | {r['train_only']['tokens_per_s']:.0f} |",
                   f"| ideal back to back 1/(1/f+1/t) | {r['ideal_tokens_per_s']:.0f} |",
                   f"| online, producer process beside the trainer | {r['online']['tokens_per_s']:.0f} |",
                   f"| **online / ideal** (goal >= 0.9) | **{r['ratio']:.3f}** |",
-                  f"| peak shard bytes on disk / window | {r['peak_disk_bytes'] / 2 ** 20:.1f} / "
-                  f"{r['window_bytes'] / 2 ** 20:.1f} MiB |"]
+                  f"| online / train alone | {r['online_vs_train_only']:.3f} |",
+                  f"| peak sample bytes {'in the store' if r.get('transport') == 'mooncake' else 'on disk'} / "
+                  f"window | {r['peak_disk_bytes'] / 2 ** 20:.1f} / {r['window_bytes'] / 2 ** 20:.1f} MiB |"]
     else:
         P, T = r.get("producers", 1), r.get("trainers", 1)
         lines += [f"| train loop alone, {T} trainer GPU{'s' if T > 1 else ''} (t) | "
@@ -392,8 +459,10 @@ def table(r: dict, a) -> str:
                   f"| online, {P} producer process{'es' if P > 1 else ''} on other GPUs | "
                   f"{r['online']['tokens_per_s']:.0f} |",
                   f"| **online / t** (goal >= 0.9) | **{r['ratio']:.3f}** |",
-                  f"| peak shard bytes on disk / window | {r['peak_disk_bytes'] / mib:.1f} / "
+                  f"| peak sample bytes {'in the store' if r.get('transport') == 'mooncake' else 'on disk'} / window | {r['peak_disk_bytes'] / mib:.1f} / "
                   f"{r['window_bytes'] / mib:.1f} MiB |"]
+    if r.get("wire_bytes_per_token"):
+        lines.append(f"| bytes a token on the wire ({r['wire_messages']} messages) | {r['wire_bytes_per_token']:.0f} |")
     return "\n".join(lines)
 
 
@@ -418,6 +487,11 @@ def main(argv=None):
     p.add_argument("--producer-memory", type=float, default=0.4,
                    help="vllm producer: extract.gpu_memory_utilization (its share of the GPU's memory at start)")
     p.add_argument("--producer-kv-gb", type=float, default=4.0, help="vllm producer: extract.kv_cache_gb")
+    p.add_argument("--transport", choices=("dir", "mooncake"), default="dir",
+                   help="split: the directory (--dir) or a Mooncake master the launcher starts on 127.0.0.1")
+    p.add_argument("--store-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the store's dtype: auto (bf16 on a GPU, float32 on a CPU) or fp8 (the producer writes it)")
+    p.add_argument("--master", default="", help=argparse.SUPPRESS)
     p.add_argument("--part", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--role", default="", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -441,6 +515,7 @@ def main(argv=None):
     r["args"] = vars(a)
     if os.environ.get("OUT"):
         name = f"{r['layout']}_same_gpu_{a.producer}" if a.same_gpu else r["layout"]
+        name += f"_{a.transport}_{layout_of(a).dtype}" if a.layout == "split" else ""
         Path(os.environ["OUT"], f"bench_online_{name}.json").write_text(json.dumps(r, indent=2, default=str))
     print(table(r, a))
 

@@ -399,6 +399,47 @@ class DraftModelConfig:
 
 
 @dataclass
+class MooncakeConfig:
+    """``train.online.mooncake.*``: the Mooncake transport (``train.online.transport=mooncake``,
+    eagle3/online/mooncake_exchange.py). The shared secret that authenticates every message is read
+    from the environment (``EAGLE3_ONLINE_SECRET``), never from the config (configs are recorded)."""
+
+    master: str = ""
+    """The Mooncake master's ``host:port`` (``mooncake_master --rpc_address=<host> --rpc_port=<port>``);
+    empty = the environment's ``EAGLE3_MOONCAKE_MASTER``, else (one host) the trainer starts a master on
+    127.0.0.1 itself and writes its address into the run's online directory, where producers on
+    the same host find it."""
+    start_master: bool = False
+    """The trainer (its first process) starts ``mooncake_master`` at ``master`` (an address of its own host)
+    when none answers there, and stops it at the end: a trainer job on SLURM that hosts the master
+    the producer jobs reach. The master is unauthenticated: bind it to an address only trusted hosts
+    reach (docs/reliability.md)."""
+    namespace: str = ""
+    """The prefix of every key this run writes; empty = one derived from the train run's config hash
+    (producers with the trainer's overrides find the same). Several runs may share a master."""
+    protocol: str = "tcp"
+    """tcp | rdma (then ``rdma_devices``)."""
+    rdma_devices: str = ""
+    """RDMA devices for ``protocol=rdma``, e.g. ``mlx5_0,mlx5_1``."""
+    local_hostname: str = ""
+    """The address this process advertises to the master and the others; empty = this host's address
+    on the route to the master (set it where hosts reach each other by another network)."""
+    segment_bytes: int = 0
+    """Host memory each training process contributes to the store (the samples sent to it wait
+    there); 0 = twice ``train.online.window_bytes`` plus 64 MiB. At least 16 MiB."""
+    connect_timeout_s: float = 10.0
+    """How long a process waits for the master to answer when it starts."""
+
+    def __post_init__(self):
+        _check_choice("train.online.mooncake.protocol", self.protocol, ("tcp", "rdma"))
+        _check_positive("train.online.mooncake.segment_bytes", self.segment_bytes, allow_zero=True)
+        _check_positive("train.online.mooncake.connect_timeout_s", self.connect_timeout_s)
+        if 0 < self.segment_bytes < 16 << 20:
+            raise ValueError(f"train.online.mooncake.segment_bytes={self.segment_bytes}: give 0 (automatic) or at "
+                              f"least {16 << 20} (16 MiB, the store's smallest segment)")
+
+
+@dataclass
 class OnlineConfig:
     """``train.online.*``: training while the target produces the hidden states
     (``train.hidden_states=online``, eagle3/online/). The producer's numbers come from the extract
@@ -433,9 +474,18 @@ class OnlineConfig:
     this long while it has nothing to write: a trainer that died does not hold the producer's GPUs
     forever. 0 = wait forever (a trainer job that may wait longer in a queue)."""
     poll_s: float = 0.05
-    """How often the trainer and producer look at the exchange directory."""
+    """How often the trainer and producer look at the exchange."""
+    transport: str = "dir"
+    """External producer: how samples, reading order, positions and heartbeats travel between the
+    producers and the trainer. dir: files in ``dir`` (one host, or a filesystem both hosts share) |
+    mooncake: a Mooncake Store (``mooncake.*``; no shared filesystem; TCP or RDMA). Either way
+    ``dir`` is also this process's local directory: the trainer's cache and held-out samples, a
+    producer's staging of what it sends."""
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    """The Mooncake transport's settings."""
 
-    NON_SEMANTIC = ("producer", "dir", "window_bytes", "cache_bytes", "timeout_s", "idle_timeout_s", "poll_s")
+    NON_SEMANTIC = ("producer", "dir", "window_bytes", "cache_bytes", "timeout_s", "idle_timeout_s", "poll_s",
+                    "transport", "mooncake")
 
     def __post_init__(self):
         _check_choice("train.online.producer", self.producer, ("colocated", "external"))
@@ -444,6 +494,7 @@ class OnlineConfig:
         _check_positive("train.online.timeout_s", self.timeout_s)
         _check_positive("train.online.idle_timeout_s", self.idle_timeout_s, allow_zero=True)
         _check_positive("train.online.poll_s", self.poll_s)
+        _check_choice("train.online.transport", self.transport, ("dir", "mooncake"))
 
 
 @dataclass

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
-# Mooncake (eagle3/online/mooncake.py, the client the cross-host online transport builds on; the pyproject extras mooncake and
+# Mooncake (train.online.transport=mooncake, eagle3/online/mooncake.py and mooncake_exchange.py; the pyproject extras mooncake and
 # mooncake-cuda13) links libibverbs (RDMA verbs) and libnuma even for tcp, and its wheel does not
 # bundle them (ldd of its store.so and mooncake_master, 0.3.13.post1): without them
 # `import mooncake.store` and mooncake_master fail. librdmacm1 (RDMA connection setup, not linked by

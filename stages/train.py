@@ -48,8 +48,10 @@ def run(cfg, manifest):
 
     if online is not None:
         train_store, eval_store = online.stores(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+        where = (f"exchange/cache directory {online.dir}" if online.ocfg.producer == "colocated"
+                 or online.ocfg.transport == "dir" else online.where())
         print(f"train: online, {online.ocfg.producer} {cfg.extract.backend} producer, layers {layer_ids}, "
-              f"{online.layout.dtype} states; exchange/cache directory {online.dir}"
+              f"{online.layout.dtype} states; {where}"
               + ("" if online.ocfg.producer == "colocated" else
                  " (start the producer: `python -m eagle3 stage=produce` with this run's overrides)"))
     else:

@@ -14,8 +14,11 @@ Producers (``train.online.producer``):
 - ``colocated`` (colocated.py): the hf backend in the training process computes each sample when
   the loop reads it. Nothing touches the disk unless a cache is asked for.
 - ``external``: producer processes (``python -m eagle3 stage=produce`` with the same overrides as
-  the trainer, any ``extract.backend``; producer.py) and the trainer (external.py) share a
-  directory; the directory is the protocol, no server (exchange.py describes it).
+  the trainer, any ``extract.backend``; producer.py) and the trainer (external.py) exchange
+  one-sample shards, the reading order, positions and heartbeats through ``train.online.transport``:
+  ``dir``, a directory (one host or a shared filesystem; the directory is the protocol, no server:
+  exchange.py), or ``mooncake``, a Mooncake Store (hosts that share no filesystem; TCP or RDMA; every
+  message sealed, with a shared secret authenticated: mooncake_exchange.py over mooncake.py).
 
 The cache (``train.online.cache_bytes``): the first training samples whose shards fit the budget
 are kept and read again in later epochs; once every training sample is cached the directory is a
@@ -25,7 +28,9 @@ whose samples a kept cache holds from it instead of running the target
 
 Modules, one concern each:
 
-- exchange.py: the exchange directory's files, the sizes both sides count, OnlineError
+- exchange.py: the sizes both sides count, the window, OnlineError, the directory protocol's two sides
+- mooncake.py: a checked Mooncake Store client and master process
+- mooncake_exchange.py: the Mooncake protocol's two sides and its sealed messages
 - hidden_states.py: OnlineHiddenStates (one split as a hidden-state source) and the OnlineSource protocol its producers implement
 - colocated.py: ColocatedSource (the target in the training process)
 - external.py: ExternalSource (shards from producer processes, the trainer's side of the exchange)

@@ -1,8 +1,8 @@
-"""A checked client for Mooncake Store: the layer a Mooncake transport for online training is built
-on, where producers (the target in vLLM) and the trainer exchange one-sample messages through a
-Mooncake master and the memory that clients contribute to the store, with no shared filesystem.
-The protocol over it (plan, positions, heartbeats, signed samples: a ``train.online.transport``
-setting) is not built yet; online training between hosts goes through ``train.online.dir`` today.
+"""A checked client for Mooncake Store: the layer the Mooncake transport of online training
+(``train.online.transport=mooncake``, eagle3/online/mooncake_exchange.py: the protocol, sealed
+messages) is built on, where producers (the target in vLLM) and the trainer exchange one-sample
+messages through a Mooncake master and the memory that clients contribute to the store, with no
+shared filesystem.
 
 What it is: a thin layer over ``mooncake.store.MooncakeDistributedStore`` (package
 ``mooncake-transfer-engine-non-cuda``, or ``mooncake-transfer-engine-cuda13`` on the CUDA 13 GPU
@@ -22,7 +22,7 @@ store's return codes into exceptions and avoids its traps:
 - A closed client raises instead of calling into the store (which crashes the process).
 
 What it deliberately does not do: the protocol (key names, plan, position, heartbeats, which segment
-holds whose window: eagle3/online/), waiting or retrying (a full store raises MooncakeFull, the caller
+holds whose window: eagle3/online/mooncake_exchange.py), waiting or retrying (a full store raises MooncakeFull, the caller
 decides to wait), message digests or signatures, and anything that survives the master: a master
 that stops or restarts loses every object (it keeps its metadata in memory), the clients see
 ``RPC_FAIL`` (the first call at once, each later one after a reconnect timeout of about 4 s) and the

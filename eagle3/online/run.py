@@ -85,7 +85,81 @@ class OnlineRun:
                 check_writable(self.dir, "the online cache directory")
             source = ColocatedSource(self.extractor(), self.layout, self.dir, ocfg.cache_bytes)
         else:
-            source = ExternalSource(self.dir, self.layout, ocfg, self.identity, rank=rank, world_size=world_size)
+            source = ExternalSource(self.trainer_link(rank, world_size), self.layout, ocfg, self.identity, rank=rank,
+                                    world_size=world_size)
         train = OnlineHiddenStates("train", self.splits["train"], self.layout, source)
         ev = OnlineHiddenStates("eval", self.splits["eval"], self.layout, source) if "eval" in self.splits else None
         return train, ev
+
+    # -- the exchange between producers and trainer (train.online.transport)
+    @property
+    def namespace(self) -> str:
+        """The Mooncake keys' prefix: ``train.online.mooncake.namespace``, else one of the train run's config hash."""
+        return self.ocfg.mooncake.namespace or f"eagle3-{self.job.config_hash[:16]}"
+
+    def trainer_link(self, rank: int = 0, world_size: int = 1):
+        """The trainer's side of the exchange: the directory (``train.online.dir``), or a Mooncake client whose
+        master comes from ``train.online.mooncake.master``, the environment, or (one host) is started here."""
+        ocfg = self.ocfg
+        if ocfg.transport == "dir":
+            return self.dir  # ExternalSource opens rank-<r>/ of it itself
+        from .mooncake_exchange import (
+            MooncakeTrainerLink,
+            configured_master,
+            local_master,
+            secret_from_env,
+            wait_for_local_master,
+        )
+
+        secret = secret_from_env()
+        local = self.dir if world_size == 1 else self.dir / f"rank-{rank}"
+        check_writable(self.dir, "the online directory (train.online.dir)")
+        master, setting, proc = *configured_master(ocfg.mooncake), None
+        if master and ocfg.mooncake.start_master and rank == 0:
+            from .mooncake_exchange import start_master_at
+
+            proc = start_master_at(master, setting, self.dir / "mooncake-master.log")
+        if not master:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if local_world != world_size:
+                raise OnlineError("train.online.transport=mooncake with a trainer on several hosts needs a Mooncake "
+                                  "master every host reaches: set train.online.mooncake.master=<host>:<port> (or env "
+                                  "EAGLE3_MOONCAKE_MASTER); start it with `mooncake_master --rpc_address=<host> "
+                                  "--rpc_port=<port>` (docs/online.md)")
+            if rank == 0:
+                master, proc = local_master(self.dir, self.dir / "mooncake-master.log")
+            else:
+                master = wait_for_local_master(self.dir, ocfg.timeout_s, ocfg.poll_s)
+            setting = "the master this trainer started (train.online.mooncake.master unset)"
+        return MooncakeTrainerLink(master, self.namespace, local, ocfg.mooncake, self.layout, self.identity,
+                                   window_bytes=ocfg.window_bytes, timeout_s=ocfg.timeout_s, rank=rank,
+                                   setting=setting, secret=secret, master_proc=proc, poll_s=ocfg.poll_s)
+
+    def producer_link(self, part: int = 0, parts: int = 1):
+        """The producer's side of the exchange (:meth:`trainer_link`'s counterpart); a producer on the trainer's
+        host with no master given uses the one the trainer started (waiting for it up to
+        ``train.online.idle_timeout_s``)."""
+        ocfg = self.ocfg
+        if ocfg.transport == "dir":
+            return self.dir
+        from .mooncake_exchange import MooncakeProducerLink, configured_master, secret_from_env, wait_for_local_master
+
+        secret = secret_from_env()
+        master, setting = configured_master(ocfg.mooncake)
+        if not master:
+            master = wait_for_local_master(self.dir, ocfg.idle_timeout_s, ocfg.poll_s)
+            setting = f"the master the trainer on this host started ({self.dir}/mooncake-master.json)"
+        timeout = ocfg.idle_timeout_s or ocfg.timeout_s
+        return MooncakeProducerLink(master, self.namespace, self.dir / f"staging-{part}-of-{parts}", ocfg.mooncake,
+                                    self.layout, timeout_s=timeout, setting=setting, secret=secret,
+                                    poll_s=ocfg.poll_s)
+
+    def where(self) -> str:
+        """Where this run's exchange is, for the stages' first line."""
+        if self.ocfg.transport == "dir":
+            return f"exchange directory {self.dir}"
+        from .mooncake_exchange import configured_master
+
+        master, setting = configured_master(self.ocfg.mooncake)
+        return (f"Mooncake exchange (namespace {self.namespace}, master {master or 'started by the trainer'}"
+                f"{f' from {setting}' if master else ''}; local directory {self.dir})")

@@ -51,7 +51,7 @@ def tiny_part(root: Path, cases) -> list[dict]:
 
     from eagle3.config import ExtractConfig
     from eagle3.extract import Samples, extract_store
-    from eagle3.extract.checks import refuse_known_bad, reference_parity
+    from eagle3.extract.checks import reference_parity, refuse_known_bad
     from eagle3.quantization import describe
     from eagle3.vllm_engine import on_cpu
 
@@ -178,8 +178,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", default="8192")
-    ap.add_argument("--timeout-tiny", type=int, default=240)
-    ap.add_argument("--timeout-8b", type=int, default=150, help="seconds for each 8B run (engine start included)")
+    ap.add_argument("--timeout-tiny", type=int, default=220)
+    ap.add_argument("--timeout-8b", type=int, default=140, help="seconds for each 8B run (engine start included)")
     ap.add_argument("--tiny-child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.tiny_child:  # the tiny part's own process

@@ -512,9 +512,8 @@ def print_plan(plan: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .report import fmt_size
-
     from .quantization import summary
+    from .report import fmt_size
 
     console = Console(width=160)
     console.print(f"target {plan['target']}: {plan.get('target_dtype')}, quantization: "

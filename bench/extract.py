@@ -32,6 +32,10 @@ KV-cache tokens each engine reserved (and its bytes per token) are in the table:
     python bench/extract.py --dummy-8b --prompts 64 --length 2048 --exact-length \
         --modes load_time,shm,runtime,hf --store-dtypes bfloat16,fp8 --kv-cache-gb 8
 
+``--quantization w4a16`` (compressed-tensors INT4, groups of 128) or ``fp8_block`` (DeepSeek-V3's
+128x128 block FP8) gives the dummy 8B that quantization_config: vLLM builds it with the served
+checkpoints' quantized kernels (bench/quantized_extract.py runs both).
+
 Engine settings: ``--max-num-batched-tokens 2048,8192,16384:256`` runs the whole benchmark once per
 setting (MBT, or MBT:MAX_NUM_SEQS), one after another in this process, and prints a summary of all
 of them last (plain and extraction side by side, each engine's KV tokens and CUDA-graph mode).
@@ -92,10 +96,25 @@ LLAMA_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_si
                 eos_token_id=2)
 
 
-def dummy_8b_target(cache: Path) -> Path:
-    out = cache / "dummy-llama-8b-shape"
+# ``--quantization``: the quantization_config of the dummy 8B (vLLM builds the quantized layers from
+# it and fills them with random values; the kernels are the served checkpoints' own)
+QUANTIZATION = {
+    # compressed-tensors W4A16, groups of 128, pack-quantized (as published 8B W4A16 checkpoints)
+    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                  "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True,
+                  "dynamic": False}}}},
+    # DeepSeek-V3's block FP8: e4m3 weights, 128x128 scales, dynamic per-token-group activations
+    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128]},
+}
+
+
+def dummy_8b_target(cache: Path, quantization: str = "") -> Path:
+    out = cache / f"dummy-llama-8b-shape{'-' + quantization if quantization else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(LLAMA_8B, indent=2))
+    conf = dict(LLAMA_8B, **({"quantization_config": QUANTIZATION[quantization]} if quantization else {}))
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
     return out
 
 
@@ -139,6 +158,11 @@ def main() -> None:
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / "workspace" / "bench"))
     ap.add_argument("--store-dir", default="", help="where stores are written (default: a temp dir)")
     ap.add_argument("--dummy-8b", action="store_true", help="GPU: a Llama-3.1-8B-shaped engine, load_format=dummy")
+    ap.add_argument("--quantization", default="", choices=["", *QUANTIZATION],
+                    help="--dummy-8b: quantize it (its config's quantization_config; vLLM's quantized kernels)")
+    ap.add_argument("--no-compiled-baseline", action="store_true",
+                    help="GPU: no separate compiled engine without capture (the load-time engine's own plain "
+                         "prefill is the baseline): one engine start fewer")
     ap.add_argument("--exact-length", action="store_true", help="every prompt exactly --length tokens")
     ap.add_argument("--store-dtypes", default="", help="comma list of store dtypes, each run (default: --store-dtype)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -164,9 +188,11 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     engine_extra: dict = {}
     if a.dummy_8b:
-        target_dir, target_name = dummy_8b_target(cache), "random Llama-3.1-8B shape (vLLM load_format=dummy)"
+        target_dir = dummy_8b_target(cache, a.quantization)
+        target_name = (f"random Llama-3.1-8B shape{', ' + a.quantization if a.quantization else ''} "
+                       f"(vLLM load_format=dummy)")
         engine_extra = {"load_format": "dummy", "skip_tokenizer_init": True}
-        conf, target_hash = LLAMA_8B, "dummy-llama-8b"
+        conf, target_hash = LLAMA_8B, f"dummy-llama-8b{'-' + a.quantization if a.quantization else ''}"
     else:
         from eagle3.target import identify
 
@@ -247,7 +273,7 @@ def main() -> None:
         def set_layouts(extractor, dtype):
             extractor.layout = layouts[dtype]
 
-        if gpu and any(m in modes for m in ("load_time", "shm", "connector")):
+        if gpu and any(m in modes for m in ("load_time", "shm", "connector")) and not a.no_compiled_baseline:
             # the compiled baseline: the same engine settings, no capture of any kind
             t0 = time.perf_counter()
             llm = build_llm(str(target_dir), work="batch", worker_extension_cls=EXTENSION, trust_remote_code=False,
@@ -349,10 +375,13 @@ def main() -> None:
 
         def baseline(k: str) -> str:
             """Plain prefill to compare run ``k`` with: the eager engine's for the runtime mode (and on
-            CPU), the compiled engine's for the others on a GPU."""
-            if k.startswith("runtime") or not runs.get("plain (compiled)"):
+            CPU), the compiled engine's for the others on a GPU (without it, --no-compiled-baseline,
+            the load-time engine's own plain prefill)."""
+            if k.startswith("runtime") or not gpu:
                 return "plain"
-            return "plain (compiled)"
+            if runs.get("plain (compiled)"):
+                return "plain (compiled)"
+            return "plain (load-time engine, no capture)" if runs.get("plain (load-time engine, no capture)") else "plain"
 
         rows = []
         for k in [k for k, v in runs.items() if v]:

@@ -171,7 +171,8 @@ class ExtractFacts(Facts):
             parts.append(f"target agreement {figs} ({rule})")
         p = self.parity or {}
         if p.get("method") == "float32 reference":
-            parts.append(f"parity with transformers in float32 on {len(p.get('samples', []))} samples: worst error "
+            on = f" (the dequantized weights of the {p['quantization']} checkpoint)" if p.get("quantization") else ""
+            parts.append(f"parity with transformers in float32{on} on {len(p.get('samples', []))} samples: worst error "
                          f"{p['max']:.2g} of the allowed ({p.get('factor', 0):g}x transformers' own {p.get('dtype')} "
                          f"error, per layer)")
         elif p.get("max") is not None:

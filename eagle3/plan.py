@@ -376,7 +376,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     if cfg.train.hidden_states == "online" and cfg.train.online.producer == "external":
         check_online_window(cfg, data, derived.layout)  # before the probes: the trainer would refuse it
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum
-    plan = {"target": str(target.path), "layer_ids": list(layer_ids), "hidden_size": H, "num_layers": L,
+    plan = {"target": str(target.path), "target_quantization": target.quantization, "layer_ids": list(layer_ids), "hidden_size": H, "num_layers": L,
             "data": asdict(data) | {"lengths": None}, "store": store, "store_dtype": store_dtype,
             "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
@@ -512,9 +512,12 @@ def print_plan(plan: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .quantization import summary
     from .report import fmt_size
 
     console = Console(width=160)
+    console.print(f"target {plan['target']}: {plan.get('target_dtype')}, quantization: "
+                  f"{summary(plan.get('target_quantization'))}")
     d = plan["data"]
     mark = "counted" if d["exact"] else "estimated"
     t = Table(title=f"eagle3 plan: data ({d['how']})")

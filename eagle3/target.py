@@ -52,10 +52,19 @@ class TargetInfo:
     trust_remote_code: bool = False  # target.trust_remote_code: may the loads run the checkpoint's own code
 
     def identity(self) -> dict:
-        """What a run records of its target: the path, the identity hash and the per-file digests it
-        covers (so a mismatch can name the file that differs)."""
+        """What a run records of its target: the path, the identity hash, the per-file digests it
+        covers (so a mismatch can name the file that differs) and the checkpoint's quantization
+        (eagle3.quantization.describe; None: not quantized), which the hash covers through
+        config.json: the record says which checkpoint (INT4, FP8, ...) the states came from."""
         return {"path": str(self.path), "hash": self.hash, "tokenizer_hash": self.tokenizer_hash,
-                "files": dict(self.files)}
+                "files": dict(self.files), "quantization": self.quantization}
+
+    @property
+    def quantization(self) -> Optional[dict]:
+        """The checkpoint's quantization as eagle3 records it (eagle3.quantization.describe), or None."""
+        from .quantization import describe
+
+        return describe(self.config)
 
     @property
     def text_config(self) -> dict:

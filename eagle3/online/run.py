@@ -45,7 +45,8 @@ class OnlineRun:
         derived = derive_store_layout(extract_cfg, target, cfg.target.dtype,
                                       {s: v.lengths for s, v in prepared.items()}, also=("train",))
         self.layer_ids = layer_ids = list(derived.layer_ids)
-        refuse_known_bad(target.config, extract_cfg.backend, layer_ids)
+        refuse_known_bad(target.config, extract_cfg.backend, layer_ids, target_dtype=derived.target_dtype,
+                         target_path=target.path)
         self.target_dtype, self.layout, self.max_model_len = derived.target_dtype, derived.layout, derived.max_model_len
         # what the producer's numbers depend on: in the config hash, checked between the processes
         self.identity, extract = extract_identity(self.layout, self.target_dtype, extract_cfg)

@@ -718,6 +718,13 @@ class ExportConfig:
     """vLLM: KV cache, GiB."""
     gpu_memory_utilization: float = 0.9
     """vLLM on GPU: the share of the device's memory each verification engine may take."""
+    shared_engines: bool = True
+    """Verification in two vLLM engine starts: one without a draft model that decodes plainly (the
+    lossless reference, 0 draft tokens) and then runs prompt lookup, and one of the draft that runs
+    each k of eval_ks in turn, every k a real run at k (vLLM's dynamic speculative decoding, the
+    number of draft tokens set per request: eagle3/export/speculation_length.py). false: one engine
+    per k and one for plain decoding (seven starts for k = 1..5), as before; the same figures on CPU
+    (tests/test_export.py)."""
     from_layer_convention: str = "auto"
     """How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
     layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang."""
@@ -732,7 +739,7 @@ class ExportConfig:
     a GPU); 0 = by the served dtype: 0.05 for float32, 0.5 for bfloat16/float16."""
 
     NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts",
-                    "tie_margin")
+                    "tie_margin", "shared_engines")
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))

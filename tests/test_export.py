@@ -1434,3 +1434,48 @@ def test_a_full_disk_in_the_workspace_names_the_directory_and_the_sizes(experime
     assert f"writing {rec.out_dir / '.model.partial'}: it needs about " in msg, msg
     assert re.search(r"needs about \d+ bytes \(.*\) there, \d+ bytes \(.*\) are free", msg) and "workspace=" in msg
     assert rec.status == "failed" and names == [], names
+
+
+@pytest.mark.vllm
+def test_shared_engines_give_the_figures_of_one_engine_per_k(target, kept, prompts, stops, plain, tmp_path):
+    """export.shared_engines: plain decoding and prompt lookup in one engine (0 draft tokens, then k),
+    every k of the draft in another (vLLM's dynamic speculative decoding, k set per request), against
+    one engine per k and one for plain decoding: on an imperfect draft, whose acceptance differs from
+    k to k, every greedy figure is the same, per k, per position, per domain and prompt lookup's."""
+    from eagle3.export.formats import write_format
+    from eagle3.export.verify import verify_export
+
+    cats = ["code", "chat", "code", "math", "chat", "code"][: len(prompts)]
+    t0 = max(set(t for o in plain.outputs for t in o), key=lambda t: sum(o.count(t) for o in plain.outputs))
+    t1 = next(t for t in kept if t != t0)
+    d = perfect_draft(target, kept)
+    with torch.no_grad():
+        a, b = kept.index(t0), kept.index(t1)
+        d.lm_head.weight[[a, b]] = d.lm_head.weight[[b, a]]
+    ckpt = checkpoint(d)
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    kw = dict(target_path=target.path, target_config=target.config, target_dtype="float32", reference=ckpt,
+              prompts=prompts, k=K, eval_ks=[1, 2, 3, 4, 5], max_tokens=MAX_TOKENS, stop_ids=stops,
+              kv_cache_gb=0.25, device="cpu", static_check=False, categories=cats)
+    shared = verify_export(tmp_path / "m", shared_engines=True, **kw)
+    apart = verify_export(tmp_path / "m", shared_engines=False, **kw)
+    by_k = shared.acceptance_by_k
+    assert len(set(by_k.values())) > 1 and all(1 < v < int(kk) + 1 for kk, v in by_k.items())  # imperfect at each k
+    for name in ("acceptance_by_k", "tokens_per_step_by_k", "acceptance_per_position_by_k", "vllm", "ngram",
+                 "offline", "by_domain", "lookup_summary", "hf_greedy_equals_vllm_greedy", "near_ties"):
+        assert getattr(shared, name) == getattr(apart, name), name
+    assert shared.ngram["num_drafts"] > 0  # prompt lookup did draft in the shared engine
+    # the reference: prompt lookup's engine at 0 draft tokens decodes as an engine without speculation
+    from eagle3.export.vllm_eval import measure, open_engine
+    from eagle3.vllm_engine import shutdown_llm
+
+    llm = open_engine(target.path, dtype="float32", max_model_len=256, kv_cache_gb=0.25, variable_k=True,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                                          "prompt_lookup_max": 4})
+    try:
+        ref = measure(llm, prompts, MAX_TOKENS, stops, [0.0], 0, variable_k=True)[0.0]
+        with pytest.raises(ValueError, match="drafts at most"):
+            measure(llm, prompts[:1], 2, stops, [0.0], K + 1, variable_k=True)
+    finally:
+        shutdown_llm(llm)
+    assert ref.outputs == plain.outputs and ref.target_steps == plain.target_steps

@@ -198,15 +198,18 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
                   seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0,
-                  trust_remote_code: bool = False) -> Verification:
+                  trust_remote_code: bool = False, shared_engines: bool = True) -> Verification:
     """Run steps 1-8; returns what they measured; raises VerificationError on any failure.
     ``categories``: each prompt's category (None without one), parallel to ``prompts``; ``marker``:
     the export marker step 1 reads the directory with (default: its file); ``trust_remote_code``:
-    target.trust_remote_code, for every engine and model that loads the target."""
+    target.trust_remote_code, for every engine and model that loads the target; ``shared_engines``
+    (export.shared_engines): two engine starts (plain decoding and prompt lookup in one, every k of the
+    draft in the other; eagle3.export.speculation_length), else one per k and one for plain decoding."""
     import vllm
 
+    from ..vllm_engine import shutdown_llm
     from .offline_eval import offline_acceptance
-    from .vllm_eval import per_request_metrics_supported, run_vllm, run_vllm_temperatures
+    from .vllm_eval import measure, open_engine, per_request_metrics_supported, run_vllm, run_vllm_temperatures
 
     model_dir = Path(model_dir)
     if static_check:
@@ -238,23 +241,62 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                                  device=device, progress=progress, trust_remote_code=trust_remote_code)
     log.info("verify: offline evaluator (trained draft, HF target), k=%d: acceptance length %.3f", k,
              offline.acceptance_length)
-    plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
     scorer = ReferenceScorer(target_path, prompts, device, trust_remote_code=trust_remote_code)
     margin = tie_margin_for(target_dtype, tie_margin)
     near_ties: dict[str, list] = {}
+    ngram_cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if shared_engines:
+        # two engine starts: prompt lookup's engine, which holds no draft model, decodes plainly at k=0 (the
+        # reference) and then looks up k tokens; the draft's engine runs every k of eval_ks in turn
+        engine = open_engine(target_path, speculative_config=ngram_cfg, variable_k=True, **run)
+        try:
+            plain = measure(engine, prompts, max_tokens, stop_ids, [0.0], 0, variable_k=True)[0.0]
+            ngram_runs = measure(engine, prompts, max_tokens, stop_ids, temps, k, seed=seed, groups=groups,
+                                 variable_k=True)
+        finally:
+            shutdown_llm(engine)
+    else:
+        plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
     by_k: dict[int, AcceptanceStats] = {}
     sampled: dict[float, dict[int, AcceptanceStats]] = {t: {} for t in temps[1:]}
-    for kk in ks:
-        spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
+
+    def refused(spec_cfg, e):  # vLLM's own error, whatever its type, is the message the user needs
+        msg = str(e).strip().splitlines()
+        return VerificationError(f"vLLM refused to load the exported draft {model_dir} with "
+                                 f"speculative_config={spec_cfg}: {type(e).__name__}: "
+                                 f"{' | '.join(msg[-6:]) if msg else repr(e)}")
+
+    def draft_runs():
+        """(k, its runs by temperature), k in ks' order, from one engine or one engine each; the lossless
+        checks follow with no engine alive (the reference scorer may load the target)."""
+        if not shared_engines:
+            for kk in ks:
+                spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
+                try:
+                    yield kk, run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
+                                                    speculative_config=spec_cfg, seed=seed, **run_spec)
+                except Exception as e:
+                    raise refused(spec_cfg, e) from e
+            return
+        spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": max(ks)}
         try:
-            runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
-                                         speculative_config=spec_cfg, seed=seed, **run_spec)
-            stats = runs[0.0]
-        except Exception as e:  # vLLM's own error, whatever its type, is the message the user needs
-            msg = str(e).strip().splitlines()
-            raise VerificationError(f"vLLM refused to load the exported draft {model_dir} with "
-                                    f"speculative_config={spec_cfg}: {type(e).__name__}: "
-                                    f"{' | '.join(msg[-6:]) if msg else repr(e)}") from e
+            engine = open_engine(target_path, speculative_config=spec_cfg, variable_k=True, **run)
+        except Exception as e:
+            raise refused(spec_cfg, e) from e
+        done = []
+        try:
+            for kk in ks:
+                try:
+                    done.append((kk, measure(engine, prompts, max_tokens, stop_ids, temps, kk, seed=seed,
+                                             groups=groups, variable_k=True)))
+                except Exception as e:
+                    raise refused({**spec_cfg, "num_speculative_tokens": kk}, e) from e
+        finally:
+            shutdown_llm(engine)
+        yield from done
+
+    for kk, runs in draft_runs():
+        stats = runs[0.0]
         if ties := check_lossless(stats, plain, f"EAGLE-3 with k={kk} in vLLM", scorer, margin):
             near_ties[f"eagle3 k={kk}"] = ties
         by_k[kk] = stats
@@ -272,8 +314,9 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
             f"evaluator's {offline.acceptance_length:.3f} for the trained draft on the same {len(prompts)} prompts "
             f"(tolerance {tolerance:.0%}): the exported draft does not compute what was trained. Check the "
             f"vocabulary mapping (d2t), the aux layer ids and norm_before_residual in {model_dir}/config.json.")
-    ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed, speculative_config={
-        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **run_spec)
+    if not shared_engines:
+        ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed,
+                                           speculative_config=ngram_cfg, **run_spec)
     ngram = ngram_runs[0.0]
     if ties := check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM", scorer, margin):
         near_ties[f"ngram k={k}"] = ties

@@ -35,24 +35,25 @@ def spec_counters(llm) -> dict:
     return out
 
 
-def greedy_params(max_tokens: int, stop_ids):
+def greedy_params(max_tokens: int, stop_ids, extra_args: Optional[dict] = None):
     from vllm import SamplingParams
 
     # ignore_eos + explicit stop ids: the same stop rule as the offline evaluator, whatever the
     # tokenizer and generation_config.json say.
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False)
+                          stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False, extra_args=extra_args)
 
 
-def sampling_params(max_tokens: int, stop_ids, temperature: float, seed: int):
+def sampling_params(max_tokens: int, stop_ids, temperature: float, seed: int, extra_args: Optional[dict] = None):
     """Greedy at temperature 0, else seeded sampling (vLLM's speculative sampling keeps the target's
-    distribution; the tokens differ from plain decoding's, so no token-for-token lossless check)."""
+    distribution; the tokens differ from plain decoding's, so no token-for-token lossless check).
+    ``extra_args``: vLLM's per-request extension arguments (eagle3.export.speculation_length)."""
     from vllm import SamplingParams
 
     if temperature == 0:
-        return greedy_params(max_tokens, stop_ids)
+        return greedy_params(max_tokens, stop_ids, extra_args)
     return SamplingParams(temperature=float(temperature), seed=int(seed), max_tokens=max_tokens, ignore_eos=True,
-                          stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False)
+                          stop_token_ids=sorted(int(t) for t in stop_ids), detokenize=False, extra_args=extra_args)
 
 
 def _request_spec(out, k: int):
@@ -75,7 +76,7 @@ def _partition(groups, n: int) -> list:
 
 
 def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temperature: float = 0.0,
-                     seed: int = 0, groups: Optional[list] = None) -> AcceptanceStats:
+                     seed: int = 0, groups: Optional[list] = None, variable_k: bool = False) -> AcceptanceStats:
     """Generate for every prompt in one engine (greedily, or sampled at ``temperature`` with request i
     seeded ``seed + i``); outputs and acceptance stats, overall and per request.
 
@@ -83,14 +84,19 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temp
     after the other, and its acceptance is the engine counters' difference around it, so a group's
     figures are exact where the engine reports no acceptance per request (vLLM < 0.32, no
     ``per_request_spec_decode_metrics``). ``stats.groups`` then holds them; ``subset`` of whole groups
-    reads them."""
+    reads them.
+
+    ``variable_k``: the engine was opened with ``open_engine(variable_k=True)`` and runs these requests
+    at ``k`` draft tokens (0: none, plain decoding; checked on its counters)."""
     if groups is None:
-        return _generate(llm, list(enumerate(prompts)), len(prompts), max_tokens, stop_ids, k, temperature, seed)
+        return _generate(llm, list(enumerate(prompts)), len(prompts), max_tokens, stop_ids, k, temperature, seed,
+                         variable_k)
     total = AcceptanceStats(k=k, num_prompts=len(prompts), outputs=[None] * len(prompts),
                             per_request=[None] * len(prompts), temperature=float(temperature))
     total.groups = []
     for g in _partition(groups, len(prompts)):
-        part = _generate(llm, [(i, prompts[i]) for i in g], len(prompts), max_tokens, stop_ids, k, temperature, seed)
+        part = _generate(llm, [(i, prompts[i]) for i in g], len(prompts), max_tokens, stop_ids, k, temperature, seed,
+                         variable_k)
         for i in g:
             total.outputs[i], total.per_request[i] = part.outputs[i], part.per_request[i]
         total.generated_tokens += part.generated_tokens
@@ -105,18 +111,24 @@ def generate_counted(llm, prompts: list, max_tokens: int, stop_ids, k: int, temp
 
 
 def _generate(llm, items: list, n: int, max_tokens: int, stop_ids, k: int, temperature: float,
-              seed: int) -> AcceptanceStats:
+              seed: int, variable_k: bool = False) -> AcceptanceStats:
     """``items``: (prompt index, token ids) run as one batch; the stats' lists have ``n`` entries,
     those of the prompts not in ``items`` left None."""
     engine = llm.llm_engine
-    # acceptance counters need disable_log_stats=False; without speculation there is nothing to count
-    before = spec_counters(llm) if k else None
+    # acceptance counters need disable_log_stats=False; without speculation there is nothing to count,
+    # except in an engine of variable k asked for none, whose counters must then stay still
+    before = spec_counters(llm) if (k or variable_k) else None
+    extra = None
+    if variable_k:
+        from .speculation_length import K_ARG
+
+        extra = {K_ARG: int(k)}
     index = {}
     for i, p in items:
-        rid = f"eagle3-eval-t{temperature:g}-{i}"
+        rid = f"eagle3-eval-t{temperature:g}-k{k}-{i}"
         index[rid] = i
         engine.add_request(rid, {"prompt_token_ids": [int(t) for t in p]},
-                           sampling_params(max_tokens, stop_ids, temperature, seed + i))
+                           sampling_params(max_tokens, stop_ids, temperature, seed + i, extra))
     per_request: list = [None] * n
     lengths = [0] * n
     steps = [0] * n
@@ -143,6 +155,12 @@ def _generate(llm, items: list, n: int, max_tokens: int, stop_ids, k: int, tempe
     for i, _ in items:
         stats.per_request[i] = {"tokens": len(outputs[i]), "steps": steps[i], **(per_request[i] or {})}
     if not k:
+        if before is not None:
+            after = spec_counters(llm)
+            if after["num_drafts"] != before["num_drafts"] or after["num_draft_tokens"] != before["num_draft_tokens"]:
+                raise RuntimeError(f"vLLM drafted {after['num_draft_tokens'] - before['num_draft_tokens']} tokens in a "
+                                   f"run asked for none ({K_ARG}=0): the engine's scheduler did not take the "
+                                   f"requests' number of draft tokens (eagle3.export.speculation_length)")
         return stats
     after = spec_counters(llm)
     stats.num_drafts = after["num_drafts"] - before["num_drafts"]
@@ -182,19 +200,68 @@ def run_vllm_temperatures(target_path, prompts: list, max_tokens: int, stop_ids,
     sampled with request i seeded ``seed + i``); {temperature: AcceptanceStats}. A speculative engine
     also reports acceptance per request where this vLLM can (``per_request_metrics_supported``);
     ``groups``: see ``generate_counted``."""
-    from ..vllm_engine import build_llm, shutdown_llm
+    from ..vllm_engine import shutdown_llm
+
+    llm = open_engine(target_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                      speculative_config=speculative_config, gpu_memory_utilization=gpu_memory_utilization,
+                      trust_remote_code=trust_remote_code)
+    try:
+        k = int((speculative_config or {}).get("num_speculative_tokens", 0))
+        return measure(llm, prompts, max_tokens, stop_ids, temperatures, k, seed=seed, groups=groups)
+    finally:
+        shutdown_llm(llm)
+
+
+def dynamic_k_supported() -> bool:
+    """Whether this vLLM drafts a number of tokens chosen at run time (dynamic speculative decoding:
+    ``speculative_config.num_speculative_tokens_per_batch_size``, vLLM >= 0.25)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    return any(f.name == "num_speculative_tokens_per_batch_size" for f in dataclasses.fields(SpeculativeConfig))
+
+
+def open_engine(target_path, *, dtype: str, max_model_len: int, kv_cache_gb: float = 1.0,
+                speculative_config: Optional[dict] = None, gpu_memory_utilization: Optional[float] = None,
+                trust_remote_code: bool = False, variable_k: bool = False):
+    """An engine of the target (optionally speculative) that counts acceptance; release it with
+    eagle3.vllm_engine.shutdown_llm. ``variable_k``: each run (``measure(..., variable_k=True)``) drafts
+    the k it names, from 0 (plain decoding) to ``speculative_config``'s num_speculative_tokens
+    (eagle3.export.speculation_length)."""
+    from ..vllm_engine import build_llm
 
     extra = {"disable_log_stats": False}
     if speculative_config is not None:
-        extra["speculative_config"] = dict(speculative_config)
+        spec = dict(speculative_config)
+        if variable_k:
+            from ..vllm_engine import import_vllm
+
+            import_vllm()
+            if not dynamic_k_supported():
+                import vllm
+
+                raise RuntimeError(f"vLLM {vllm.__version__} has no dynamic speculative decoding "
+                                   "(num_speculative_tokens_per_batch_size, vLLM >= 0.25), which export.shared_engines "
+                                   "needs: set export.shared_engines=false (one engine per k)")
+            from .speculation_length import SCHEDULER
+
+            # every batch size at the engine's k; the scheduler then sets the requests' own k
+            spec["num_speculative_tokens_per_batch_size"] = [(1, 1, int(spec["num_speculative_tokens"]))]
+            extra["scheduler_cls"] = SCHEDULER
+        extra["speculative_config"] = spec
         if per_request_metrics_supported():
             extra["per_request_spec_decode_metrics"] = "summary"
-    llm = build_llm(str(target_path), max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, dtype=dtype,
-                    gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code, **extra)
-    try:
-        k = int((speculative_config or {}).get("num_speculative_tokens", 0))
-        return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed,
-                                           groups=groups)
-                for t in temperatures}
-    finally:
-        shutdown_llm(llm)
+    elif variable_k:
+        raise ValueError("variable_k needs a speculative_config")
+    return build_llm(str(target_path), max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, dtype=dtype,
+                     gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code, **extra)
+
+
+def measure(llm, prompts: list, max_tokens: int, stop_ids, temperatures, k: int, *, seed: int = 0,
+            groups: Optional[list] = None, variable_k: bool = False) -> dict:
+    """The prompts at each temperature in turn on an open engine, at ``k`` draft tokens (the engine's
+    own k, or with ``variable_k`` any k up to it); {temperature: AcceptanceStats}."""
+    return {float(t): generate_counted(llm, prompts, max_tokens, stop_ids, k, temperature=float(t), seed=seed,
+                                       groups=groups, variable_k=variable_k)
+            for t in temperatures}

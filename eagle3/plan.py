@@ -30,10 +30,12 @@ log = logging.getLogger("eagle3.plan")
 # included). The embedded default's real prepare wrote 47,655 trainable tokens in 577 regenerated
 # turns at max_tokens=96 (370 of them cut there): 0.86.
 REGEN_FILL = 0.86
-# A vLLM engine start (model load, KV cache, warm-up), seconds, which no probe measures (a start
-# costs what it measures). CPU: the embedded default's export ran 7 engines and the offline evaluator
-# in 178 s (README) with ~1k tokens each, i.e. ~20 s a start; GPU: with CUDA graphs, a guess of 30 s.
-ENGINE_START_S = {"cpu": 20.0, "gpu": 30.0}
+# A vLLM engine start (model load, KV cache, warm-up), seconds, where no probe measured one (the vLLM
+# probe measures the first start of a process and a later one). CPU: the embedded default's export
+# ran 7 engines and the offline evaluator in 178 s (README) with ~1k tokens each, i.e. ~20 s a start;
+# GPU: `stage=all debug=fast` on a 4-layer bf16 Llama spent 306 s of its export on one H200 (vLLM
+# 0.25) in seven engine starts whose work took seconds: ~40 s a start (process, compile, CUDA graphs).
+ENGINE_START_S = {"cpu": 20.0, "gpu": 40.0}
 # Loading a checkpoint on the H200 host (the probes measure it here).
 GPU_LOAD_S = 10.0
 # Published H200 throughputs (bench/results/smollm2_large_h200_202611.md, bench/results/train_h200_202611.md):
@@ -46,7 +48,7 @@ H200 = {
     "decode_tokens_per_s": 1.33e6 / 224, "decode_params": 135e6,
 }
 STORE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
-PROBE_VERSION = 4
+PROBE_VERSION = 7
 
 
 @dataclass
@@ -227,36 +229,50 @@ def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16, 
 
 
 def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_len: int = 64,
-               new_tokens: int = 32, trust_remote_code: bool = False) -> dict:
+               new_tokens: int = 32, trust_remote_code: bool = False, prefill_prompts: int = 16,
+               prefill_len: int = 256) -> dict:
     """A vLLM engine of the target (what regeneration, vLLM extraction and verification run): its start,
-    prefill (one token per request) and batched greedy decoding, tokens per second."""
+    prefill (``prefill_prompts`` x ``prefill_len`` tokens, one token out: extraction's batches) and
+    batched greedy decoding of ``prompts`` requests, tokens per second."""
     import torch
 
     from .export.vllm_eval import generate_counted
     from .vllm_engine import build_llm, shutdown_llm
 
     g = torch.Generator().manual_seed(0)
+    max_len = max(prompt_len + new_tokens, prefill_len + 1) + 16
     t0 = time.perf_counter()
-    llm = build_llm(str(target_path), max_model_len=prompt_len + new_tokens + 16, kv_cache_gb=0.25, dtype=dtype,
+    llm = build_llm(str(target_path), max_model_len=max_len, kv_cache_gb=0.25, dtype=dtype,
                     disable_log_stats=False, trust_remote_code=trust_remote_code)
     start_s = time.perf_counter() - t0
     try:
         ids = torch.randint(100, vocab - 100, (prompts, prompt_len), generator=g).tolist()
+        long = torch.randint(100, vocab - 100, (prefill_prompts, prefill_len), generator=g).tolist()
         generate_counted(llm, ids[:2], 2, set(), 0)  # warm up
         t0 = time.perf_counter()
+        generate_counted(llm, long, 1, set(), 0)
+        prefill = prefill_prompts * prefill_len / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
         generate_counted(llm, ids, 1, set(), 0)
-        prefill = prompts * prompt_len / (time.perf_counter() - t0)
+        short_prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = generate_counted(llm, ids, new_tokens, set(), 0)
-        decode_s = time.perf_counter() - t0 - prompts * prompt_len / prefill
+        decode_s = time.perf_counter() - t0 - short_prefill_s
         decode = out.generated_tokens / max(decode_s, 1e-6)
     finally:
         shutdown_llm(llm)
-    return {"start_s": start_s, "prefill_tokens_per_s": prefill, "tokens_per_s": decode,
-            "shape": f"engine start, {prompts} prompts x {prompt_len} tokens, {new_tokens} new tokens each, {dtype}"}
+    # a later start in the same process (vLLM imported, its kernels loaded): what the stages' other
+    # engines cost when `python -m eagle3` runs them in one process
+    t0 = time.perf_counter()
+    shutdown_llm(build_llm(str(target_path), max_model_len=max_len, kv_cache_gb=0.25, dtype=dtype,
+                           disable_log_stats=False, trust_remote_code=trust_remote_code))
+    restart_s = time.perf_counter() - t0
+    return {"start_s": start_s, "restart_s": restart_s, "prefill_tokens_per_s": prefill, "tokens_per_s": decode,
+            "shape": f"engine start, prefill {prefill_prompts} x {prefill_len} tokens, {prompts} prompts x "
+                     f"{prompt_len} tokens, {new_tokens} new tokens each, {dtype}"}
 
 
-def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 3) -> dict:
+def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 5) -> dict:
     """Training steps of the draft on random states of the configured shape (max_seq_len rows of
     batch_size, TTT steps, mixed precision, the target's real head), seconds per optimizer step."""
     import torch
@@ -283,7 +299,9 @@ def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 3) 
     draft.set_vocab_mapping(torch.zeros(draft_vocab_size, dtype=torch.long), t2d)
     model = TTTModel(draft, num_steps=tcfg.ttt_steps, decay=tcfg.decay, attention=tcfg.attention,
                      compile=tcfg.compile == "true", fp8_matmul=tcfg.fp8_matmul)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    from .train.optim import build_optimizer
+
+    opt = build_optimizer(model, tcfg, device)  # the configured one (Muon's step costs more than AdamW's)
     B, T, n = tcfg.batch_size, tcfg.max_seq_len, len(layer_ids)
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, V, (B, T), generator=g), "loss_mask": torch.ones(B, T, dtype=torch.long),
@@ -303,17 +321,20 @@ def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 3) 
 
     step()  # warm up
     setup_s = time.perf_counter() - t_setup
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    times = []
+    for _ in range(steps):  # the median step: one step slowed by another job on the machine counts once
+        t0 = time.perf_counter()
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
     from .train.metrics import ttt_flops_per_token
 
     return {"seconds_per_micro_batch": dt, "tokens_per_s": B * T / dt, "setup_s": setup_s,
             "flops_per_token": ttt_flops_per_token(cfg, T, tcfg.ttt_steps, V),
-            "shape": f"{steps} steps of {B} x {T} tokens, TTT {tcfg.ttt_steps}, {str(dtype).replace('torch.', '')}"}
+            "shape": f"{steps} steps of {B} x {T} tokens, TTT {tcfg.ttt_steps}, {str(dtype).replace('torch.', '')}, "
+                     f"{tcfg.optimizer}"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +402,9 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
             "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
     ks = sorted({cfg.export.num_speculative_tokens, *map(int, cfg.export.eval_ks)})
-    engines = (2 + len(ks)) if cfg.export.verify else 0  # plain, each k, prompt lookup
+    runs = (2 + len(ks)) if cfg.export.verify else 0  # plain, each k, prompt lookup
+    # engine starts: plain + prompt lookup in one, every k in the other (export.shared_engines), else one each
+    engines = (2 if cfg.export.shared_engines else runs) if cfg.export.verify else 0
     export_tokens = cfg.export.eval_prompts * cfg.export.eval_max_tokens * len(cfg.export.eval_temperatures)
     regen_tokens = data.trainable_tokens if cfg.prepare.regenerate else 0
     cache = Path(cfg.workspace).expanduser().resolve() / "plan_cache.json"
@@ -400,12 +423,29 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
                                   "draft_vocab": data.draft_vocab_size},  # as prepare builds it (counted or capped)
                           lambda: probe_train(target, cfg.train, layer_ids, data.draft_vocab_size))
         plan["probes"] = {"prefill": pre, "decode": dec, "train": tr}
+        regen_tps = offline_tps = None
+        if cfg.prepare.regenerate and cfg.prepare.regen.backend == "vllm" and "start_s" in dec:
+            # regeneration sends every conversation's next turn at once, in its own dtype: many requests decode
+            # together (the 32-request probe ran at a third of the embedded default's regeneration rate)
+            regen_dtype = run_dtype if cfg.prepare.regen.dtype == "auto" else cfg.prepare.regen.dtype
+            rg = cached_probe(cache, {**key, "dtype": regen_dtype, "probe": "vllm_regen"},
+                              lambda: probe_vllm(target.path, regen_dtype, target.vocab_size, prompts=128, prompt_len=32,
+                                                 new_tokens=16, prefill_prompts=4, prefill_len=64,
+                                                 trust_remote_code=trust))
+            plan["probes"]["regenerate"] = rg
+            regen_tps = rg["tokens_per_s"]
+        if cfg.export.verify:  # the offline evaluator: transformers' batched greedy decoding (8 rows)
+            hf = cached_probe(cache, {**key, "probe": "decode"},
+                              lambda: probe_decode(target.path, run_dtype, trust_remote_code=trust))
+            plan["probes"]["offline evaluator"] = hf
+            offline_tps = hf["tokens_per_s"]
         prefill_tps = (dec["prefill_tokens_per_s"] if cfg.extract.backend.startswith("vllm") and "start_s" in dec
                        else pre["tokens_per_s"])
         here = stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens,
-                           prefill_tps=prefill_tps, decode_tps=dec["tokens_per_s"], hf_prefill_tps=pre["tokens_per_s"],
+                           runs=runs, prefill_tps=prefill_tps, decode_tps=dec["tokens_per_s"], hf_prefill_tps=pre["tokens_per_s"],
                            step_s=tr["seconds_per_micro_batch"], load_s=pre["load_s"], setup_s=tr["setup_s"],
-                           engine_s=dec.get("start_s", ENGINE_START_S["gpu" if _on_gpu() else "cpu"]))
+                           engine_s=dec.get("start_s", ENGINE_START_S["gpu" if _on_gpu() else "cpu"]),
+                           restart_s=dec.get("restart_s"), regen_tps=regen_tps, offline_tps=offline_tps)
         plan["times"]["here"] = here
         # an H200, from the published throughputs scaled by the work per token
         from .model.draft import Eagle3DraftConfig
@@ -417,7 +457,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
                                 draft_vocab_size=32000, aux_layer_ids=[0, 1, 2])
         train_tps = H200["train_tokens_per_s"] * ttt_flops_per_token(big, 2048, 7, 128256) / tr["flops_per_token"]
         h200 = stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens,
-                           prefill_tps=H200["extract_tokens_per_s"] / scale_params,
+                           runs=runs, prefill_tps=H200["extract_tokens_per_s"] / scale_params,
                            decode_tps=H200["decode_tokens_per_s"] / scale_params,
                            hf_prefill_tps=H200["extract_tokens_per_s"] / scale_params,
                            step_s=cfg.train.max_seq_len * cfg.train.batch_size / train_tps, load_s=GPU_LOAD_S,
@@ -449,14 +489,18 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     plan["assumptions"] = [
         f"regenerated answers fill {REGEN_FILL:.2f} of prepare.regen.max_tokens (0.86 on the embedded default's run)"
         if cfg.prepare.regenerate else "answers as in the sources (no regeneration)",
-        f"a vLLM engine start: measured here by the probe (else {ENGINE_START_S['cpu']:.0f} s); "
-        f"{ENGINE_START_S['gpu']:.0f} s on an H200 (assumed); model loads: measured here, {GPU_LOAD_S:.0f} s on the H200 host",
+        f"a vLLM engine start: measured here by the probe, the process's first (vLLM imported) and a later one "
+        f"(else {ENGINE_START_S['cpu']:.0f} s); {ENGINE_START_S['gpu']:.0f} s on an H200 (seven starts of a debug "
+        "run's export there); the stages run in one process (python -m eagle3); export: two engine starts "
+        "(export.shared_engines) and one run of export.eval_prompts x eval_max_tokens each for plain decoding, "
+        "each k and prompt lookup, the offline evaluator at transformers' probed decoding rate; model loads: "
+        f"measured here, {GPU_LOAD_S:.0f} s on the H200 host",
         "extraction (extract.backend=vllm*) timed as vLLM's prefill of the probe engine (the capture of the "
         "hidden states and the store writes not included); extract.backend=hf as the transformers forward with every "
         "hidden state; the parity sample as the latter",
-        "regeneration and verification timed as the probe engine's batched greedy decoding (32 requests) in the dtype "
-        "the target runs in (prepare.regen.dtype=bfloat16 is faster on CPUs with AVX512-BF16); without vLLM in the "
-        "config, as transformers' batched greedy decoding",
+        "regeneration timed as a probe engine's batched greedy decoding of 128 requests in prepare.regen.dtype, "
+        "verification as 32 requests' in the dtype the target runs in; without vLLM in the config, as transformers' "
+        "batched greedy decoding",
         "the machine as it is now: other jobs on it slow the probes and the estimate alike",
         "H200: extraction and regeneration scaled from SmolLM2-135M's published rates by parameter count; training "
         "from the Llama-3.1-8B-shaped draft's 30.2k tokens/s by FLOPs per token (small drafts do not fill an H200: "
@@ -476,21 +520,34 @@ def _on_gpu() -> bool:
 
 
 def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens, *,
-                prefill_tps, decode_tps, hf_prefill_tps, step_s, load_s, setup_s, engine_s) -> dict:
-    """Seconds per stage from throughputs and fixed costs (both stated in the plan)."""
+                prefill_tps, decode_tps, hf_prefill_tps, step_s, load_s, setup_s, engine_s, runs=None,
+                restart_s=None, regen_tps=None, offline_tps=None) -> dict:
+    """Seconds per stage from throughputs and fixed costs (both stated in the plan). ``engine_s``: the
+    first vLLM engine start of the process (vLLM's import included), ``restart_s`` each later one (the
+    stages of `python -m eagle3` run in one process). ``regen_tps``: regeneration's decoding rate (else
+    ``decode_tps``); ``offline_tps``: the offline evaluator's (transformers; else ``decode_tps``)."""
+    started = []
+
+    def start() -> float:
+        started.append(1)
+        return engine_s if len(started) == 1 or restart_s is None else restart_s
+
     vllm_regen = cfg.prepare.regen.backend == "vllm"
-    prepare = data.tokenize_s + (((engine_s if vllm_regen else load_s) + regen_tokens / decode_tps)
+    prepare = data.tokenize_s + (((start() if vllm_regen else load_s) + regen_tokens / (regen_tps or decode_tps))
                                  if cfg.prepare.regenerate else 0.0)
     mean_len = split_tokens / max(1, sum(data.samples.values()))
     e = cfg.extract
-    extract = (engine_s if e.backend.startswith("vllm") else load_s) + split_tokens / prefill_tps
+    extract = (start() if e.backend.startswith("vllm") else load_s) + split_tokens / prefill_tps
     extract += (load_s + e.verify_samples * mean_len / hf_prefill_tps) if e.verify_samples else 0.0  # parity sample
     evals = (steps // cfg.train.eval_every + 1) if data.samples.get("eval") else 0
     eval_tokens = data.samples.get("eval", 0) * mean_len
     train = setup_s + steps * rows_per_step * step_s + evals * eval_tokens * step_s / cfg.train.max_seq_len / 3
     export = 0.0
-    if engines:  # each engine: start + generation; the offline evaluator replays with transformers
-        export = engines * (engine_s + export_tokens / decode_tps) + load_s + export_tokens / decode_tps
+    if engines:  # each engine start; each run (plain, each k, prompt lookup) generates export_tokens;
+        # the offline evaluator replays with transformers
+        runs = engines if runs is None else runs
+        export = sum(start() for _ in range(engines)) + runs * export_tokens / decode_tps + load_s \
+            + export_tokens / (offline_tps or decode_tps)
     return {"prepare": prepare, "extract": extract, "train": train, "export": export}
 
 
@@ -498,7 +555,7 @@ def _train_shape(cfg) -> dict:
     t = cfg.train
     return {"batch_size": t.batch_size, "max_seq_len": t.max_seq_len, "ttt_steps": t.ttt_steps,
             "mixed_precision": t.mixed_precision, "model": asdict(t.model), "attention": t.attention,
-            "compile": t.compile}
+            "compile": t.compile, "optimizer": t.optimizer}
 
 
 def _hms(s: float) -> str:
@@ -557,6 +614,7 @@ def print_plan(plan: dict) -> None:
         console.print(f"GPU-hours on H200s: {h:.3f} (one GPU); this machine: {sum(times['here'].values()) / 3600:.3f} h")
         for name, p in plan["probes"].items():
             extra = (f" decoding, {p['prefill_tokens_per_s']:.0f} tokens/s prefill, engine start {p['start_s']:.0f} s"
+                     + (f" (a later one {p['restart_s']:.0f} s)" if "restart_s" in p else "")
                      if "start_s" in p else "")
             console.print(f"probe {name}: {p['tokens_per_s']:.0f} tokens/s{extra} ({p['shape']}"
                           f"{', cached' if p.get('cached') else ', measured now'})")

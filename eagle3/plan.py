@@ -401,10 +401,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
             "data": asdict(data) | {"lengths": None}, "store": store, "store_dtype": store_dtype,
             "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
-    ks = sorted({cfg.export.num_speculative_tokens, *map(int, cfg.export.eval_ks)})
-    runs = (2 + len(ks)) if cfg.export.verify else 0  # plain, each k, prompt lookup
-    # engine starts: plain + prompt lookup in one, every k in the other (export.shared_engines), else one each
-    engines = (2 if cfg.export.shared_engines else runs) if cfg.export.verify else 0
+    engines, runs = export_engines(cfg.export)
     export_tokens = cfg.export.eval_prompts * cfg.export.eval_max_tokens * len(cfg.export.eval_temperatures)
     regen_tokens = data.trainable_tokens if cfg.prepare.regenerate else 0
     cache = Path(cfg.workspace).expanduser().resolve() / "plan_cache.json"
@@ -511,6 +508,16 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         "run one sample per forward: on a GPU batched extraction is faster than that)",
     ]
     return plan
+
+
+def export_engines(export_cfg) -> tuple[int, int]:
+    """(vLLM engine starts, generation runs) of the export's verification: a run each for plain
+    decoding, every k and prompt lookup; two starts with export.shared_engines (plain decoding and
+    prompt lookup in one, every k in the other), else one per run."""
+    if not export_cfg.verify:
+        return 0, 0
+    runs = 2 + len({export_cfg.num_speculative_tokens, *map(int, export_cfg.eval_ks)})
+    return (2 if export_cfg.shared_engines else runs), runs
 
 
 def _on_gpu() -> bool:

@@ -134,3 +134,24 @@ def test_plan_refuses_an_online_window_below_one_micro_batch(compose, tmp_path):
     need = int(re.search(r"at least (\d+)", msg).group(1))
     make_plan(_small_plan_config(compose, target, tmp_path, *online, f"train.online.window_bytes={need}"),
               Manifest(tmp_path / "ws" / "p"), probe=False)
+
+
+def test_plan_prices_the_export_by_engine_starts_and_runs(compose, tiny_llama_dir, tmp_path):
+    """The export's verification: a generation run each for plain decoding, every k and prompt lookup;
+    two engine starts with export.shared_engines, one per run without; the process's first start
+    (vLLM's import) at its own price, each later one at the restart price."""
+    from eagle3.plan import DataCount, export_engines, stage_times
+
+    shared = _small_plan_config(compose, tiny_llama_dir, tmp_path, "export.verify=true", "prepare.regenerate=false")
+    apart = _small_plan_config(compose, tiny_llama_dir, tmp_path, "export.verify=true", "prepare.regenerate=false",
+                               "export.shared_engines=false")
+    assert export_engines(shared.export) == (2, 7) and export_engines(apart.export) == (7, 7)
+    assert export_engines(_small_plan_config(compose, tiny_llama_dir, tmp_path).export) == (0, 0)  # verify=false
+    data = DataCount(samples={"train": 10, "eval": 0}, tokens=1000, trainable_tokens=500, exact=True, how="test")
+    rates = dict(prefill_tps=100.0, decode_tps=10.0, hf_prefill_tps=100.0, step_s=1.0, load_s=2.0, setup_s=1.0,
+                 engine_s=20.0, restart_s=5.0, offline_tps=4.0)
+    for cfg in (shared, apart):
+        engines, runs = export_engines(cfg.export)
+        t = stage_times(cfg, data, 1000, 0, 1, engines, 100, 0, runs=runs, **rates)
+        # extract (backend=hf) starts no engine: the export's first start is the process's first
+        assert t["export"] == 20.0 + (engines - 1) * 5.0 + runs * 100 / 10.0 + 2.0 + 100 / 4.0

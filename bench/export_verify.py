@@ -48,6 +48,9 @@ def build_tiny_llama(out: Path, layers: int) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each arm, alternated (default 1)")
+    ap.add_argument("--arms", default="false,true",
+                    help="export.shared_engines of each arm, in order (default false,true; one arm alone splits a "
+                         "measurement over calls: results.json gets a suffix per arm)")
     ap.add_argument("--tiny-llama", type=int, default=0, metavar="LAYERS",
                     help="build a random Llama of LAYERS layers as the target (under the workspace)")
     ap.add_argument("--out", default="", help="where results.json goes")
@@ -76,7 +79,7 @@ def main() -> int:
         stage_s[stage] = time.perf_counter() - t0
 
     rows = []
-    arms = [False, True] * args.repeats
+    arms = [a.strip().lower() == "true" for a in args.arms.split(",")] * args.repeats
     _timed_engine_starts()
     for shared in arms:
         cfg = compose_config(["stage=export", f"export.shared_engines={str(shared).lower()}", *overrides])
@@ -87,7 +90,8 @@ def main() -> int:
         print(f"export verification, shared_engines={shared}: {t['seconds']:.1f} s, {t['engine_starts']} engine "
               f"starts {t['engine_start_seconds']:.1f} s (load {rows[-1]['load']})", flush=True)
     result = {"overrides": overrides, "stages_s": stage_s, "rows": rows, "versions": _versions()}
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    name = "results.json" if len(set(arms)) > 1 else f"results_shared_{str(arms[0]).lower()}.json"
+    (out / name).write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(table(rows))
     return 0 if _same(rows) else 1
 

@@ -4,6 +4,9 @@
     python3 bench/export_verify.py debug=fast                 # any eagle3 overrides
     python3 bench/export_verify.py --tiny-llama 4 debug=fast  # a random 4-layer Llama target, built here
                                                               # (bf16 on a GPU, float32 on CPU)
+    # split over two calls (a GPU machine's 10-minute limit): the second adds the first's rows
+    python3 bench/export_verify.py --arms true --out $OUT ...
+    python3 bench/export_verify.py --arms false --against $OUT/results_shared_true.json --out $OUT ...
 
 Runs prepare, extract and train of the composed config where they are not complete yet (a workspace
 reuses them: ``workspace=DIR``), then the export's verification of the trained draft (what the export
@@ -51,6 +54,8 @@ def main() -> int:
     ap.add_argument("--arms", default="false,true",
                     help="export.shared_engines of each arm, in order (default false,true; one arm alone splits a "
                          "measurement over calls: results.json gets a suffix per arm)")
+    ap.add_argument("--against", default="",
+                    help="an earlier call's results*.json: its rows join the table and the identity check")
     ap.add_argument("--tiny-llama", type=int, default=0, metavar="LAYERS",
                     help="build a random Llama of LAYERS layers as the target (under the workspace)")
     ap.add_argument("--out", default="", help="where results.json goes")
@@ -92,6 +97,8 @@ def main() -> int:
     result = {"overrides": overrides, "stages_s": stage_s, "rows": rows, "versions": _versions()}
     name = "results.json" if len(set(arms)) > 1 else f"results_shared_{str(arms[0]).lower()}.json"
     (out / name).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.against:
+        rows = json.loads(Path(args.against).read_text())["rows"] + rows
     print(table(rows))
     return 0 if _same(rows) else 1
 

@@ -318,8 +318,9 @@ def _send(plink, tlink, i: int, splits, layout, target_dir, split="train") -> No
     n = len(splits[split])
     ids, mask = splits[split].get(i, i + 1)
     spec = one_sample_shard(split, i, n, ids[0], mask[0])
-    _EXT[key].run([spec], plink.staging_dir, Progress(spec.num_tokens, "", False))
+    _EXT[key].run([spec], plink.staging(0), Progress(spec.num_tokens, "", False))
     plink.publish(0, tlink.plan, [spec])
+    plink._queue.join()  # sent (the sender thread puts it)
 
 
 def test_every_received_sample_is_checked_and_another_runs_refused(target_dir, splits, layout, links, tmp_path):

@@ -161,16 +161,19 @@ def message_bytes(split: str, i: int, num: int, length: int, layout: StoreLayout
     return shard_bytes(split, i, num, length, layout) + MESSAGE_EXTRA
 
 
-def pack_sample(key: str, header: dict, payload_path: Path, sealer: Sealer) -> np.ndarray:
+def pack_sample(key: str, header: dict, payload_path: Path, sealer: Sealer, out: Optional[np.ndarray] = None
+                ) -> np.ndarray:
     """The message of one sample: magic, lengths, ``header`` (JSON), the shard file's bytes, the tag; one
-    buffer (the file is read into it once)."""
+    buffer (the file is read into it once): the first bytes of ``out`` when it is large enough (a buffer
+    reused from one message to the next: no page faults), else a new one."""
     head = json.dumps(dict(header, auth=sealer.mode), separators=(",", ":"), sort_keys=True).encode()
     side = len(json.dumps(header.get("sidecar"), separators=(",", ":")))
     if len(head) - side + _FIXED + sealer.tag_len > MESSAGE_EXTRA:
         raise OnlineError(f"the header of {key} takes {len(head) - side} B besides the sidecar, more than the "
                           f"{MESSAGE_EXTRA} B the window counts for it (a host name that long?)")
     size = payload_path.stat().st_size
-    buf = np.empty(_FIXED + len(head) + size + sealer.tag_len, dtype=np.uint8)
+    total = _FIXED + len(head) + size + sealer.tag_len
+    buf = out[:total] if out is not None and out.nbytes >= total else np.empty(total, dtype=np.uint8)
     buf[:len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
     buf[len(MAGIC):_FIXED] = np.frombuffer(len(head).to_bytes(4, "little") + sealer.tag_len.to_bytes(4, "little"),
                                            dtype=np.uint8)
@@ -736,6 +739,16 @@ class MooncakeProducerLink(_Side):
         self._beat = None
         self.sent_bytes = 0
         self.sent = 0
+        # the sender: seals and puts the staged samples while the backend computes the next ones
+        import queue
+
+        self._queue: "queue.Queue" = queue.Queue(maxsize=1)
+        self._pending: set = set()  # keys handed to the sender and not yet put (the window counts them as there)
+        self._lock = threading.Lock()
+        self._send_error: Optional[BaseException] = None
+        self._buffer: Optional[np.ndarray] = None
+        self._sender = threading.Thread(target=self._send_loop, daemon=True, name="eagle3-online-sender")
+        self._sender.start()
 
     def heartbeat(self, part: int, parts: int, record: dict, every: float) -> Heartbeat:
         self.part, self.parts, self.identity = part, parts, record.get("identity", {})
@@ -758,9 +771,14 @@ class MooncakeProducerLink(_Side):
         self._beat = _ProducerBeat(write, record, every, key)
         return self._beat
 
+    def _check_sender(self) -> None:
+        if self._send_error is not None:
+            raise OnlineError(f"sending to {self.where} failed: {self._send_error}") from self._send_error
+
     def channels(self) -> list:
         if self._beat is not None and self._beat.error is not None:
             raise self._beat.error
+        self._check_sender()
         plan0 = self.get_obj(_key(self.ns, "rank-0", "plan"))
         return list(range(int(plan0.get("world_size", 1)))) if plan0 else [0]
 
@@ -783,7 +801,8 @@ class MooncakeProducerLink(_Side):
         mine = [i for i in range(n) if i % parts == part and i not in have]
         keys = [sample_key(self.ns, rank, plan["plan_id"], "eval", i) for i in mine]
         there = self._retry("the lookup of held-out samples", self.client.exists, keys) if keys else []
-        return [i for i, t in zip(mine, there) if not t]
+        with self._lock:
+            return [i for i, k, t in zip(mine, keys, there) if not t and k not in self._pending]
 
     def _check_plan(self, rank: int, plan: dict) -> None:
         if plan.get("transport") != "mooncake" or plan.get("namespace") != self.ns:
@@ -809,11 +828,14 @@ class MooncakeProducerLink(_Side):
         keys = [sample_key(self.ns, rank, plan["plan_id"], "train", i) for i in mine]
         there = self._retry("the lookup of the window's samples", self.client.exists, keys) if keys else []
         live = set(keys)
-        put = self.put_keys.setdefault(rank, {}).setdefault(plan["plan_id"], set())
-        for k in [k for k in put if k not in live and "/train/" in k]:
-            put.discard(k)
+        with self._lock:
+            put = self.put_keys.setdefault(rank, {}).setdefault(plan["plan_id"], set())
+            stale = [k for k in put if k not in live and "/train/" in k]
+            put.difference_update(stale)
+            pending = set(self._pending)
+        for k in stale:
             self.remove(k)
-        return [i for i, t in zip(mine, there) if not t]
+        return [i for i, k, t in zip(mine, keys, there) if not t and k not in pending]
 
     def _first_positions(self, plan: dict) -> dict:
         if self._firsts.get("plan_id") != plan["plan_id"]:
@@ -824,13 +846,40 @@ class MooncakeProducerLink(_Side):
         return self._firsts["first"]
 
     def staging(self, rank: int) -> Path:
-        return self.staging_dir
+        """Where the backend writes rank ``rank``'s samples before they are sent: a directory a rank (the sender
+        may still read one rank's copy of a sample while the backend writes another rank's)."""
+        return self.staging_dir / f"rank-{rank}"
 
     def publish(self, rank: int, plan: dict, specs: list) -> None:
-        """Each staged shard sealed into a message and put into rank ``rank``'s segment (waiting while the store
-        is full: the trainer frees room as it reads), then removed from the staging directory."""
+        """The staged shards handed to the sender thread, which seals each into a message and puts it into rank
+        ``rank``'s segment (waiting while the store is full: the trainer frees room as it reads), then removes it
+        from the staging directory; returns at once unless the sender still has an earlier batch (one waits)."""
+        self._check_sender()
+        keys = [sample_key(self.ns, rank, plan["plan_id"], spec.split, spec.first) for spec in specs]
+        with self._lock:
+            self._pending.update(keys)
+        self._queue.put((rank, plan, specs, keys))
+
+    def _send_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            rank, plan, specs, keys = job
+            try:
+                if self._send_error is None:
+                    self._send(rank, plan, specs)
+            except BaseException as e:  # raised by the producer loop's next call (channels, publish, close)
+                log.error("online producer: sending failed: %s", e)
+                self._send_error = e
+            finally:
+                with self._lock:
+                    self._pending.difference_update(keys)
+                self._queue.task_done()
+
+    def _send(self, rank: int, plan: dict, specs: list) -> None:
         for spec in specs:
-            path = self.staging_dir / spec.split / spec.name
+            path = self.staging(rank) / spec.split / spec.name
             side = sidecar_path(path.parent, path.name)
             key = sample_key(self.ns, rank, plan["plan_id"], spec.split, spec.first)
             header = {"ns": self.ns, "plan_id": plan["plan_id"], "split": spec.split, "index": spec.first,
@@ -838,19 +887,30 @@ class MooncakeProducerLink(_Side):
                       "identity_digest": digest_of(self.identity), "part": self.part,
                       "parts": self.parts, "host": os.uname().nodename, "pid": os.getpid(),
                       "sidecar": _read_json_file(side)}
-            msg = pack_sample(key, header, path, self.sealer)
+            msg = pack_sample(key, header, path, self.sealer, out=self._buffer)
+            if self._buffer is None or msg.base is not self._buffer:  # a larger one than before: kept for the next
+                self._buffer = msg if msg.base is None else msg.base
             sent = self._put_waiting(key, msg, plan, rank)
             path.unlink(missing_ok=True)
             side.unlink(missing_ok=True)
             if not sent:  # the trainer wrote a new plan meanwhile (it restarted): the rest is for nobody
                 for rest in specs[specs.index(spec) + 1:]:
-                    p = self.staging_dir / rest.split / rest.name
+                    p = self.staging(rank) / rest.split / rest.name
                     p.unlink(missing_ok=True)
                     sidecar_path(p.parent, p.name).unlink(missing_ok=True)
                 return
-            self.put_keys.setdefault(rank, {}).setdefault(plan["plan_id"], set()).add(key)
+            with self._lock:
+                self.put_keys.setdefault(rank, {}).setdefault(plan["plan_id"], set()).add(key)
             self.sent_bytes += msg.nbytes
             self.sent += 1
+
+    def close(self) -> None:
+        """Waits for the sender to put what it was handed (unless it failed), then disconnects."""
+        if self._sender.is_alive():
+            self._queue.put(None)
+            self._sender.join()
+        super().close()
+        self._check_sender()
 
     def _plan_changed(self, rank: int, plan: dict) -> bool:
         try:

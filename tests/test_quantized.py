@@ -246,3 +246,38 @@ def test_stage_all_on_an_int4_target_served_by_the_same_engine(targets, tmp_path
     marker = json.loads((model_dir / EXPORT_MARKER).read_text())
     assert marker["target"]["quantization"]["summary"].endswith("(W4A16)")
     assert "trained against: compressed-tensors pack-quantized" in (model_dir / "README.md").read_text()
+
+
+@pytest.mark.vllm
+def test_a_native_run_failing_at_its_first_forward_falls_back_to_the_dequantized_weights(targets, samples, tmp_path,
+                                                                                         monkeypatch):
+    """transformers' own run of an FP8 checkpoint loads its kernel at the first forward (on a GPU its
+    finegrained-FP8 kernel needs the `kernels` package): the check measures the noise on the dequantized
+    weights instead, says so, and still judges the store (a GPU without the package, simulated here by a
+    native run whose first forward raises that ImportError)."""
+    from eagle3.extract import hf_backend
+    from eagle3.extract.checks import reference_parity
+
+    target = targets("llama_fp8")
+    conf = json.loads((target / "config.json").read_text())
+    store = _extract(tmp_path / "s", samples, target, "vllm")
+    real_states = hf_backend.HFExtractor.states
+
+    def states(self, ids):
+        if getattr(self, "_native", False):
+            raise ImportError("finegrained-fp8 kernel unavailable: `kernels` is either not installed or uses an "
+                              "incompatible version")
+        return real_states(self, ids)
+
+    real_init = hf_backend.HFExtractor.__init__
+
+    def init(self, *a, quantized="dequantize", **kw):
+        real_init(self, *a, quantized=quantized, **kw)
+        self._native = quantized == "native"
+
+    monkeypatch.setattr(hf_backend.HFExtractor, "states", states)
+    monkeypatch.setattr(hf_backend.HFExtractor, "__init__", init)
+    good = reference_parity(store, ["train"], _layout(target), target, conf, "bfloat16", ExtractConfig(**ECFG),
+                            samples=4)
+    assert good["max"] <= 1.0, good
+    assert "transformers' own run failed" in good["reference"], good["reference"]

@@ -461,15 +461,30 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
                         str(e)[:300], dtype)
             noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
             ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
-        try:
-            for split, i in picked:
-                aux, last = ex.states(stores[split][i]["input_ids"])
-                refs[(dtype, split, i)] = _per_layer(aux.float(), last.float(), layout.n_aux)
-        finally:
-            ex.close()
-            del ex
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        native = quant is not None and dtype != "float32" and noise_run == "hf in the target dtype"
+        for attempt in ("native", "dequantized") if native else ("as built",):
+            try:
+                for split, i in picked:
+                    aux, last = ex.states(stores[split][i]["input_ids"])
+                    refs[(dtype, split, i)] = _per_layer(aux.float(), last.float(), layout.n_aux)
+                break
+            except Exception as e:
+                if attempt != "native":
+                    raise
+                # its kernels load at the first forward (FP8 on a GPU: transformers' finegrained-FP8 kernel
+                # comes from the `kernels` package): a failure there is the same as one at load
+                log.warning("extract: transformers cannot run the %s checkpoint its own way here (%s: %s); its %s "
+                            "noise is measured on the dequantized weights instead", quant["summary"],
+                            type(e).__name__, str(e)[:300], dtype)
+                noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
+                ex.close()
+                ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
+            finally:
+                if attempt != "native" or noise_run == "hf in the target dtype":
+                    ex.close()
+        del ex
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     err = {n: [0.0, 0.0] for n in names}
     noise = {n: [0.0, 0.0] for n in names}
     worst_at: dict = {}

@@ -432,9 +432,9 @@ class _Side:
         try:
             self.client.put(key, data, segment=segment)
         except MooncakeError as e:
-            # TRANSFER_FAIL: the old object's segment is gone (its owner died); OBJECT_NOT_FOUND: removed while it
-            # was replaced: drop it, put again
-            if e.code not in (-800, -704):
+            # TRANSFER_FAIL / INVALID_WRITE: the old object's segment is gone (its owner died); OBJECT_NOT_FOUND:
+            # removed while it was replaced: drop it, put again
+            if e.code not in (-800, -704, -700):
                 raise
             self.client.remove(key)
             self.client.put(key, data, segment=segment)

@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+from ..errors import Eagle3Error
 from ..store import StoreLayout, one_sample_shard
 from .exchange import DirProducerLink, OnlineError, identity_diff
 
@@ -80,7 +81,10 @@ def produce(exchange, splits: dict, layout: StoreLayout, extractor, identity: di
                         beat.record.setdefault("finished", [])
                         if ch["plan_id"] not in beat.record["finished"]:
                             beat.record["finished"] = beat.record["finished"] + [ch["plan_id"]]
-                            beat.beat()  # the trainer may wait for this before it stops its master
+                            try:  # the trainer waits for this (a while) before it leaves
+                                beat.beat()
+                            except Eagle3Error as e:  # the next beat writes it again
+                                log.warning("online producer: heartbeat not written: %s", e)
                     continue
                 ch["served"].add(ch["plan_id"])
                 waiting = True

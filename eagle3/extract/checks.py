@@ -462,14 +462,17 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
             noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
             ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
         native = quant is not None and dtype != "float32" and noise_run == "hf in the target dtype"
-        for attempt in ("native", "dequantized") if native else ("as built",):
+
+        def run(extractor, dtype=dtype):
+            for split, i in picked:
+                aux, last = extractor.states(stores[split][i]["input_ids"])
+                refs[(dtype, split, i)] = _per_layer(aux.float(), last.float(), layout.n_aux)
+
+        try:
             try:
-                for split, i in picked:
-                    aux, last = ex.states(stores[split][i]["input_ids"])
-                    refs[(dtype, split, i)] = _per_layer(aux.float(), last.float(), layout.n_aux)
-                break
+                run(ex)
             except Exception as e:
-                if attempt != "native":
+                if not native:
                     raise
                 # its kernels load at the first forward (FP8 on a GPU: transformers' finegrained-FP8 kernel
                 # comes from the `kernels` package): a failure there is the same as one at load
@@ -479,9 +482,9 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
                 noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
                 ex.close()
                 ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
-            finally:
-                if attempt != "native" or noise_run == "hf in the target dtype":
-                    ex.close()
+                run(ex)
+        finally:
+            ex.close()
         del ex
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -287,11 +287,12 @@ def role_producer(a) -> None:
 
             exchange = MooncakeProducerLink(a.master, "bench", Path(a.dir) / f"staging-{a.part}", MooncakeConfig(),
                                             layout, timeout_s=600, poll_s=0.005)
-        produce(exchange, {"train": smp}, layout, ext, identity(layout, a.producer), poll_s=0.005, progress=False,
-                part=a.part, parts=a.producers)
+        stats = produce(exchange, {"train": smp}, layout, ext, identity(layout, a.producer), poll_s=0.005,
+                        progress=False, part=a.part, parts=a.producers)
+        wire = {"stats": stats}
         if a.transport == "mooncake":
-            Path(f"{a.result}.wire{a.part}").write_text(json.dumps({"sent_bytes": exchange.sent_bytes,
-                                                                    "sent": exchange.sent}))
+            wire.update(sent_bytes=exchange.sent_bytes, sent=exchange.sent, timings=exchange.timings)
+        Path(f"{a.result}.wire{a.part}").write_text(json.dumps(wire))
     finally:
         ext.close()
 
@@ -328,9 +329,10 @@ def role_trainer(a) -> None:
     src = ExternalSource(exchange, layout, ocfg, identity(layout, a.producer), rank=rank, world_size=world)
     store = OnlineHiddenStates("train", smp, layout, src)
     online = run_train(a, store, "online (producer processes)", shared("online"))
+    waits = {"loop_wait_s": src.wait_s, **getattr(src.link, "timings", {})}
     store.close(finished=True)
     if rank == 0:
-        Path(a.result).write_text(json.dumps({"train_only": t, "online": online}))
+        Path(a.result).write_text(json.dumps({"train_only": t, "online": online, "trainer_timings": waits}))
 
 
 def split(a) -> dict:
@@ -415,8 +417,9 @@ def split(a) -> dict:
            "producers": P, "trainers": T, "peak_disk_bytes": peak[0], "window_bytes": a.window_bytes * T,
            "producer": a.producer, "same_gpu": a.same_gpu, "transport": a.transport,
            "store_dtype": layout_of(a).dtype}
+    wire = [json.loads(Path(f"{result}.wire{p}").read_text()) for p in range(P)]
+    out["producer_stats"] = [dict(w["stats"], **w.get("timings", {})) for w in wire]
     if master is not None:
-        wire = [json.loads(Path(f"{result}.wire{p}").read_text()) for p in range(P)]
         sent, n = sum(w["sent_bytes"] for w in wire), sum(w["sent"] for w in wire)
         out.update(wire_bytes=sent, wire_messages=n, wire_bytes_per_token=sent / max(1, n * a.seq),
                    online_vs_train_only=out["ratio"])
@@ -461,6 +464,17 @@ def table(r: dict, a) -> str:
                   f"| **online / t** (goal >= 0.9) | **{r['ratio']:.3f}** |",
                   f"| peak sample bytes {'in the store' if r.get('transport') == 'mooncake' else 'on disk'} / window | {r['peak_disk_bytes'] / mib:.1f} / "
                   f"{r['window_bytes'] / mib:.1f} MiB |"]
+    for p, st in enumerate(r.get("producer_stats", [])):
+        lines.append(f"| producer {p}: samples / s computing / s handing over" +
+                     (" / sender s sealing / putting (of which waiting for room)" if "pack_s" in st else "") +
+                     f" | {st['written']} / {st['backend_s']:.1f} / {st['publish_s']:.1f}" +
+                     (f" / {st['pack_s']:.1f} / {st['put_s']:.1f} ({st['room_wait_s']:.1f})" if "pack_s" in st else "")
+                     + " |")
+    tt = r.get("trainer_timings")
+    if tt:
+        lines.append("| trainer: s the online loop waited for a sample" +
+                     (" / reader s getting / checking" if "get_s" in tt else "") + f" | {tt['loop_wait_s']:.1f}" +
+                     (f" / {tt['get_s']:.1f} / {tt['open_s']:.1f}" if "get_s" in tt else "") + " |")
     if r.get("wire_bytes_per_token"):
         lines.append(f"| bytes a token on the wire ({r['wire_messages']} messages) | {r['wire_bytes_per_token']:.0f} |")
     return "\n".join(lines)

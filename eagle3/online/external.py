@@ -51,6 +51,7 @@ class ExternalSource:
         self._pool = None
         self._beat = None  # the trainer's heartbeat, from the first plan until close: the producers see it live
         self._closed = threading.Event()  # close(): a read still waiting gives up at once
+        self.wait_s = 0.0  # how long the loop waited for its next training sample (the read-ahead not done)
 
     @property
     def dir(self):
@@ -159,7 +160,9 @@ class ExternalSource:
         for p in range(self.pos, min(self.pos + _READ_AHEAD, len(self.order))):
             if p not in self.ahead:
                 self.ahead[p] = self._pool.submit(self._read, store, p)
+        t0 = time.perf_counter()
         item = self.ahead.pop(self.pos).result()
+        self.wait_s += time.perf_counter() - t0
         # dropped before the position advances: a producer that saw the old position counts the
         # sample in its window (and may write it again, which its next look removes), so the samples
         # in the exchange never exceed the window

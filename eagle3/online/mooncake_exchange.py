@@ -504,6 +504,7 @@ class MooncakeTrainerLink(_Side):
         self.eval_store = None
         self._num_train = 0
         self.received_bytes = 0
+        self.timings = {"get_s": 0.0, "open_s": 0.0}  # the reads' seconds: getting messages, checking them
 
     def _rk(self, name: str) -> str:
         return _key(self.ns, f"rank-{self.rank}", name)
@@ -592,14 +593,18 @@ class MooncakeTrainerLink(_Side):
         key = self._sample_key(split, spec.first)
         t0 = time.monotonic()
         while True:
+            tg = time.perf_counter()
             buf = self.get(key)
+            self.timings["get_s"] += time.perf_counter() - tg
             if buf is not None:
                 break
             if time.monotonic() - t0 > self.timeout_s:
                 raise OnlineError(f"{key} was there and then was not, for {self.timeout_s:g} s: something removes this "
                                   f"run's samples (another trainer with the same namespace?)")
             time.sleep(self.poll_s)
+        t1 = time.perf_counter()
         header, payload = unpack_sample(key, buf, self.sealer)
+        self.timings["open_s"] += time.perf_counter() - t1
         want = {"ns": self.ns, "plan_id": self.plan["plan_id"], "split": split, "index": spec.first,
                 "num": spec.num, "layout_digest": digest_of(layout_identity(layout)),
                 "identity_digest": digest_of(self.identity)}
@@ -739,6 +744,9 @@ class MooncakeProducerLink(_Side):
         self._beat = None
         self.sent_bytes = 0
         self.sent = 0
+        # the sender's seconds: sealing messages, putting them (waits for room in the store included), of which
+        # waiting for room
+        self.timings = {"pack_s": 0.0, "put_s": 0.0, "room_wait_s": 0.0}
         # the sender: seals and puts the staged samples while the backend computes the next ones
         import queue
 
@@ -887,10 +895,14 @@ class MooncakeProducerLink(_Side):
                       "identity_digest": digest_of(self.identity), "part": self.part,
                       "parts": self.parts, "host": os.uname().nodename, "pid": os.getpid(),
                       "sidecar": _read_json_file(side)}
+            t0 = time.perf_counter()
             msg = pack_sample(key, header, path, self.sealer, out=self._buffer)
+            t1 = time.perf_counter()
+            self.timings["pack_s"] += t1 - t0
             if self._buffer is None or msg.base is not self._buffer:  # a larger one than before: kept for the next
                 self._buffer = msg if msg.base is None else msg.base
             sent = self._put_waiting(key, msg, plan, rank)
+            self.timings["put_s"] += time.perf_counter() - t1
             path.unlink(missing_ok=True)
             side.unlink(missing_ok=True)
             if not sent:  # the trainer wrote a new plan meanwhile (it restarted): the rest is for nobody
@@ -943,6 +955,7 @@ class MooncakeProducerLink(_Side):
                     time.sleep(0.2)
                     continue
                 now = time.monotonic()
+                self.timings["room_wait_s"] += self.poll_s
                 if now - t0 > self.timeout_s:
                     raise OnlineError(f"the Mooncake store at {self.client.master} has had no room for {key} "
                                       f"({msg.nbytes} B) for {now - t0:.0f} s: the trainer of rank {rank} does not read "

@@ -44,7 +44,8 @@ def produce(exchange, splits: dict, layout: StoreLayout, extractor, identity: di
         raise OnlineError(f"producer part {part} of {parts}: the part must be in [0, {parts})")
     beat = link.heartbeat(part, parts, {"identity": identity, "host": socket.gethostname(), "pid": os.getpid(),
                                         "part": part, "parts": parts}, max(1.0, 10 * poll_s))
-    stats = {"written": 0, "plans": 0}
+    # counts, and where the loop's time went (seconds): computing samples, handing them to the link
+    stats = {"written": 0, "plans": 0, "backend_s": 0.0, "publish_s": 0.0}
     bar = tqdm(desc="produce", unit="sample", disable=not progress)
     chans: dict = {}  # trainer channel (the top, or a rank of a multi-process trainer) -> its state
     try:
@@ -112,8 +113,12 @@ def produce(exchange, splits: dict, layout: StoreLayout, extractor, identity: di
                 for i in todo:
                     ids, mask = splits["train"].get(i, i + 1)
                     specs.append(one_sample_shard("train", i, N, ids[0], mask[0]))
+                t0 = time.perf_counter()
                 extractor.run(specs, link.staging(cd), Progress(sum(p.num_tokens for p in specs), "", False))
+                t1 = time.perf_counter()
                 link.publish(cd, plan, specs)
+                stats["backend_s"] += t1 - t0
+                stats["publish_s"] += time.perf_counter() - t1
                 stats["written"] += len(specs)
                 bar.update(len(specs))
     finally:

@@ -11,6 +11,8 @@
 # libraries link (.gpu/mooncake/*.deb, used only when the machine lacks libibverbs).
 #
 #   OUT=... bash bench/online_mooncake_gpu.sh [RUN_SECONDS]     # RUN_SECONDS: each online run's limit (170)
+#   RUNS="mooncake auto,dir auto" TRANSFER=0 bash bench/online_mooncake_gpu.sh   # some runs, no transfer table
+#   (WINDOW: train.online.window_bytes, default 256 MiB; STEPS: optimizer steps, default 24)
 set -uo pipefail
 LIMIT=${1:-170}
 SITE=${SITE:-/tmp/site}
@@ -32,13 +34,16 @@ export PYTHONPATH=$SITE:$PWD VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMP
 echo "setup $(( $(date +%s) - t0 )) s"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import mooncake.store, vllm, torch; print('mooncake ok; vllm', vllm.__version__, 'torch', torch.__version__)" \
     || exit 1
-timeout 120 python3 bench/mooncake_transfer.py --reps 20 --out "$OUT/mooncake_transfer_h200.json" 2>&1 | tail -40
-for run in "mooncake auto" "dir auto" "mooncake fp8" "dir fp8"; do
+[[ ${TRANSFER:-1} == 1 ]] && timeout 120 python3 bench/mooncake_transfer.py --reps 20 --out "$OUT/mooncake_transfer_h200.json" 2>&1 | tail -40
+# steady state: a window of 4 samples (256 MiB of bf16 states) that the producer cannot fill ahead of the trainer
+IFS=, read -ra RUNS <<< "${RUNS:-mooncake auto,dir auto,mooncake fp8,dir fp8}"
+for run in "${RUNS[@]}"; do
     set -- $run
     echo "=== online, $1 transport, store dtype $2 ($(( $(date +%s) - t0 )) s in)"
     rm -rf /dev/shm/eagle3-online-bench*
     OUT=$OUT timeout "$LIMIT" python3 bench/online.py --layout split --same-gpu --producer vllm --transport "$1" \
-        --store-dtype "$2" --steps 16 --log-every 4 --forward-reps 8 > "/tmp/online_$1_$2.log" 2>&1
-    echo "exit $?"; tail -14 "/tmp/online_$1_$2.log"
+        --store-dtype "$2" --steps "${STEPS:-24}" --log-every 4 --forward-reps 8 --window-bytes "${WINDOW:-268435456}" \
+        > "/tmp/online_$1_$2.log" 2>&1
+    echo "exit $?"; tail -17 "/tmp/online_$1_$2.log"
 done
 echo "total $(( $(date +%s) - t0 )) s"

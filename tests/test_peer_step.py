@@ -1,4 +1,4 @@
-"""bench/peer_step.py at a tiny shape on CPU: every peer's step trains (its loss falls on the fixed
+"""bench/peers/peer_step.py at a tiny shape on CPU: every peer's step trains (its loss falls on the fixed
 batch, the tensors its optimizer updates change) and its rows carry what the table prints.
 
 A peer whose code is not importable here is skipped, with the reason: CI has neither speculators'
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench" / "peer_step.py"
-sys.path.insert(0, str(REPO / "bench"))
+BENCH = REPO / "bench" / "peers" / "peer_step.py"
+sys.path.insert(0, str(REPO / "bench" / "peers"))
 import peer_step  # noqa: E402  (stdlib only at import)
 
 TINY = ["--device", "cpu", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",

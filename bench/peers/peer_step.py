@@ -13,9 +13,9 @@ torch.cuda.max_memory_allocated over the timed steps (weights, optimizer state, 
 on CPU). Every peer runs in its own subprocess with its own PYTHONPATH: a crash leaves an error
 row, not a broken table.
 
-    python3 bench/peer_step.py                          # every peer and optimizer, 8B shape, CUDA
-    python3 bench/peer_step.py --small                  # CPU smoke run at a small shape
-    python3 bench/peer_step.py --peers speculators --optimizers muon --seq 4096
+    python3 bench/peers/peer_step.py                          # every peer and optimizer, 8B shape, CUDA
+    python3 bench/peers/peer_step.py --small                  # CPU smoke run at a small shape
+    python3 bench/peers/peer_step.py --peers speculators --optimizers muon --seq 4096
 
 The rows:
 - eagle3, AdamW / Muon: bench/train.py's train_step (target head, TTTModel, backward, clip,
@@ -86,7 +86,7 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # bench/ (bench/train.py is imported from there)
 REPO = HERE.parent
 PEERS = ("eagle3", "speculators", "specforge")
 OPTIMIZERS = ("adamw", "muon")
@@ -312,7 +312,7 @@ def speculators_rows(a, device, emit, work: Path) -> None:
 
     version = md.version("speculators")
     cuda = device.type == "cuda"
-    if not cuda:  # CPU plumbing, as bench/peer_speculators.py's launcher: its Trainer places on .to(int)
+    if not cuda:  # CPU plumbing, as bench/peers/peer_speculators.py's launcher: its Trainer places on .to(int)
         TR.get_local_rank = lambda: "cpu"
     spec_verifier(a, work, device)
     gen = torch.Generator().manual_seed(1)

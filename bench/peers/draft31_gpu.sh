@@ -10,7 +10,7 @@
 # Resumable: run it again with the same WS and finished stages are no-ops, train resumes from its
 # last checkpoint.
 #
-# Usage: bash bench/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]
+# Usage: bash bench/peers/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]
 #   ARMS: space-separated NAME:SEED[:OPTION=VALUE,...]: train.model options (norm_output=true), or
 #   any train key written whole (train.optimizer=muon); default
 #   "e3:0 e3:1 e31:0:norm_before_fc=true,fc_norm=true,norm_output=true e31:1:norm_before_fc=true,fc_norm=true,norm_output=true"
@@ -19,13 +19,13 @@
 #   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures;
 #   needs BACKEND=vllm or GPU vLLM installed), EXTRA (overrides for every stage), BACKEND (hf|vllm).
 set -uo pipefail
-GGUF=${1:?usage: bench/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
+GGUF=${1:?usage: bench/peers/draft31_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
 BUDGET=${2:-3600}
 E31=norm_before_fc=true,fc_norm=true,norm_output=true
 ARMS=${3:-"e3:0 e3:1 e31:0:$E31 e31:1:$E31"}
 WS=${WS:-/tmp/e3d31}
 OUT=${OUT:-$WS}
-source "$(dirname "$0")/stage_step.sh"
+source "$(dirname "$0")/../stage_step.sh"
 smollm2_large_gpu_setup
 
 step prepare stage=prepare

@@ -5,7 +5,7 @@ vllm-project/speculators 0.9.0's default recipe trains from the same samples, hi
 vocabulary mapping. speculators never shares eagle3's environment: its trainer runs in a separate
 python (``--spec-python``, plus ``--spec-path`` prepended to its PYTHONPATH), eagle3 in this one.
 On the 2-core CPU box (``--device cpu``, the embedded default) and on a GPU machine without vLLM
-(``--device cuda``, driven by ``bench/peer_speculators_gpu.sh`` on experiment=smollm2_large).
+(``--device cuda``, driven by ``bench/peers/peer_speculators_gpu.sh`` on experiment=smollm2_large).
 
 Subcommands (``all`` = convert, train, export for one seed):
 
@@ -55,13 +55,13 @@ Subcommands (``all`` = convert, train, export for one seed):
 
 ``row``      after ``python -m eagle3 stage=eval ... export.from=CKPT`` (the offline evaluator,
              run by the caller with its own overrides): appends the arm's row to a results.jsonl
-             in bench/draft31_gpu.sh's format (plus speculators' own held-out metrics).
+             in bench/peers/draft31_gpu.sh's format (plus speculators' own held-out metrics).
 
 ``table``    prints a results.jsonl (eagle3 and speculators arms alike).
 
 Example (CPU, the embedded default, seed 0)::
 
-    PYTHONPATH=/work/main python3 bench/peer_speculators.py all --workspace /work/scratch/ws_spec \
+    PYTHONPATH=/work/main python3 bench/peers/peer_speculators.py all --workspace /work/scratch/ws_spec \
         --data /work/scratch/spec_data --out /work/scratch/spec_runs --seed 0 \
         --spec-python /work/scratch/specvenv/bin/python
 """
@@ -77,7 +77,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _exp_dir(args) -> Path:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Peer baseline on experiment=smollm2_large, on the GPU machine (one H200, no vLLM): speculators
 # 0.9.0's default EAGLE-3 recipe trained from the same prepare and extract runs as
-# bench/draft31_gpu.sh's eagle3 arms (same workspace), with only the preset's budget (8 epochs, TTT
+# bench/peers/draft31_gpu.sh's eagle3 arms (same workspace), with only the preset's budget (8 epochs, TTT
 # 7, lr 5e-4, 8192 tokens per optimizer step), the prepare run's draft vocabulary (d2t/t2d) and the
 # extract run's aux layers, and scored by the same offline evaluator (k = 1..5, the same 32 held-out
 # prompts x 128 tokens) into the same results.jsonl. Run it in the same device call(s) as
 # draft31_gpu.sh, after it or before it (it runs prepare and extract itself; no-ops when done).
 #
-# Per arm: bench/peer_speculators.py convert (once: eagle3's store -> speculators' offline data
+# Per arm: bench/peers/peer_speculators.py convert (once: eagle3's store -> speculators' offline data
 # layout, $WS/spec_data), train (speculators' trainer in its own python path, $SPECSITE; resumes
 # from its last epoch checkpoint when a call ran out of time), `python -m eagle3 stage=eval
 # export.from=<final checkpoint>`, row (appends to $OUT/results.jsonl). Resumable like
@@ -16,7 +16,7 @@
 # Before the first call on a fresh machine, the wheels (.wt/specwheels, carried with the call) are
 # installed once into $SPECSITE (only the trainer sees them; eagle3's /tmp/site is untouched).
 #
-# Usage: bash bench/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]
+# Usage: bash bench/peers/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]
 #   ARMS: space-separated NAME:SEED[:FLAG=VALUE,...] with speculators train flags (no leading --),
 #   default "spec:0 spec:1"; e.g. "specadamw:0:optimizer=adamw".
 # Environment: WS (workspace, default /tmp/e3d31), OUT (results.jsonl, done_arms; default $WS),
@@ -28,7 +28,7 @@
 #   For a CPU smoke test of this script only: EXPERIMENT, PEER_COMMON (the stages' overrides instead
 #   of smollm2_large_gpu_setup's), SPEC_DEVICE, SPEC_PYTHON, EVAL_OVERRIDES.
 set -uo pipefail
-GGUF=${1:?usage: bench/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
+GGUF=${1:?usage: bench/peers/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
 BUDGET=${2:-3600}
 ARMS=${3:-"spec:0 spec:1"}
 WS=${WS:-/tmp/e3d31}
@@ -38,19 +38,19 @@ read -ra TRAIN_OPTS <<< "${SPEC_TRAIN_OPTS:---fallback}"
 EXPERIMENT=${EXPERIMENT:-smollm2_large}
 SPEC_DEVICE=${SPEC_DEVICE:-cuda}
 SPEC_PYTHON=${SPEC_PYTHON:-python3}
-# the eval settings of bench/draft31_gpu.sh
+# the eval settings of bench/peers/draft31_gpu.sh
 read -ra EVAL <<< "${EVAL_OVERRIDES:-export.num_speculative_tokens=5 export.eval_ks=[1,2,3,4,5] export.eval_prompts=32 export.eval_max_tokens=128}"
 HERE=$(cd "$(dirname "$0")" && pwd)
-source "$HERE/stage_step.sh"
+source "$HERE/../stage_step.sh"
 smollm2_large_gpu_setup
 if [[ -n ${PEER_COMMON:-} ]]; then read -ra common <<< "$PEER_COMMON"; fi
 
 if [[ ! -f $SPECSITE/.installed ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPECSITE" \
-        "$HERE"/../.wt/specwheels/*.whl && touch "$SPECSITE/.installed" || exit 1
+        "$HERE"/../../.wt/specwheels/*.whl && touch "$SPECSITE/.installed" || exit 1
 fi
 
-# `peer NAME CMD ARGS...`: bench/peer_speculators.py CMD ARGS on this workspace within the time
+# `peer NAME CMD ARGS...`: bench/peers/peer_speculators.py CMD ARGS on this workspace within the time
 # left (exits as step does: the command's code, 124 when no time is left)
 peer() {
     local left=$(( deadline - $(date +%s) ))

@@ -70,22 +70,4 @@ PY
     echo "$arm" >> "$OUT/done_arms"
 done
 
-python3 - "$OUT/results.jsonl" <<'PY'
-import json, sys
-
-rows = [json.loads(line) for line in open(sys.argv[1])]
-ks = ["1", "2", "3", "4", "5"]
-print("\n| arm | " + " | ".join(f"k={k}" for k in ks) + " | held-out acc per TTT step | steps |")
-print("| --- | " + " | ".join("---" for _ in ks) + " | --- | --- |")
-for r in rows:
-    acc = " ".join(f"{a:.3f}" for a in (r["train_eval"] or {}).get("acc_per_step", []))
-    print(f"| {r['arm']} | " + " | ".join(f"{r['acceptance_by_k'][k]:.4f}" for k in ks) + f" | {acc} | {r['steps']} |")
-groups = {}
-for r in rows:
-    groups.setdefault(r["arm"].split(":")[0], []).append(r)
-for g, rs in groups.items():
-    print(f"{g}: mean over {len(rs)} seeds " + ", ".join(
-        f"k={k} {sum(r['acceptance_by_k'][k] for r in rs) / len(rs):.4f}" for k in ks)
-        + (f"; spread at k=5 {max(r['acceptance_by_k']['5'] for r in rs) - min(r['acceptance_by_k']['5'] for r in rs):.4f}"
-           if len(rs) > 1 else ""))
-PY
+python3 "$(dirname "$0")/peer_speculators.py" table --results "$OUT/results.jsonl"

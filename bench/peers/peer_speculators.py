@@ -1,6 +1,6 @@
 """Peer baseline: speculators' own EAGLE-3 recipe on eagle3's data, hidden states and vocabulary.
 
-Issue 18, part 0: on an experiment's data and budget, compare eagle3's draft with what
+On an experiment's data and budget, compare eagle3's draft with what
 vllm-project/speculators 0.9.0's default recipe trains from the same samples, hidden states and
 vocabulary mapping. speculators never shares eagle3's environment: its trainer runs in a separate
 python (``--spec-python``, plus ``--spec-path`` prepended to its PYTHONPATH), eagle3 in this one.
@@ -42,9 +42,9 @@ Subcommands (``all`` = convert, train, export for one seed):
              Device plumbing: on CPU ``--draft-attn-impl sdpa`` (flex attention has no CPU
              backward), ``--loss-implementation eager`` (the fused loss is Triton) and one
              dataloader worker; on CUDA speculators' defaults (flex attention, fused loss, 12
-             workers) unless ``--attn/--loss/--num-workers`` say otherwise. ``--fallback`` (CUDA):
-             a launch that fails before its first epoch checkpoint is retried once with sdpa +
-             eager, and the run records it (``impl.json``; a resumed run keeps what it started with).
+             workers) unless ``--attn/--loss/--num-workers`` say otherwise (under torch 2.11 the
+             fused loss does not trace: ``--loss eager``, bench/results/peer_speculators_cpu_202611.md);
+             ``impl.json`` records them, and a resumed run keeps what it started with.
              ``--resume`` + ``--deadline``: stop the trainer (SIGTERM) before the deadline and
              exit 124; the next call resumes from its last epoch checkpoint (speculators' own
              resume; it saves weights and optimizer state in bf16, so a resumed run is not
@@ -282,13 +282,12 @@ def _target_dir(args) -> Path:
     return found[0]
 
 
-def _impl_args(args, fallback: bool = False) -> list:
-    """Device plumbing flags (attention, loss, dataloader workers); [] = speculators' defaults.
-    ``fallback``: sdpa attention + eager loss, what a CPU run uses."""
+def _impl_args(args) -> list:
+    """Device plumbing flags (attention, loss, dataloader workers); [] = speculators' defaults."""
     out = []
-    cpu = args.device == "cpu" or fallback
-    attn = "sdpa" if fallback else (args.attn or ("sdpa" if cpu else None))
-    loss = "eager" if fallback else (args.loss or ("eager" if cpu else None))
+    cpu = args.device == "cpu"
+    attn = args.attn or ("sdpa" if cpu else None)
+    loss = args.loss or ("eager" if cpu else None)
     workers = args.num_workers if args.num_workers is not None else (1 if args.device == "cpu" else None)
     if attn:
         out += ["--draft-attn-impl", attn]
@@ -440,11 +439,8 @@ def train(args, info: dict) -> dict:
     launches, wall = state.get("launches", 0), state.get("wall_s", 0.0)
     if args.resume:
         _prune_incomplete(ckpts)
-    if state and (_last_epoch(ckpts) >= 0 or state.get("fallback")):
-        # resume with what the checkpoints were trained with (or what a failure fell back to)
-        impl, fell_back = state["impl"], state.get("fallback", False)
-    else:  # nothing to resume: this call's options
-        impl, fell_back = _impl_args(args), False
+    # resume with what the checkpoints were trained with; nothing to resume: this call's options
+    impl = state["impl"] if state and _last_epoch(ckpts) >= 0 else _impl_args(args)
     while True:
         if args.deadline is not None and args.deadline - time.time() < args.min_start_s:
             print(f"train: under {args.min_start_s} s left: not starting {args.name}", flush=True)
@@ -452,12 +448,10 @@ def train(args, info: dict) -> dict:
         if args.resume:
             _prune_incomplete(ckpts)
         launches += 1
-        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": wall,
-                                         "fallback": fell_back}) + "\n")
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": wall}) + "\n")
         rc, stopped, dt = _launch(args, run, train_argv(args, info, bud, impl), launches)
         wall += dt
-        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": round(wall, 1),
-                                         "fallback": fell_back}) + "\n")
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": round(wall, 1)}) + "\n")
         if _complete(ckpts, bud["epochs"]) and (rc == 0 or stopped):
             break  # (stopped during the last validation pass: the final checkpoint is whole)
         if stopped:
@@ -465,19 +459,11 @@ def train(args, info: dict) -> dict:
                   f"run again to resume", flush=True)
             raise SystemExit(124)
         tail = (run / "train.log").read_text()[-4000:]
-        fb = _impl_args(args, fallback=True)
-        if args.fallback and not fell_back and impl != fb and _last_epoch(ckpts) < 0:
-            print(f"train: {args.name} failed (rc {rc}) with {impl or 'the defaults'} before its first checkpoint; "
-                  f"retrying with {fb}. Tail:\n{tail[-1500:]}", flush=True)
-            impl, fell_back = fb, True
-            shutil.rmtree(ckpts, ignore_errors=True)
-            (run / "metrics.jsonl").unlink(missing_ok=True)
-            continue
         raise SystemExit(f"speculators training failed (rc {rc}); tail of {run / 'train.log'}:\n{tail}")
     final = ckpts / str(bud["epochs"] - 1)
     m = _read_metrics(run)
     res = {"name": args.name, "seed": args.seed, "complete": True, "device": args.device,
-           "train_wall_s": round(wall, 1), "launches": launches, "impl": impl, "fallback": fell_back,
+           "train_wall_s": round(wall, 1), "launches": launches, "impl": impl,
            "checkpoint": str(final), "global_step": (_epoch_state(final) or {}).get("global_step"),
            "budget": bud, "val": (m["last_val"] or {}).get("val"), "val_epoch": (m["last_val"] or {}).get("epoch"),
            "argv": train_argv(args, info, bud, impl)}
@@ -558,7 +544,7 @@ def row(args) -> dict:
          "train_eval": {"full_acc_per_step": per("full_acc"), "cond_acc_per_step": per("cond_acc"),
                         "loss_per_step": per("loss"), "loss": val.get("loss_epoch")},
          "steps": tr.get("global_step"), "train_wall_s": tr.get("train_wall_s"), "launches": tr.get("launches"),
-         "impl": tr.get("impl"), "fallback": tr.get("fallback"),
+         "impl": tr.get("impl"),
          "acceptance_by_k": ev.facts.acceptance_by_k, "acceptance_per_position": ev.facts.acceptance_per_position,
          "num_prompts": ev.facts.num_prompts, "max_tokens": ev.facts.max_tokens}
     if args.served:
@@ -587,9 +573,11 @@ def table(path: str) -> None:
     for r in rows:
         groups.setdefault(r["arm"].split(":")[0], []).append(r)
     for g, rs in groups.items():
+        k5 = [r["acceptance_by_k"]["5"] for r in rs if "5" in r["acceptance_by_k"]]
         print(f"{g}: mean over {len(rs)} seeds " + ", ".join(
             f"k={k} {sum(r['acceptance_by_k'][k] for r in rs) / len(rs):.4f}" for k in ks
-            if all(k in r["acceptance_by_k"] for r in rs)))
+            if all(k in r["acceptance_by_k"] for r in rs))
+            + (f"; spread at k=5 {max(k5) - min(k5):.4f}" if len(k5) > 1 else ""))
     sv = [r for r in rows if r.get("served_by_k")]
     if sv:
         print("\nServed by vLLM (export.verify; the same prompts), beside the offline evaluator above:")
@@ -633,8 +621,6 @@ def main():
     ap.add_argument("--loss", default=None, help="--loss-implementation (default: eager on cpu, speculators' on cuda)")
     ap.add_argument("--num-workers", type=int, default=None,
                     help="dataloader workers (default: 1 on cpu, speculators' 12 on cuda)")
-    ap.add_argument("--fallback", action="store_true",
-                    help="retry once with sdpa attention + eager loss if a launch fails before its first checkpoint")
     ap.add_argument("--resume", action="store_true",
                     help="resume the run's checkpoints (and skip a complete run) instead of starting fresh")
     ap.add_argument("--deadline", type=float, default=None,

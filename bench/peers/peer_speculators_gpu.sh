@@ -23,8 +23,7 @@
 #   SERVE ("all", or arms as NAME:SEED, e.g. "spec:0": after the offline evaluator, the export stage serves the
 #   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures),
 #   SPECSITE (default /tmp/specsite), SPEC_TRAIN_OPTS (peer_speculators.py train options,
-#   default "--fallback": a launch that fails before its first checkpoint with flex attention + the
-#   fused Triton loss is retried with sdpa + eager; "--attn sdpa --loss eager" forces those).
+#   default "--loss eager": flex attention with the eager loss, the pair that runs under torch 2.11).
 #   For a CPU smoke test of this script only: EXPERIMENT, PEER_COMMON (the stages' overrides instead
 #   of smollm2_large_gpu_setup's), SPEC_DEVICE, SPEC_PYTHON, EVAL_OVERRIDES.
 set -uo pipefail
@@ -34,7 +33,7 @@ ARMS=${3:-"spec:0 spec:1"}
 WS=${WS:-/tmp/e3d31}
 OUT=${OUT:-$WS}
 SPECSITE=${SPECSITE:-/tmp/specsite}
-read -ra TRAIN_OPTS <<< "${SPEC_TRAIN_OPTS:---fallback}"
+read -ra TRAIN_OPTS <<< "${SPEC_TRAIN_OPTS:---loss eager}"
 EXPERIMENT=${EXPERIMENT:-smollm2_large}
 SPEC_DEVICE=${SPEC_DEVICE:-cuda}
 SPEC_PYTHON=${SPEC_PYTHON:-python3}

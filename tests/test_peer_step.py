@@ -2,7 +2,7 @@
 batch, the tensors its optimizer updates change) and its rows carry what the table prints.
 
 A peer whose code is not importable here is skipped, with the reason: CI has neither speculators'
-wheels nor a SpecForge source tree. To run those, install them as the bench's docstring says and
+wheels nor a SpecForge source tree. To run those, install them as bench/peers/README.md says and
 point PEER_STEP_SPECULATORS_PATH / PEER_STEP_SPECFORGE_PATH at them (defaults /tmp/specsite and
 /tmp/specforge:/tmp/sfsite).
 """

@@ -1,69 +1,13 @@
-"""Peer baseline: speculators' own EAGLE-3 recipe on eagle3's data, hidden states and vocabulary.
+"""Peer baseline: speculators 0.9.0's own EAGLE-3 recipe, trained by its own trainer (in a python of
+its own: --spec-python, --spec-path) on eagle3's samples, hidden states and vocabulary, exported and
+served like eagle3's draft.
 
-On an experiment's data and budget, compare eagle3's draft with what
-vllm-project/speculators 0.9.0's default recipe trains from the same samples, hidden states and
-vocabulary mapping. speculators never shares eagle3's environment: its trainer runs in a separate
-python (``--spec-python``, plus ``--spec-path`` prepended to its PYTHONPATH), eagle3 in this one.
-On the 2-core CPU box (``--device cpu``, the embedded default) and on a GPU machine without vLLM
-(``--device cuda``, driven by ``bench/peers/peer_speculators_gpu.sh`` on experiment=smollm2_large).
+Subcommands: convert (an experiment's prepare + extract runs -> speculators' offline data), train,
+export, all (the three for one seed), row (an arm's results.jsonl row after the offline evaluator),
+table (prints a results.jsonl). The data layout, the budget, the CPU plumbing and resuming:
+bench/peers/README.md. Results: bench/results/peer_speculators_cpu_202611.md, draft31_h200_202611.md.
 
-Subcommands (``all`` = convert, train, export for one seed):
-
-``convert``  (this python, eagle3's reader) the experiment's current prepare + extract runs ->
-             speculators 0.9.0's offline-training data directory (what its ``prepare_data`` plus
-             offline hidden-state generation would have written):
-
-               DATA/                      datasets.Dataset.save_to_disk, format torch, columns
-                                          input_ids int64 [T], loss_mask int64 [T], seq_len int:
-                                          the prepare run's train split then its eval split, in
-                                          store order
-               DATA/hidden_states/hs_<i>.safetensors
-                                          {"hidden_states": [T, 4, H] = aux layers (ascending
-                                           vLLM ids) then the final pre-norm state,
-                                           "token_ids": [T]} (hs_connectors' FileTransfer layout);
-                                          stored bf16 = what speculators' collate casts them to
-               DATA/d2t.npy, DATA/t2d.npy  the prepare run's vocabulary mapping (same offset /
-                                          boolean-mask convention as speculators' own)
-               DATA/convert.json          what was converted, with checks
-
-             speculators splits train/val by ``--train-data-ratio``: it is set so that the train
-             part is exactly eagle3's train split and the val part exactly eagle3's eval split.
-             ``--workers`` processes write the sample files (one torch thread each).
-
-``train``    (``--spec-python``) speculators' trainer, ``speculators.train.cli.main``, with its
-             default recipe; only the budget knobs are set, from eagle3's composed config of the
-             experiment (epochs, TTT steps, lr, tokens per optimizer step = batch_size x
-             max_seq_len x grad_accum -> ``--total-seq-len``), plus the data/vocab/layer paths and
-             plumbing. A small launcher (written into the run dir) adds a JSON-lines copy of
-             speculators' metric records (``metrics.jsonl``) and, on CPU only, patches four CUDA
-             assumptions of its Trainer (model/batch ``.to(0)`` -> cpu, autocast device "cuda"
-             -> "cpu", torch.accelerator.synchronize -> no-op, a resume's checkpoint loading
-             onto "cuda:0" -> cpu); nothing numerical.
-             Device plumbing: on CPU ``--draft-attn-impl sdpa`` (flex attention has no CPU
-             backward), ``--loss-implementation eager`` (the fused loss is Triton) and one
-             dataloader worker; on CUDA speculators' defaults (flex attention, fused loss, 12
-             workers) unless ``--attn/--loss/--num-workers`` say otherwise (under torch 2.11 the
-             fused loss does not trace: ``--loss eager``, bench/results/peer_speculators_cpu_202611.md);
-             ``impl.json`` records them, and a resumed run keeps what it started with.
-             ``--resume`` + ``--deadline``: stop the trainer (SIGTERM) before the deadline and
-             exit 124; the next call resumes from its last epoch checkpoint (speculators' own
-             resume; it saves weights and optimizer state in bf16, so a resumed run is not
-             bit-identical to an uninterrupted one, and the result says ``launches``).
-
-``export``   (this python, vLLM) ``python -m eagle3 stage=export ... export.from=CKPT`` on the
-             final epoch's checkpoint; vLLM's acceptance, read back from the manifest.
-
-``row``      after ``python -m eagle3 stage=eval ... export.from=CKPT`` (the offline evaluator,
-             run by the caller with its own overrides): appends the arm's row to a results.jsonl
-             in bench/peers/draft31_gpu.sh's format (plus speculators' own held-out metrics).
-
-``table``    prints a results.jsonl (eagle3 and speculators arms alike).
-
-Example (CPU, the embedded default, seed 0)::
-
-    PYTHONPATH=/work/main python3 bench/peers/peer_speculators.py all --workspace /work/scratch/ws_spec \
-        --data /work/scratch/spec_data --out /work/scratch/spec_runs --seed 0 \
-        --spec-python /work/scratch/specvenv/bin/python
+    python3 bench/peers/peer_speculators.py all --workspace WS --data DATA --out RUNS --seed 0 --spec-python PY
 """
 from __future__ import annotations
 

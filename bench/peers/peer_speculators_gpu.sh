@@ -1,31 +1,8 @@
 #!/usr/bin/env bash
-# Peer baseline on experiment=smollm2_large, on the GPU machine (one H200, no vLLM): speculators
-# 0.9.0's default EAGLE-3 recipe trained from the same prepare and extract runs as
-# bench/peers/draft31_gpu.sh's eagle3 arms (same workspace), with only the preset's budget (8 epochs, TTT
-# 7, lr 5e-4, 8192 tokens per optimizer step), the prepare run's draft vocabulary (d2t/t2d) and the
-# extract run's aux layers, and scored by the same offline evaluator (k = 1..5, the same 32 held-out
-# prompts x 128 tokens) into the same results.jsonl. Run it in the same device call(s) as
-# draft31_gpu.sh, after it or before it (it runs prepare and extract itself; no-ops when done).
-#
-# Per arm: bench/peers/peer_speculators.py convert (once: eagle3's store -> speculators' offline data
-# layout, $WS/spec_data), train (speculators' trainer in its own python path, $SPECSITE; resumes
-# from its last epoch checkpoint when a call ran out of time), `python -m eagle3 stage=eval
-# export.from=<final checkpoint>`, row (appends to $OUT/results.jsonl). Resumable like
-# draft31_gpu.sh: arms listed in $OUT/done_arms are skipped.
-#
-# Before the first call on a fresh machine, the wheels (.wt/specwheels, carried with the call) are
-# installed once into $SPECSITE (only the trainer sees them; eagle3's /tmp/site is untouched).
-#
-# Usage: bash bench/peers/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]
-#   ARMS: space-separated NAME:SEED[:FLAG=VALUE,...] with speculators train flags (no leading --),
-#   default "spec:0 spec:1"; e.g. "specadamw:0:optimizer=adamw".
-# Environment: WS (workspace, default /tmp/e3d31), OUT (results.jsonl, done_arms; default $WS),
-#   SERVE ("all", or arms as NAME:SEED, e.g. "spec:0": after the offline evaluator, the export stage serves the
-#   draft in GPU vLLM, export.verify at k = 1..5 on the same prompts, and the row gets its figures),
-#   SPECSITE (default /tmp/specsite), SPEC_TRAIN_OPTS (peer_speculators.py train options,
-#   default "--loss eager": flex attention with the eager loss, the pair that runs under torch 2.11).
-#   For a CPU smoke test of this script only: EXPERIMENT, PEER_COMMON (the stages' overrides instead
-#   of smollm2_large_gpu_setup's), SPEC_DEVICE, SPEC_PYTHON, EVAL_OVERRIDES.
+# speculators' arms of the peer comparison on experiment=smollm2_large: its trainer on the same
+# prepare and extract runs as draft31_gpu.sh's arms, scored by the same offline evaluator into the
+# same results.jsonl; resumable. Arms, environment and what each step runs: bench/peers/README.md.
+# Usage: [SERVE=ARMS] bash bench/peers/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]
 set -uo pipefail
 GGUF=${1:?usage: bench/peers/peer_speculators_gpu.sh GGUF_FILE [SECONDS] [ARMS]}
 BUDGET=${2:-3600}

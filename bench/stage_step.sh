@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (bench/smollm2_large_gpu.sh, bench/draft31_gpu.sh, bench/peer_speculators_gpu.sh, bench/arms_concurrent_gpu.sh): `step NAME OVERRIDES...`
+# Sourced by the GPU scripts (bench/smollm2_large_gpu.sh and bench/peers/: draft31_gpu.sh, peer_speculators_gpu.sh, arms_concurrent_gpu.sh): `step NAME OVERRIDES...`
 # runs one stage, `python -m eagle3 OVERRIDES... ${common[@]}`, within the time left before $deadline
 # (epoch seconds); exits with the stage's code if it fails, 124 when no time is left.
 step() {

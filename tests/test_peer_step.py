@@ -1,8 +1,8 @@
-"""bench/peer_step.py at a tiny shape on CPU: every peer's step trains (its loss falls on the fixed
+"""bench/peers/peer_step.py at a tiny shape on CPU: every peer's step trains (its loss falls on the fixed
 batch, the tensors its optimizer updates change) and its rows carry what the table prints.
 
 A peer whose code is not importable here is skipped, with the reason: CI has neither speculators'
-wheels nor a SpecForge source tree. To run those, install them as the bench's docstring says and
+wheels nor a SpecForge source tree. To run those, install them as bench/peers/README.md says and
 point PEER_STEP_SPECULATORS_PATH / PEER_STEP_SPECFORGE_PATH at them (defaults /tmp/specsite and
 /tmp/specforge:/tmp/sfsite).
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench" / "peer_step.py"
-sys.path.insert(0, str(REPO / "bench"))
+BENCH = REPO / "bench" / "peers" / "peer_step.py"
+sys.path.insert(0, str(REPO / "bench" / "peers"))
 import peer_step  # noqa: E402  (stdlib only at import)
 
 TINY = ["--device", "cpu", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",

@@ -1,69 +1,13 @@
-"""Peer baseline: speculators' own EAGLE-3 recipe on eagle3's data, hidden states and vocabulary.
+"""Peer baseline: speculators 0.9.0's own EAGLE-3 recipe, trained by its own trainer (in a python of
+its own: --spec-python, --spec-path) on eagle3's samples, hidden states and vocabulary, exported and
+served like eagle3's draft.
 
-Issue 18, part 0: on an experiment's data and budget, compare eagle3's draft with what
-vllm-project/speculators 0.9.0's default recipe trains from the same samples, hidden states and
-vocabulary mapping. speculators never shares eagle3's environment: its trainer runs in a separate
-python (``--spec-python``, plus ``--spec-path`` prepended to its PYTHONPATH), eagle3 in this one.
-On the 2-core CPU box (``--device cpu``, the embedded default) and on a GPU machine without vLLM
-(``--device cuda``, driven by ``bench/peer_speculators_gpu.sh`` on experiment=smollm2_large).
+Subcommands: convert (an experiment's prepare + extract runs -> speculators' offline data), train,
+export, all (the three for one seed), row (an arm's results.jsonl row after the offline evaluator),
+table (prints a results.jsonl). The data layout, the budget, the CPU plumbing and resuming:
+bench/peers/README.md. Results: bench/results/peer_speculators_cpu_202611.md, draft31_h200_202611.md.
 
-Subcommands (``all`` = convert, train, export for one seed):
-
-``convert``  (this python, eagle3's reader) the experiment's current prepare + extract runs ->
-             speculators 0.9.0's offline-training data directory (what its ``prepare_data`` plus
-             offline hidden-state generation would have written):
-
-               DATA/                      datasets.Dataset.save_to_disk, format torch, columns
-                                          input_ids int64 [T], loss_mask int64 [T], seq_len int:
-                                          the prepare run's train split then its eval split, in
-                                          store order
-               DATA/hidden_states/hs_<i>.safetensors
-                                          {"hidden_states": [T, 4, H] = aux layers (ascending
-                                           vLLM ids) then the final pre-norm state,
-                                           "token_ids": [T]} (hs_connectors' FileTransfer layout);
-                                          stored bf16 = what speculators' collate casts them to
-               DATA/d2t.npy, DATA/t2d.npy  the prepare run's vocabulary mapping (same offset /
-                                          boolean-mask convention as speculators' own)
-               DATA/convert.json          what was converted, with checks
-
-             speculators splits train/val by ``--train-data-ratio``: it is set so that the train
-             part is exactly eagle3's train split and the val part exactly eagle3's eval split.
-             ``--workers`` processes write the sample files (one torch thread each).
-
-``train``    (``--spec-python``) speculators' trainer, ``speculators.train.cli.main``, with its
-             default recipe; only the budget knobs are set, from eagle3's composed config of the
-             experiment (epochs, TTT steps, lr, tokens per optimizer step = batch_size x
-             max_seq_len x grad_accum -> ``--total-seq-len``), plus the data/vocab/layer paths and
-             plumbing. A small launcher (written into the run dir) adds a JSON-lines copy of
-             speculators' metric records (``metrics.jsonl``) and, on CPU only, patches four CUDA
-             assumptions of its Trainer (model/batch ``.to(0)`` -> cpu, autocast device "cuda"
-             -> "cpu", torch.accelerator.synchronize -> no-op, a resume's checkpoint loading
-             onto "cuda:0" -> cpu); nothing numerical.
-             Device plumbing: on CPU ``--draft-attn-impl sdpa`` (flex attention has no CPU
-             backward), ``--loss-implementation eager`` (the fused loss is Triton) and one
-             dataloader worker; on CUDA speculators' defaults (flex attention, fused loss, 12
-             workers) unless ``--attn/--loss/--num-workers`` say otherwise. ``--fallback`` (CUDA):
-             a launch that fails before its first epoch checkpoint is retried once with sdpa +
-             eager, and the run records it (``impl.json``; a resumed run keeps what it started with).
-             ``--resume`` + ``--deadline``: stop the trainer (SIGTERM) before the deadline and
-             exit 124; the next call resumes from its last epoch checkpoint (speculators' own
-             resume; it saves weights and optimizer state in bf16, so a resumed run is not
-             bit-identical to an uninterrupted one, and the result says ``launches``).
-
-``export``   (this python, vLLM) ``python -m eagle3 stage=export ... export.from=CKPT`` on the
-             final epoch's checkpoint; vLLM's acceptance, read back from the manifest.
-
-``row``      after ``python -m eagle3 stage=eval ... export.from=CKPT`` (the offline evaluator,
-             run by the caller with its own overrides): appends the arm's row to a results.jsonl
-             in bench/draft31_gpu.sh's format (plus speculators' own held-out metrics).
-
-``table``    prints a results.jsonl (eagle3 and speculators arms alike).
-
-Example (CPU, the embedded default, seed 0)::
-
-    PYTHONPATH=/work/main python3 bench/peer_speculators.py all --workspace /work/scratch/ws_spec \
-        --data /work/scratch/spec_data --out /work/scratch/spec_runs --seed 0 \
-        --spec-python /work/scratch/specvenv/bin/python
+    python3 bench/peers/peer_speculators.py all --workspace WS --data DATA --out RUNS --seed 0 --spec-python PY
 """
 from __future__ import annotations
 
@@ -77,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _exp_dir(args) -> Path:
@@ -282,13 +226,12 @@ def _target_dir(args) -> Path:
     return found[0]
 
 
-def _impl_args(args, fallback: bool = False) -> list:
-    """Device plumbing flags (attention, loss, dataloader workers); [] = speculators' defaults.
-    ``fallback``: sdpa attention + eager loss, what a CPU run uses."""
+def _impl_args(args) -> list:
+    """Device plumbing flags (attention, loss, dataloader workers); [] = speculators' defaults."""
     out = []
-    cpu = args.device == "cpu" or fallback
-    attn = "sdpa" if fallback else (args.attn or ("sdpa" if cpu else None))
-    loss = "eager" if fallback else (args.loss or ("eager" if cpu else None))
+    cpu = args.device == "cpu"
+    attn = args.attn or ("sdpa" if cpu else None)
+    loss = args.loss or ("eager" if cpu else None)
     workers = args.num_workers if args.num_workers is not None else (1 if args.device == "cpu" else None)
     if attn:
         out += ["--draft-attn-impl", attn]
@@ -440,11 +383,8 @@ def train(args, info: dict) -> dict:
     launches, wall = state.get("launches", 0), state.get("wall_s", 0.0)
     if args.resume:
         _prune_incomplete(ckpts)
-    if state and (_last_epoch(ckpts) >= 0 or state.get("fallback")):
-        # resume with what the checkpoints were trained with (or what a failure fell back to)
-        impl, fell_back = state["impl"], state.get("fallback", False)
-    else:  # nothing to resume: this call's options
-        impl, fell_back = _impl_args(args), False
+    # resume with what the checkpoints were trained with; nothing to resume: this call's options
+    impl = state["impl"] if state and _last_epoch(ckpts) >= 0 else _impl_args(args)
     while True:
         if args.deadline is not None and args.deadline - time.time() < args.min_start_s:
             print(f"train: under {args.min_start_s} s left: not starting {args.name}", flush=True)
@@ -452,12 +392,10 @@ def train(args, info: dict) -> dict:
         if args.resume:
             _prune_incomplete(ckpts)
         launches += 1
-        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": wall,
-                                         "fallback": fell_back}) + "\n")
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": wall}) + "\n")
         rc, stopped, dt = _launch(args, run, train_argv(args, info, bud, impl), launches)
         wall += dt
-        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": round(wall, 1),
-                                         "fallback": fell_back}) + "\n")
+        impl_path.write_text(json.dumps({"impl": impl, "launches": launches, "wall_s": round(wall, 1)}) + "\n")
         if _complete(ckpts, bud["epochs"]) and (rc == 0 or stopped):
             break  # (stopped during the last validation pass: the final checkpoint is whole)
         if stopped:
@@ -465,19 +403,11 @@ def train(args, info: dict) -> dict:
                   f"run again to resume", flush=True)
             raise SystemExit(124)
         tail = (run / "train.log").read_text()[-4000:]
-        fb = _impl_args(args, fallback=True)
-        if args.fallback and not fell_back and impl != fb and _last_epoch(ckpts) < 0:
-            print(f"train: {args.name} failed (rc {rc}) with {impl or 'the defaults'} before its first checkpoint; "
-                  f"retrying with {fb}. Tail:\n{tail[-1500:]}", flush=True)
-            impl, fell_back = fb, True
-            shutil.rmtree(ckpts, ignore_errors=True)
-            (run / "metrics.jsonl").unlink(missing_ok=True)
-            continue
         raise SystemExit(f"speculators training failed (rc {rc}); tail of {run / 'train.log'}:\n{tail}")
     final = ckpts / str(bud["epochs"] - 1)
     m = _read_metrics(run)
     res = {"name": args.name, "seed": args.seed, "complete": True, "device": args.device,
-           "train_wall_s": round(wall, 1), "launches": launches, "impl": impl, "fallback": fell_back,
+           "train_wall_s": round(wall, 1), "launches": launches, "impl": impl,
            "checkpoint": str(final), "global_step": (_epoch_state(final) or {}).get("global_step"),
            "budget": bud, "val": (m["last_val"] or {}).get("val"), "val_epoch": (m["last_val"] or {}).get("epoch"),
            "argv": train_argv(args, info, bud, impl)}
@@ -558,7 +488,7 @@ def row(args) -> dict:
          "train_eval": {"full_acc_per_step": per("full_acc"), "cond_acc_per_step": per("cond_acc"),
                         "loss_per_step": per("loss"), "loss": val.get("loss_epoch")},
          "steps": tr.get("global_step"), "train_wall_s": tr.get("train_wall_s"), "launches": tr.get("launches"),
-         "impl": tr.get("impl"), "fallback": tr.get("fallback"),
+         "impl": tr.get("impl"),
          "acceptance_by_k": ev.facts.acceptance_by_k, "acceptance_per_position": ev.facts.acceptance_per_position,
          "num_prompts": ev.facts.num_prompts, "max_tokens": ev.facts.max_tokens}
     if args.served:
@@ -587,9 +517,11 @@ def table(path: str) -> None:
     for r in rows:
         groups.setdefault(r["arm"].split(":")[0], []).append(r)
     for g, rs in groups.items():
+        k5 = [r["acceptance_by_k"]["5"] for r in rs if "5" in r["acceptance_by_k"]]
         print(f"{g}: mean over {len(rs)} seeds " + ", ".join(
             f"k={k} {sum(r['acceptance_by_k'][k] for r in rs) / len(rs):.4f}" for k in ks
-            if all(k in r["acceptance_by_k"] for r in rs)))
+            if all(k in r["acceptance_by_k"] for r in rs))
+            + (f"; spread at k=5 {max(k5) - min(k5):.4f}" if len(k5) > 1 else ""))
     sv = [r for r in rows if r.get("served_by_k")]
     if sv:
         print("\nServed by vLLM (export.verify; the same prompts), beside the offline evaluator above:")
@@ -633,8 +565,6 @@ def main():
     ap.add_argument("--loss", default=None, help="--loss-implementation (default: eager on cpu, speculators' on cuda)")
     ap.add_argument("--num-workers", type=int, default=None,
                     help="dataloader workers (default: 1 on cpu, speculators' 12 on cuda)")
-    ap.add_argument("--fallback", action="store_true",
-                    help="retry once with sdpa attention + eager loss if a launch fails before its first checkpoint")
     ap.add_argument("--resume", action="store_true",
                     help="resume the run's checkpoints (and skip a complete run) instead of starting fresh")
     ap.add_argument("--deadline", type=float, default=None,

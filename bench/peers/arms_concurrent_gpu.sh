@@ -1,33 +1,10 @@
 #!/usr/bin/env bash
-# The peer comparison on experiment=smollm2_large: eagle3's arms (bench/draft31_gpu.sh) and
-# speculators' arms (bench/peer_speculators_gpu.sh) trained side by side on one GPU, each in its own
-# process, from one prepare run and one extract run. On one H200 four arms (two eagle3, two
-# speculators) trained and evaluated 523 s after they started, where eagle3's arm alone takes 253 s
-# to train and 80 s to evaluate (bench/results/draft31_h200_202611.md).
-#
-# prepare and extract run once in WS; then each arm gets a hard-linked copy of WS (cp -al: the store
-# is shared, not copied; the arms only read it, and the manifest is written to a new name and renamed,
-# so the copies never write into each other) and its own OUT directory, and is started in a new process session
-# (setsid), so it outlives a device call that ends before it does. The script then waits until every
-# arm is done or SECONDS have passed, and prints the table of every finished arm.
-#
-# Run it again with the same WS to wait for arms still running and to restart those that died (each
-# underlying script resumes: finished stages are no-ops, train continues from its last checkpoint);
-# arms already done are not run again.
-#
-# Usage: bash bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"
-#   E3_ARMS: bench/draft31_gpu.sh arms (NAME:SEED[:OPTION=VALUE,...]), one process each;
-#   SPEC_ARMS: bench/peer_speculators_gpu.sh arms (NAME:SEED[:FLAG=VALUE,...]), one process each.
-#   The measured runs: "e31m2:0 e31m2:1 e31a:0:train.optimizer=adamw e31a:1:train.optimizer=adamw"
-#   and "spec:0 spec:1 speclr2e-3:0:lr=2e-3 speclr2e-3:1:lr=2e-3" (bench/results/draft31_h200_202611.md).
-# Environment: WS (default /tmp/e3d31), OUT (default $WS.arms: one folder per arm, results.jsonl),
-#   ARM_BUDGET (seconds each arm may run, default 1500), SPEC_TRAIN_OPTS (default "--loss eager":
-#   flex attention with the eager loss, the pair that runs under torch 2.11; bench/results/peer_speculators_cpu_202611.md).
-#   BACKEND=vllm (GPU vLLM: regeneration and extraction through it), SERVE (arms, NAME:SEED, whose
-#   drafts the export stage then serves in GPU vLLM: bench/draft31_gpu.sh), EXTRA (overrides for every
-#   stage: the engines' memory shares when the arms share the GPU) reach every arm.
+# Both kinds of arms of the peer comparison side by side on one GPU, each in its own process, from
+# one prepare and one extract run; waits for them (or SECONDS) and prints the table of every arm; run
+# again with the same WS to wait for or restart arms. Arms and environment: bench/peers/README.md.
+# Usage: [BACKEND=vllm SERVE=ARMS] bash bench/peers/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"
 set -uo pipefail
-GGUF=${1:?usage: bench/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"}
+GGUF=${1:?usage: bench/peers/arms_concurrent_gpu.sh GGUF_FILE SECONDS "E3_ARMS" "SPEC_ARMS"}
 BUDGET=${2:-1500}
 E3_ARMS=${3:-}
 SPEC_ARMS=${4:-}
@@ -37,7 +14,7 @@ ARM_BUDGET=${ARM_BUDGET:-1500}
 SPECSITE=${SPECSITE:-/tmp/specsite}
 export SPEC_TRAIN_OPTS=${SPEC_TRAIN_OPTS:---loss eager}
 HERE=$(cd "$(dirname "$0")" && pwd)
-source "$HERE/stage_step.sh"
+source "$HERE/../stage_step.sh"
 t_start=$(date +%s)
 smollm2_large_gpu_setup
 
@@ -47,7 +24,7 @@ if [[ -n $SPEC_ARMS ]]; then
     # once, before the arms start: the wheels and the converted data every spec arm reads
     if [[ ! -f $SPECSITE/.installed ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SPECSITE" \
-            "$HERE"/../.wt/specwheels/*.whl && touch "$SPECSITE/.installed" || exit 1
+            "$HERE"/../../.wt/specwheels/*.whl && touch "$SPECSITE/.installed" || exit 1
     fi
     python3 "$HERE/peer_speculators.py" convert --workspace "$WS" --experiment smollm2_large \
         --data "$WS/spec_data" --out "$WS/spec_runs" || exit 1

@@ -1,72 +1,13 @@
-"""Benchmark of one EAGLE-3 training step of the peer trainers (speculators, SpecForge) beside eagle3's.
+"""One EAGLE-3 training step of the peer trainers (speculators 0.9, SpecForge) beside eagle3's, at
+bench/train.py's shape, each peer in its own subprocess (a crash leaves an error row, not a broken
+table). Prints one JSON line per row and a markdown table last; writes $OUT/peer_step.json (after
+every peer) and $OUT/peer_step.md when OUT is set; `--table A.json B.json` prints one table of runs
+made apart. What each row runs, what is not reproduced and where the peers' code comes from:
+bench/peers/README.md. Results: bench/results/train_step_h200_202612.md, fp8_matmul_h200_202612.md.
 
-Random inputs of bench/train.py's shape (its shape arguments; default the Llama-3.1-8B-shaped
-draft: H 4096, 32/8 heads, head_dim 128, MLP 14336, vocab 128256 -> draft vocab 32000, 3 aux
-layers, TTT 7, 1 x 2048 tokens). One step is what the trainer does with one batch: the target
-distribution from the verifier's last hidden state (full-vocabulary lm_head), the TTT forward over
---ttt steps with the trainer's own loss, backward, its clipping, its optimizer (and LR schedule)
-step. One fixed batch, already on the device: no row loads data or copies it to the device. Each
-step is timed alone: CUDA events around it, the host waiting for its end (perf_counter on CPU).
-step ms = median of --steps steps after --warmup steps (compilation falls in the warm-up); it is
-bench/train.py's "synced ms", not its pipelined step ms. tokens/s = batch x seq / step. peak GiB =
-torch.cuda.max_memory_allocated over the timed steps (weights, optimizer state, activations; "-"
-on CPU). Every peer runs in its own subprocess with its own PYTHONPATH: a crash leaves an error
-row, not a broken table.
-
-    python3 bench/peer_step.py                          # every peer and optimizer, 8B shape, CUDA
-    python3 bench/peer_step.py --small                  # CPU smoke run at a small shape
-    python3 bench/peer_step.py --peers speculators --optimizers muon --seq 4096
-
-The rows:
-- eagle3, AdamW / Muon: bench/train.py's train_step (target head, TTTModel, backward, clip,
-  optimizer) in its flex_compiled variant (sdpa, not compiled, on CPU). AdamW as bench/train.py
-  builds it (fused, the clip folded in); Muon = train.optimizer=muon (FastMuon on the 2-D
-  hidden-path weights + fused AdamW; the clip folded into both). fp32 weights, bf16 autocast; no LR schedule
-  step (as bench/train.py).
-- speculators 0.9 step: its Eagle3DraftModel built by its own CLI code (TrainConfig.resolve, so its
-  schema's defaults: 1 layer, norm_before_fc, norm_output, kl_div, sliding window 2048, TTT loss
-  decay 1.0, lr 1e-3; build_draft_model on a random verifier written to a temporary directory), its
-  Trainer (placement, build_optimizers, linear schedule) and the body of Trainer.train_epoch for one
-  batch, as it has no step function: bf16 autocast forward, zero_grad, backward, clip 1.0,
-  optimizers, schedulers, the metrics read back as its default log_freq=1 does (without its
-  _StepTimer's synchronisations). The batch: its CollateFn with shift_batch over samples of seq + 1
-  tokens, packed into one row of batch x seq tokens. AdamW = --optimizer adamw; Muon = its default
-  (torch.optim.Muon on the 2-D weights + AdamW). fp32 weights, bf16 autocast.
-- SpecForge: its offline EAGLE-3 path (OnlineEagle3Model, trained from stored hidden states):
-  LlamaForCausalLMEagle3 from AutoDraftModel in bf16 (its model.torch_dtype default), TargetHead,
-  Eagle3TrainStrategy (ploss decay 0.8), FSDPTrainingBackend and BF16Optimizer (AdamW over fp32
-  masters, clip 0.5, cosine schedule) with its TrainingConfig defaults, and its own step function,
-  TrainerCore.train_step. unwrapped: prepare_model(wrap=False); FSDP1: a one-rank process group and
-  its default wrap (SHARD_GRAD_OP, bf16 MixedPrecision), what its Trainer does on one GPU. The
-  batch: its normalize_offline_sample and DataCollatorWithPadding. It has no Muon.
-- Attention and loss: the peer's defaults first (speculators: simple_flex_attention + its fused
-  Triton loss; SpecForge: flex_attention + its Triton LogSoftmaxLoss). One that fails (building or
-  in the warm-up) is retried with the next (speculators: flex + eager, then sdpa + eager;
-  SpecForge: sdpa); the row names the fallback and the failure.
-- Every row's target: a random lm_head with the draft vocabulary's rows x3 (bench/train.py's
-  make_head), so the argmax lies in the draft vocabulary at nearly every position and every position
-  is scored. The peers' LR schedules span warm-up + timed steps.
-
-Not reproduced: any trainer's data loading, checkpointing, validation and logging; SpecForge's
-Trainer, FeatureDataLoader and controller around TrainerCore (sglang is not in its offline step).
-On CPU: flex attention has no backward there (sdpa instead); speculators' fused loss and
-SpecForge's LogSoftmaxLoss are Triton kernels (speculators' eager loss, and SpecForge's torch form
-of the same loss, core/loss.py _compute_loss); FSDP1 needs an accelerator (skipped). --try-defaults
-tries the defaults on CPU too (they fail: the fallback runs). SpecForge pins torch 2.11 and
-transformers 5.8.1; it runs on what the machine has.
-
-The peers' code: --spec-path (PEER_STEP_SPECULATORS_PATH, default /tmp/specsite: speculators'
-wheels installed with pip --target) and --specforge-path (PEER_STEP_SPECFORGE_PATH, default
-/tmp/specforge:/tmp/sfsite: a SpecForge source tree, `git archive HEAD | tar -x` (a COMMIT file
-there names the commit in the rows), and a triton where the machine has none). For a GPU machine,
-copy that tree's specforge/ package (with COMMIT) into a git-ignored folder of the checkout and name
-it in the device call's carry; the GPU machine's own triton serves. A worker's
-PYTHONPATH: that path, the repository, then this process's PYTHONPATH (the GPU machine's /tmp/site:
-datasets, pydantic).
-
-Prints one JSON line per row and a markdown table last; writes $OUT/peer_step.json (after every
-peer) and $OUT/peer_step.md when OUT is set. `--table A.json B.json` prints one table of the rows of
-runs made apart (e.g. one device call per peer).
+    python3 bench/peers/peer_step.py                          # every peer and optimizer, 8B shape, CUDA
+    python3 bench/peers/peer_step.py --small                  # CPU smoke run at a small shape
+    python3 bench/peers/peer_step.py --peers speculators --optimizers muon --seq 4096
 """
 from __future__ import annotations
 
@@ -86,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # bench/ (bench/train.py is imported from there)
 REPO = HERE.parent
 PEERS = ("eagle3", "speculators", "specforge")
 OPTIMIZERS = ("adamw", "muon")
@@ -312,7 +253,7 @@ def speculators_rows(a, device, emit, work: Path) -> None:
 
     version = md.version("speculators")
     cuda = device.type == "cuda"
-    if not cuda:  # CPU plumbing, as bench/peer_speculators.py's launcher: its Trainer places on .to(int)
+    if not cuda:  # CPU plumbing, as bench/peers/peer_speculators.py's launcher: its Trainer places on .to(int)
         TR.get_local_rank = lambda: "cpu"
     spec_verifier(a, work, device)
     gen = torch.Generator().manual_seed(1)

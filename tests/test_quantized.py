@@ -281,3 +281,42 @@ def test_a_native_run_failing_at_its_first_forward_falls_back_to_the_dequantized
                             samples=4)
     assert good["max"] <= 1.0, good
     assert "transformers' own run failed" in good["reference"], good["reference"]
+    assert "rounded to FP8 (simulated W8A8)" in good["reference"], good["reference"]
+
+
+def test_simulated_w8a8_rounds_the_quantized_layers_inputs_only_for_fp8_activations(targets, samples):
+    """``quantized="simulate"`` (the noise of a check whose native FP8 run failed): on the block-FP8
+    Llama every linear layer the checkpoint scales is hooked (the 7 of each decoder layer, not the
+    unquantized ones), its inputs rounded to FP8 in groups of 128, which moves the states by about
+    FP8's rounding (far more than the bf16 run's own noise, far less than another layer); on the W4A16
+    Llama (16-bit activations) it is the plain dequantized run, bit for bit."""
+    import torch
+
+    from eagle3.extract.hf_backend import fake_quantize_fp8_groups, load_base_model, quantized_linear_names
+
+    x = torch.randn(3, 256, dtype=torch.bfloat16) * torch.tensor([1.0, 100.0]).repeat_interleave(128)
+    q = fake_quantize_fp8_groups(x, 128)
+    rel = ((q - x).float().norm(dim=-1) / x.float().norm(dim=-1)).max().item()
+    assert 1e-3 < rel < 0.06, rel  # e4m3's 3 mantissa bits, each group of 128 scaled on its own
+    small = fake_quantize_fp8_groups(x, 128)[:, :128]
+    assert (small != 0).float().mean() > 0.9  # the small group kept its own scale (per-row would flush it)
+
+    ids = torch.tensor([samples["train"].input_ids[0]])
+    fp8 = targets("llama_fp8")
+    names = quantized_linear_names(fp8)
+    assert len(names) == 7 * NUM_LAYERS and not any("lm_head" in n for n in names), sorted(names)[:8]
+    plain = load_base_model(fp8, "bfloat16", trust_remote_code=False, quantized="dequantize")
+    sim = load_base_model(fp8, "bfloat16", trust_remote_code=False, quantized="simulate")
+    hooked = [n for n, m in sim.named_modules() if isinstance(m, torch.nn.Linear) and m._forward_pre_hooks]
+    assert len(hooked) == 7 * NUM_LAYERS, hooked
+    with torch.no_grad():
+        a, b = plain(ids).last_hidden_state.float(), sim(ids).last_hidden_state.float()
+    moved = ((a - b).norm(dim=-1) / a.norm(dim=-1)).mean().item()
+    assert 1e-3 < moved < 0.3, moved
+
+    w4 = targets("llama_w4a16")
+    plain = load_base_model(w4, "bfloat16", trust_remote_code=False, quantized="dequantize")
+    sim = load_base_model(w4, "bfloat16", trust_remote_code=False, quantized="simulate")
+    assert not any(m._forward_pre_hooks for m in sim.modules() if isinstance(m, torch.nn.Linear))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).last_hidden_state, sim(ids).last_hidden_state)

@@ -457,10 +457,10 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
             if dtype == "float32":
                 return _cannot_run(quant, e)
             log.warning("extract: transformers cannot run the %s checkpoint its own way here (%s: %s); its %s noise "
-                        "is measured on the dequantized weights instead", quant["summary"], type(e).__name__,
-                        str(e)[:300], dtype)
-            noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
-            ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
+                        "is measured on the dequantized weights instead%s", quant["summary"], type(e).__name__,
+                        str(e)[:300], dtype, _SIMULATED_LOG if _fp8_acts(quant) else "")
+            noise_run = _fallback_noise_run(quant)
+            ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code, quantized="simulate")
         native = quant is not None and dtype != "float32" and noise_run == "hf in the target dtype"
 
         def run(extractor, dtype=dtype):
@@ -477,11 +477,12 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
                 # its kernels load at the first forward (FP8 on a GPU: transformers' finegrained-FP8 kernel
                 # comes from the `kernels` package): a failure there is the same as one at load
                 log.warning("extract: transformers cannot run the %s checkpoint its own way here (%s: %s); its %s "
-                            "noise is measured on the dequantized weights instead", quant["summary"],
-                            type(e).__name__, str(e)[:300], dtype)
-                noise_run = "hf on the dequantized weights in the target dtype (transformers' own run failed)"
+                            "noise is measured on the dequantized weights instead%s", quant["summary"],
+                            type(e).__name__, str(e)[:300], dtype, _SIMULATED_LOG if _fp8_acts(quant) else "")
+                noise_run = _fallback_noise_run(quant)
                 ex.close()
-                ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code)
+                ex = HFExtractor(target_path, layout, dtype, one, trust_remote_code=trust_remote_code,
+                                 quantized="simulate")
                 run(ex)
         finally:
             ex.close()
@@ -514,6 +515,21 @@ def reference_parity(store_dir, splits, layout, target_path, target_config: dict
             "reference": f"hf float32{' on the dequantized weights of the quantized checkpoint' if quant else ''}, "
                          f"one sample at a time; noise: {noise_run}",
             **({"quantization": quant["summary"]} if quant else {})}
+
+
+_SIMULATED_LOG = ", their inputs rounded to FP8 as the engine's W8A8 kernels round them"
+
+
+def _fp8_acts(quant: dict) -> bool:
+    return str(quant.get("activations") or "").startswith("fp8")
+
+
+def _fallback_noise_run(quant: dict) -> str:
+    """What the noise was measured on when transformers' own run of a quantized checkpoint failed: the
+    dequantized weights, with the quantized layers' inputs rounded to FP8 where the scheme quantizes
+    activations (else the engine's rounding of them would count as error)."""
+    acts = " with the quantized layers' inputs rounded to FP8 (simulated W8A8)" if _fp8_acts(quant) else ""
+    return f"hf on the dequantized weights in the target dtype{acts} (transformers' own run failed)"
 
 
 def _cannot_run(quant: dict, error: Exception) -> dict:

@@ -45,12 +45,65 @@ def dequantizing_config(config: dict):
     return None
 
 
+def quantized_linear_names(target_path) -> set:
+    """The modules of a quantized checkpoint whose weights carry a scale (``<name>.weight_scale`` or
+    ``<name>.weight_scale_inv`` in its safetensors files): the linear layers its kernels run
+    quantized, as the checkpoint names them."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names = set()
+    for f in sorted(Path(target_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                for end in (".weight_scale_inv", ".weight_scale"):
+                    if k.endswith(end):
+                        names.add(k[: -len(end)])
+    return names
+
+
+def fake_quantize_fp8_groups(x, group: int):
+    """``x`` rounded as an FP8 W8A8 kernel rounds its input activations: each token's row in groups of
+    ``group`` values (0: the whole row) scaled by amax / 448 into float8_e4m3fn and back, in x's dtype."""
+    import torch
+
+    shape, n = x.shape, x.shape[-1]
+    g = group if group and n % group == 0 else n
+    v = x.reshape(-1, n // g, g).float()
+    scale = v.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return ((v / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype).reshape(shape)
+
+
+def simulate_activation_quantization(model, target_path, q: dict) -> int:
+    """Forward pre-hooks on ``model``'s linear layers that the checkpoint quantizes (see
+    :func:`quantized_linear_names`), rounding their inputs to FP8 as the engine's W8A8 kernels do
+    (block FP8: groups of the block's column size, 128; otherwise per token). For the noise of a
+    check where transformers cannot run the checkpoint its own way: dequantized weights alone would
+    leave out the activations' rounding, which the engine's states carry. Returns the hooked count."""
+    import torch
+
+    quantized = quantized_linear_names(target_path)
+    group = int((q.get("block_size") or [0, 0])[-1]) if q.get("strategy") == "block" else 0
+    # the model's module names may lack the checkpoint's leading prefixes (AutoModel: no "model.")
+    known = {c.split(".", k)[-1] for c in quantized for k in range(c.count(".") + 1)}
+    hooked = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or name not in known:
+            continue
+        mod.register_forward_pre_hook(lambda m, args: (fake_quantize_fp8_groups(args[0], group), *args[1:]))
+        hooked += 1
+    return hooked
+
+
 def load_base_model(target_path, dtype: str, *, trust_remote_code: bool, quantized: str = "dequantize"):
     """The base model of ``target_path`` in ``dtype``. A quantized checkpoint: ``dequantize`` loads
     its quantized weights dequantized into ``dtype`` (the exact weights the engine's kernels
     multiply with, up to the rounding of weight x scale); ``native`` lets transformers run it its
     own way on this device (FP8 on a GPU: its W8A8 block kernels, activations rounded to e4m3 as
-    vLLM's are; on a CPU it dequantizes too)."""
+    vLLM's are; on a CPU it dequantizes too); ``simulate``: dequantized weights, and the inputs of
+    the quantized linear layers rounded to FP8 where the checkpoint quantizes activations to FP8
+    (:func:`simulate_activation_quantization`; weight-only schemes: as ``dequantize``)."""
     import json
     from pathlib import Path
 
@@ -60,13 +113,21 @@ def load_base_model(target_path, dtype: str, *, trust_remote_code: bool, quantiz
     config = json.loads((Path(target_path) / "config.json").read_text())
     kwargs = {}
     deq = dequantizing_config(config)
-    if deq is not None and quantized == "dequantize":
+    if deq is not None and quantized in ("dequantize", "simulate"):
         kwargs["quantization_config"] = deq
     model = AutoModel.from_pretrained(str(target_path), dtype=getattr(torch, dtype),
                                       trust_remote_code=trust_remote_code, **kwargs)
-    if deq is not None and quantized == "dequantize":
+    if deq is not None and quantized in ("dequantize", "simulate"):
         # dequantized weights come out in the scales' dtype (or bf16 for FP8): the whole model in dtype
         model = model.to(getattr(torch, dtype))
+    if deq is not None and quantized == "simulate":
+        from ..quantization import describe
+
+        q = describe(config)
+        if str(q.get("activations") or "").startswith("fp8"):
+            n = simulate_activation_quantization(model, target_path, q)
+            log.info("extract: the inputs of %d quantized linear layers rounded to FP8 as the engine's kernels "
+                     "round them (%s)", n, q["summary"])
     return model
 
 

@@ -7,7 +7,7 @@ the argmax, and the backward into the rows and the weight. Times forward and for
 median of --steps calls, CUDA events), the peak memory above the inputs, and each arm's largest
 difference from a float32 reference of the same computation (loss, dx, dw relative to their largest
 entry, and the share of rows whose argmax differs); then the fused op's kernel alone under a few
-chunk sizes and warp counts (``eagle3.train.head_loss.CHUNK``, ``WARPS``).
+chunk sizes and warp counts (``eagle3.kernels.head_loss.CHUNK``, ``WARPS``).
 
     python3 bench/head_loss.py                      # the 8B shape
     python3 bench/head_loss.py --vocab 64000        # a larger draft vocabulary
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import eagle3.train.head_loss as hl  # noqa: E402
+import eagle3.kernels.head_loss as hl  # noqa: E402
 from bench.optimizer import Timer  # noqa: E402
 from eagle3.model.draft import rms_norm  # noqa: E402
 from eagle3.train.loss import soft_cross_entropy_rows  # noqa: E402

@@ -1,6 +1,6 @@
 """One optimizer step of the draft: fused AdamW, torch's Muon + AdamW, and FastMuon + AdamW
 (``train.optimizer=muon``, ``train.muon_impl=torch|fast``, eagle3/train/optim.py and
-eagle3/train/muon.py), and the Newton-Schulz orthogonalisation alone per matrix shape.
+eagle3/kernels/muon.py), and the Newton-Schulz orthogonalisation alone per matrix shape.
 
     python bench/optimizer.py                 # CUDA: the 8B-shaped draft (H 4096, 32/8 heads, MLP 14336,
                                               # fc 3 x 4096 -> 4096, draft vocab 32000), bf16 and fp32 params
@@ -12,11 +12,11 @@ eagle3/train/muon.py), and the Newton-Schulz orthogonalisation alone per matrix 
 The parameter set is the real Eagle3Draft's at that shape, with random gradients; split as the
 loop splits it (Muon on fc, q/k/v/o, gate/up/down; AdamW on lm_head and the norms). Times: CUDA
 events (perf_counter on CPU) around ``opt.step()``, median of ``--steps`` after ``--warmup``.
-FLOPs: the Newton-Schulz matmuls (eagle3.train.muon.ns_flops), standard form for torch's Muon,
+FLOPs: the Newton-Schulz matmuls (eagle3.kernels.muon.ns_flops), standard form for torch's Muon,
 the chosen form per shape for FastMuon. Also checks, per shape, the distance of FastMuon's and
 torch's orthogonalisation from a float64 iteration on ill-conditioned inputs (``error`` columns).
 Also FastMuon's Newton-Schulz split over W processes (``train.muon_shard``, DDP): each process's
-share (eagle3.train.muon.shard_owners) orthogonalised alone, the shares one after another on this one
+share (eagle3.kernels.muon.shard_owners) orthogonalised alone, the shares one after another on this one
 device; a step waits for the slowest share, then for the all-reduce that shares the results (the
 bytes of the others' results are given; it is not timed: that needs W devices, bench/train_dist.py).
 Prints a table last; writes $OUT/bench_optimizer.json when OUT is set. No hydra needed.
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from eagle3.train.muon import (  # noqa: E402
+from eagle3.kernels.muon import (  # noqa: E402
     chosen_form,
     gram_newton_schulz,
     newton_schulz,
@@ -262,7 +262,7 @@ def bench_ns(a, shape, device, timer) -> list[dict]:
 
 def bench_sym(a, device, timer) -> dict:
     """FastMuon's symmetric products: (1) one product per shape and kernel configuration, the Triton
-    tile triangle (eagle3.train.symmm) against cuBLAS whole and in row panels, each checked against a
+    tile triangle (eagle3.kernels.symmm) against cuBLAS whole and in row panels, each checked against a
     float64 product; (2) each shape group's whole Newton-Schulz, triton against panels (FastMuon's
     form choice for each), with FLOPs and the distance from a float64 iteration; (3) one optimizer
     step of the draft, train.muon_sym=triton against panels."""
@@ -336,8 +336,8 @@ def optimizer_steps(a, device, timer, rounds: int = 2) -> list:
 
 def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
     """bench_sym's (1) for one product: cuBLAS whole, two row panels, each Triton configuration."""
-    from eagle3.train import symmm
-    from eagle3.train.muon import sym_baddbmm
+    from eagle3.kernels import symmm
+    from eagle3.kernels.muon import sym_baddbmm
 
     nb, m = A.shape[:2]
     beta = 0.25 if C is not None else 0.0
@@ -363,7 +363,7 @@ def time_product(a, timer, A, B, C, ref, row: dict) -> dict:
 
 
 def print_sym(res: dict) -> None:
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     print("\nOne symmetric product: ms | TFLOP/s on the FLOPs each computes | error vs float64 "
           "(* the configuration sym_mm picks):")

@@ -570,7 +570,7 @@ class TrainConfig:
     """match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), an update RMS like AdamW's (speculators'
     choice) | original: lr x sqrt(max(1, rows / cols)) (torch's default)."""
     muon_impl: str = "fast"
-    """fast: eagle3.train.muon.FastMuon, torch's Muon update in fewer FLOPs (a Gram-form
+    """fast: eagle3.kernels.muon.FastMuon, torch's Muon update in fewer FLOPs (a Gram-form
     Newton-Schulz on wide matrices, same-shape matrices batched; equal to torch's within its bf16
     rounding, tests/test_optim_muon.py) | torch: ``torch.optim.Muon`` itself. Speed only: not hashed."""
     muon_shard: bool = True
@@ -580,7 +580,7 @@ class TrainConfig:
     every matrix. Speed only: not hashed."""
     muon_sym: str = "auto"
     """How FastMuon's symmetric m x m products run: triton (one Triton kernel that multiplies only the
-    tiles on and above the diagonal and writes each twice: eagle3/train/symmm.py) | panels (cuBLAS
+    tiles on and above the diagonal and writes each twice: eagle3/kernels/symmm.py) | panels (cuBLAS
     row panels of the upper block-triangle) | auto: triton on CUDA where Triton imports, else panels.
     Speed only: not hashed."""
 
@@ -601,12 +601,12 @@ class TrainConfig:
     head_loss: str = "auto"
     """How the draft head (lm_head) and the loss run: fused (one op: the logits' matmul, then one Triton
     kernel per row for the loss, the argmax and the logits' gradient, written over the logits:
-    eagle3/train/head_loss.py) | unfused (the same as torch code for torch.compile) | auto: fused on
+    eagle3/kernels/head_loss.py) | unfused (the same as torch code for torch.compile) | auto: fused on
     CUDA where Triton imports, else unfused. The same loss and gradients up to rounding. Speed
     only: not hashed."""
 
     fp8_matmul: str = "off"
-    """The draft layer's and fc's matmuls in float8 (eagle3/model/fp8.py: e4m3 operands with a
+    """The draft layer's and fc's matmuls in float8 (eagle3/kernels/fp8_matmul.py: e4m3 operands with a
     power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
     optimizer unchanged; the draft head stays bf16): off | on (the forward and both gradients) |
     bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 9.0 or later on a
@@ -668,7 +668,7 @@ class TrainConfig:
         _check_choice("train.muon_sym", self.muon_sym, ("auto", "triton", "panels"))
         _check_choice("train.adamw_impl", self.adamw_impl, ("auto", "fused", "compiled"))
         _check_choice("train.head_loss", self.head_loss, ("auto", "fused", "unfused"))
-        # eagle3.model.fp8.RECIPES (not imported: it needs torch; tests/test_fp8_matmul.py holds them equal)
+        # eagle3.kernels.fp8_matmul.RECIPES (not imported: it needs torch; tests/test_fp8_matmul.py holds them equal)
         _check_choice("train.fp8_matmul", self.fp8_matmul, ("off", "on", "bf16_wgrad"))
 
 

@@ -1,4 +1,4 @@
-"""train.fp8_matmul (eagle3/model/fp8.py) on CPU, where torch._scaled_mm runs too: the op against
+"""train.fp8_matmul (eagle3/kernels/fp8_matmul.py) on CPU, where torch._scaled_mm runs too: the op against
 its arithmetic written out (quantize, dequantize, multiply in float64), the refusals, and the TTT
 model and a short training run against the same in bf16/float32 matmuls."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_head_loss import _batch, _draft
 
-from eagle3.model.fp8 import E4M3, Fp8Weight, check_dims, linear, quantize_rows, quantize_weight, row_scale
+from eagle3.kernels.fp8_matmul import E4M3, Fp8Weight, check_dims, linear, quantize_rows, quantize_weight, row_scale
 from eagle3.train.ttt import TTTModel, check_fp8
 
 
@@ -76,7 +76,7 @@ def test_refusals_say_what_and_how():
     with pytest.raises(ValueError, match="multiples of 16"):
         Fp8Weight(torch.randn(40, 64))
     from eagle3.config import TrainConfig
-    from eagle3.model.fp8 import RECIPES
+    from eagle3.kernels.fp8_matmul import RECIPES
 
     for recipe in RECIPES:  # the config accepts exactly the op's recipes
         TrainConfig(fp8_matmul=recipe)

@@ -1,4 +1,4 @@
-"""The draft head and its loss as one op (eagle3/train/head_loss.py), on CPU: the op's arithmetic
+"""The draft head and its loss as one op (eagle3/kernels/head_loss.py), on CPU: the op's arithmetic
 (its torch implementation; the Triton kernel is checked against it in tests/gpu/test_head_loss_gpu.py)
 against plain autograd, and the TTT model's fused path against its unfused one, eager and compiled."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
-from eagle3.train.head_loss import resolve
+from eagle3.kernels.head_loss import resolve
 from eagle3.train.loss import soft_cross_entropy_rows
 from eagle3.train.ttt import TTTModel, head_rows
 

@@ -1,4 +1,4 @@
-"""eagle3.train.muon.FastMuon against torch.optim.Muon: the orthogonalisation, many steps, the
+"""eagle3.kernels.muon.FastMuon against torch.optim.Muon: the orthogonalisation, many steps, the
 state dict, and DDP (2 gloo ranks on CPU) against one process."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from conftest import muon64_step
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from eagle3.config import TrainConfig
-from eagle3.train.muon import (
+from eagle3.kernels.muon import (
     FastMuon,
     gram_newton_schulz,
     momentum_stack,
@@ -304,7 +304,7 @@ def test_the_gpu_tests_optimizer_stand_in_has_train_configs_defaults():
 # -- the symmetric products: the Triton tile triangle (GPU tests: tests/gpu/test_symmm_gpu.py) --------
 
 def test_tile_pairs_cover_the_upper_triangle_once_in_row_groups():
-    from eagle3.train.symmm import tile_pairs
+    from eagle3.kernels.symmm import tile_pairs
 
     for tiles, group in ((1, 8), (5, 2), (32, 8), (9, 8)):
         pairs = tile_pairs(tiles, group)
@@ -315,7 +315,7 @@ def test_tile_pairs_cover_the_upper_triangle_once_in_row_groups():
 
 
 def test_muon_sym_resolves_per_device_and_triton_is_refused_where_it_cannot_run():
-    from eagle3.train.muon import resolve_sym
+    from eagle3.kernels.muon import resolve_sym
 
     cpu = torch.device("cpu")
     assert resolve_sym("auto", cpu) == "panels" and resolve_sym("panels", cpu) == "panels"
@@ -331,8 +331,8 @@ def test_muon_sym_resolves_per_device_and_triton_is_refused_where_it_cannot_run(
 
 
 def test_ns_flops_count_the_tile_triangle_and_pick_the_form_with_it():
-    from eagle3.train.muon import chosen_form, sym_kind
-    from eagle3.train.symmm import tri_fraction
+    from eagle3.kernels.muon import chosen_form, sym_kind
+    from eagle3.kernels.symmm import tri_fraction
 
     assert tri_fraction(4096) == 32 * 33 / 2 / 32 ** 2 and tri_fraction(128) == 1.0
     assert sym_kind(4096, "triton") == "triton" and sym_kind(4000, "triton") == "panels"
@@ -354,7 +354,7 @@ def test_ns_flops_count_the_tile_triangle_and_pick_the_form_with_it():
 
 
 def test_sym_product_on_the_panels_adds_the_diagonal():
-    from eagle3.train.muon import sym_product
+    from eagle3.kernels.muon import sym_product
 
     g = torch.Generator().manual_seed(0)
     X = torch.randn(2, 64, 96, generator=g, dtype=torch.float64)
@@ -467,7 +467,7 @@ SHARD_RUNNER = """
 import json, sys
 import torch
 import torch.distributed as dist
-from eagle3.train.muon import FastMuon, ns_cost, shard_owners
+from eagle3.kernels.muon import FastMuon, ns_cost, shard_owners
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

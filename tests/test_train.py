@@ -810,7 +810,7 @@ def test_muon_with_adamw_steps_as_the_two_optimizers_and_restores_exactly(impl):
     stepped side by side, both scaled by the LR schedule, and whose state_dict resumes bit for bit."""
     import copy
 
-    from eagle3.train.muon import FastMuon
+    from eagle3.kernels.muon import FastMuon
     from eagle3.train.optim import MuonWithAdamW, build_optimizer, lr_schedule, split_for_muon
 
     cfg = _small_cfg()

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8 import linear, quantize_weight
+from ..kernels.fp8_matmul import linear, quantize_weight
 from .rope import (
     apply_rope,
     apply_rope_interleaved,
@@ -405,7 +405,7 @@ class Eagle3MidLayer(nn.Module):
     def weights(self, dtype: Optional[torch.dtype] = None, fp8: str = "off") -> dict:
         """The layer's weights for one forward: q/k/v and gate/up packed for one matmul each,
         cast to ``dtype`` once (differentiable: gradients flow back to the fp32 parameters).
-        ``fp8`` (``train.fp8_matmul``, eagle3.model.fp8): the packed matmuls' weights also quantized
+        ``fp8`` (``train.fp8_matmul``, eagle3.kernels.fp8_matmul): the packed matmuls' weights also quantized
         once, for every step's float8 matmuls.
 
         q/k/v's columns come in two halves: those that multiply the token embeddings (with the

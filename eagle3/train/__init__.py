@@ -6,10 +6,8 @@
 - target_head.py: the frozen target head (targets, embeddings) and a batch -> TTTModel's inputs
 - data.py: epoch orders, packing, collation, and which rows each process takes at each step
 - source.py: HiddenStateSource, what the loop reads (a store on disk, or an online source)
-- optim.py: fused AdamW, the LR schedule, gradient clipping folded into the AdamW kernel
-- muon.py: FastMuon, torch's Muon update in fewer FLOPs (Gram-form Newton-Schulz, batched)
-- symmm.py (kernels in _symmm_kernels.py): Muon's symmetric products as one Triton kernel over the
-  upper tile-triangle
+- optim.py: fused AdamW or Muon + AdamW, the LR schedule, gradient clipping folded into the update
+  (Muon itself, the fused head loss and the float8 matmuls are in eagle3/kernels/)
 - metrics.py: StepMetrics (loss, accuracy, acceptance per TTT step), FLOPs/MFU, metrics.jsonl
 - checkpoint.py: resumable checkpoints and the loop state they carry
 - loop.py: train(), the Accelerate loop that ties them together, and the draft it writes

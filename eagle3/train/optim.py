@@ -8,7 +8,7 @@ parameters, gradients and moments at a higher rate than the fused kernel's ``mul
 (bench/results/compiled_adamw_h200_202612.md).
 
 Muon orthogonalises each 2-D weight's momentum (Newton-Schulz); it takes only 2-D parameters.
-``train.muon_impl``: fast (:class:`eagle3.train.muon.FastMuon`: torch's update, a Gram-form
+``train.muon_impl``: fast (:class:`eagle3.kernels.muon.FastMuon`: torch's update, a Gram-form
 Newton-Schulz on wide matrices, same-shape matrices batched) or torch (``torch.optim.Muon``); both
 keep the same state, so a checkpoint of one resumes with the other. :func:`split_for_muon` gives
 it the 2-D weights of the hidden path and leaves lm_head (an output head, as speculators and Keller
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .muon import FastMuon, closure_loss
+from ..kernels.muon import FastMuon, closure_loss
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 

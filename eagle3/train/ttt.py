@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 
 from ..model.draft import Eagle3Draft
-from ..model.fp8 import linear, quantize_weight
+from ..kernels.fp8_matmul import linear, quantize_weight
 from .attention import TTTMask, resolve_backend, ttt_attention
-from .head_loss import resolve as resolve_head_loss
+from ..kernels.head_loss import resolve as resolve_head_loss
 from .loss import soft_cross_entropy_rows
 
 # per-step statistics returned by the forward (summed over rows; reduce across ranks by sum)
@@ -130,7 +130,7 @@ class TTTModel(nn.Module):
         self.attention = attention
         self.compile = compile
         self.head_loss = head_loss
-        self.fp8_matmul = fp8_matmul  # train.fp8_matmul: the layer's and fc's matmuls (eagle3.model.fp8)
+        self.fp8_matmul = fp8_matmul  # train.fp8_matmul: the layer's and fc's matmuls (eagle3.kernels.fp8_matmul)
         self._head_loss = None  # resolved on the inputs' device
         self._compiled_core = None
 

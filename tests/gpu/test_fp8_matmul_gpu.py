@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.model.fp8 import Fp8Weight, quantize_rows
+from eagle3.kernels.fp8_matmul import Fp8Weight, quantize_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                                 reason="needs a GPU with rowwise-scaled float8 matmuls (compute capability 9.0+)")

@@ -1,10 +1,10 @@
-"""The fused draft head + loss (eagle3/train/head_loss.py) on a GPU: its Triton kernel against the op's torch implementation, and the TTT model's fused path against its unfused one."""
+"""The fused draft head + loss (eagle3/kernels/head_loss.py) on a GPU: its Triton kernel against the op's torch implementation, and the TTT model's fused path against its unfused one."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import eagle3.train.head_loss as hl
+import eagle3.kernels.head_loss as hl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or hl._kernel() is None,
                                 reason="needs CUDA and Triton")

@@ -28,7 +28,7 @@ def test_compiled_fast_muon_on_cuda_takes_torchs_steps_closer_to_float64():
     import torch._dynamo.config as dynamo_config
     from conftest import muon64_step
 
-    from eagle3.train.muon import FastMuon
+    from eagle3.kernels.muon import FastMuon
 
     kw = dict(lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     comp, eager, ref = _params(0), _params(0), _params(0)

@@ -1,4 +1,4 @@
-"""The Triton symmetric product (eagle3/train/symmm.py) and FastMuon with it (train.muon_sym=triton),
+"""The Triton symmetric product (eagle3/kernels/symmm.py) and FastMuon with it (train.muon_sym=triton),
 on a CUDA device: against float64 products, cuBLAS, the row panels and a float64 Muon. Skipped
 without a CUDA device (CI has none) or without Triton."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from eagle3.train.symmm import CONFIGS  # noqa: E402
+from eagle3.kernels.symmm import CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ def _rel(x, ref):
 def test_sym_mm_is_the_whole_product_on_every_element(dtype, kind):
     """alpha A B + beta C + diag I, every element written (the output starts as NaN), exactly
     symmetric, within the inputs' rounding of a float64 product and as close as cuBLAS's."""
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for nb, m, k in ((1, 2048, 512), (3, 2048, 1024), (2, 4096, 4096), (1, 2048, 8192)):
@@ -51,7 +51,7 @@ def test_sym_mm_is_the_whole_product_on_every_element(dtype, kind):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_kernel_configuration_computes_the_same_product(config):
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     X = (torch.randn(2, 2048, 1024, generator=gen, device="cuda") / 32).half()
@@ -65,7 +65,7 @@ def test_every_kernel_configuration_computes_the_same_product(config):
 def test_every_configuration_computes_bit_identical_results(dtype):
     """CONFIGS differ in loads, warps, stages and warp specialisation only, so they agree bit for bit,
     on a Gram product and on an m x m product with C and the diagonal term."""
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     X = (torch.randn(2, 2048, 4096, generator=gen, device="cuda") / 64).to(dtype)
@@ -80,7 +80,7 @@ def test_every_configuration_computes_bit_identical_results(dtype):
 
 
 def test_inputs_the_kernel_cannot_take_are_refused():
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     X = torch.randn(1, 1024, 512, device="cuda").half()
     assert not symmm.supported(X, X.mT)  # too few tiles (MIN_ROWS)
@@ -95,7 +95,7 @@ def test_inputs_the_kernel_cannot_take_are_refused():
 def test_gram_newton_schulz_with_the_triton_triangle_matches_the_panels():
     """The Gram form and the standard form, tile triangle against row panels: the same iterate
     within float16/bf16 rounding, as close to a float64 iteration as the panels are."""
-    from eagle3.train.muon import gram_newton_schulz, newton_schulz, normalised
+    from eagle3.kernels.muon import gram_newton_schulz, newton_schulz, normalised
 
     coeffs = (3.4445, -4.7750, 2.0315)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -121,7 +121,7 @@ def test_fast_muon_with_the_triton_triangle_takes_the_panels_steps():
     float64 Muon as torch's own bf16 Muon."""
     from conftest import muon64_step
 
-    from eagle3.train.muon import FastMuon
+    from eagle3.kernels.muon import FastMuon
 
     shapes = [(4096, 8192), (4096, 4096), (1024, 8192), (1024, 8192)]
     kw = dict(lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")

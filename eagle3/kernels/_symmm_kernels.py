@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`eagle3.train.symmm` (imported only where Triton is: see its docstring)."""
+"""The Triton kernels of :mod:`eagle3.kernels.symmm` (imported only where Triton is: see its docstring)."""
 import triton
 import triton.language as tl
 

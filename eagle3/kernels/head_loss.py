@@ -25,6 +25,8 @@ Both ops do all their work at run time, from this file's code: the compiled TTT 
 their calls. (Work traced from an op's autograd formula into the compiled backward can outlive a
 change to that formula: Inductor's on-disk AOTAutograd cache is keyed by the forward graph, where
 the op is one node.)
+
+Measured against the unfused loss: bench/results/head_loss_h200_202612.md.
 """
 from __future__ import annotations
 
@@ -36,16 +38,15 @@ from torch import Tensor
 
 CHOICES = ("auto", "fused", "unfused")
 CHUNK, WARPS = 4096, 8
-"""The kernel's chunk of a row and the warps of its program (one row). Of the forms timed on one H200
-at the 8B shape (bench/head_loss.py), this one was the fastest: 1.19 ms a step's rows, against
-1.22-1.52 for other chunks and warp counts and 1.47-1.51 for the whole row in registers."""
+"""The kernel's chunk of a row and the warps of its program (one row): the fastest of the forms
+bench/head_loss.py timed at the 8B shape (bench/results/head_loss_h200_202612.md)."""
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The Triton kernel, or None where Triton cannot be imported."""
     try:
-        from eagle3.train._head_loss_kernels import soft_ce_kernel
+        from eagle3.kernels._head_loss_kernels import soft_ce_kernel
     except Exception:  # noqa: BLE001 - any import failure means: not here
         return None
     return soft_ce_kernel
@@ -136,7 +137,7 @@ def head_soft_ce_backward(grad: Tensor, dlogits: Tensor, x: Tensor, w: Tensor) -
     g = grad.to(_acc(dlogits.dtype))
     # the factor on the smaller operands: the [N, H] rows before dw's matmul, dx after its own (one
     # compiled kernel each on CUDA: aten's multiply by a 0-dim device tensor ran at a quarter of
-    # the bandwidth there, 0.24 ms each at the 8B shape)
+    # the bandwidth there)
     scale = _compiled_scale() if x.device.type == "cuda" else _scale
     dw = torch.mm(dlogits.t(), scale(x, g))
     dx = scale(torch.mm(dlogits, w), g)

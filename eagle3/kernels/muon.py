@@ -1,72 +1,27 @@
-"""A faster ``torch.optim.Muon``: the same update in fewer FLOPs and fewer, larger kernels.
+"""FastMuon: ``torch.optim.Muon``'s update in fewer FLOPs and fewer, larger kernels.
 
-torch's Muon orthogonalises each 2-D momentum ``G`` (m x n after transposing so that m <= n,
-divided by its Frobenius norm) with ``k`` quintic Newton-Schulz iterations in bfloat16,
+A subclass of ``torch.optim.Muon`` (the same arguments, group keys and ``{"momentum_buffer"}``
+state: a checkpoint of either loads into the other). What differs is how the momentum is
+orthogonalised: same-shape matrices (after the transpose to m <= n) are stacked into batched calls,
+and each shape runs whichever Newton-Schulz form has fewer FLOPs (:func:`ns_flops`):
 
-    A = X X^T;  X <- a X + (b A + c A^2) X        4 m^2 n + 2 m^3 FLOPs per iteration,
-
-one matrix at a time. :class:`FastMuon` computes the same iterate two ways and picks, per shape,
-the one of fewer FLOPs (:func:`ns_flops`):
-
-* **Gram form** (:func:`gram_newton_schulz`), for wide matrices. Every iterate is ``X_j = Q_j X_0``
-  with ``Q_j`` a polynomial in ``R_0 = X_0 X_0^T``, so the iteration runs on m x m matrices:
-  ``P = a I + b R + c R^2``, ``Q <- P Q``, ``R <- P R P`` (they commute), and X is touched only to
-  form R and to apply Q. Carried along by the polynomial, R drifts from the true Gram matrix in
-  half precision: rounding puts spurious negative eigenvalues into it, which the polynomial then
-  blows up (measured: bf16 Gram NS with no precaution is off by 1.4x-500x of the result on
-  ill-conditioned inputs). As Dao et al.'s Gram Newton-Schulz (tridao.me/blog/2026/gram-newton-schulz)
-  this restarts once, after iteration 2 (``X_2 = Q X_0``, ``R = X_2 X_2^T``, ``Q = I``), and runs in
-  float16 on CUDA (bf16's range is not needed once X is normalised, fp16's 3 more mantissa bits
-  are; float32 on CPU, which has no fast fp16 GEMM):
-  ``8 m^2 n + 28 m^3`` FLOPs for 5 iterations against ``20 m^2 n + 10 m^3``, fewer once n > 1.5 m
-  (the 8B draft's 4096 x 14336 MLP matrices: 0.70 x; its 4096 x 12288 fc 0.74 x, q 0.88 x, k/v 0.54 x).
-  Scalings keep fp16 away from its subnormals and its overflow: X is scaled by a power of two
-  (exact), R is kept as ``gamma X X^T`` (gamma = min(sqrt(m), 64): R's eigenvalues stay <= ~1.5 gamma,
-  its square < 2^15), the coefficients adjusted to match.
+* **Gram form** (:func:`gram_newton_schulz`), for wide matrices: the iteration runs on the m x m
+  Gram matrix ``R = X X^T`` (``P = a I + b R + c R^2``, ``Q <- P Q``, ``R <- P R P``) and touches X
+  only to form R and apply Q. R drifts in half precision (spurious negative eigenvalues the polynomial
+  blows up), so, as Dao et al.'s Gram Newton-Schulz, it restarts once after iteration 2 and runs in
+  float16 on CUDA (float32 on CPU), with power-of-two scalings of X and ``R = gamma X X^T`` that keep
+  fp16 off its subnormals and its overflow.
 * **Standard form** (:func:`newton_schulz`), for square-ish matrices: torch's bf16 iteration.
 
-**Symmetric products** (:func:`sym_product`): every m x m result of the Gram form is symmetric
-(``X X^T``, and products of polynomials in the same R, which commute), as are the standard form's
-``X X^T`` and ``A^2``, so only their upper triangle is computed. On CUDA (``sym`` triton,
-``train.muon_sym=auto``) one Triton kernel (:mod:`eagle3.train.symmm`) multiplies only the 128 x 128
-tiles on and above the diagonal and writes each twice, for m >= 2048: 52% of those GEMMs' FLOPs (the
-8B draft's Newton-Schulz: 13.0 TFLOP a step, and o_proj's standard form too; one H200: 30.9 -> 24.5 ms
-an optimizer step, 94.1 -> 87.0-87.5 ms a train-loop step, bench/results/muon_sym_h200_202612.md).
-Elsewhere (``sym`` panels, :func:`sym_baddbmm`), for m >= 4096, the upper block-triangle in cuBLAS row
-panels of >= 2048 rows (at most :data:`SYM_MAX_PANELS`), mirrored: with 2 panels 75% of those GEMMs'
-FLOPs (the 8B draft's Newton-Schulz: 20.4 -> 16.9 TFLOP a step, :func:`ns_flops`). Only ``Q X`` stays
-whole. On one H200 (bench/optimizer.py, bench/results/muon_h200_202612.md) 2 panels took the 8B
-draft's Gram groups from 5.98 / 5.01 / 21.47 ms (fc, q, gate/up/down) to 5.59 / 4.53 / 17.07. In two
-calls 2 panels were the fastest count on fc, fastest or within 0.5% on q, and within 3.2% of 8 panels
-on gate/up/down. For the standard form (o_proj's square shape) the two calls disagreed on whether
-panels help at all, so it keeps whole GEMMs by default.
+The symmetric m x m products compute their upper triangle only (:func:`sym_product`: the Triton
+tile triangle of :mod:`eagle3.kernels.symmm` on CUDA, ``train.muon_sym``; cuBLAS row panels
+elsewhere). With ``shard`` (DDP) each process orthogonalises its share of the matrices
+(:func:`shard_owners`) and one all-reduce shares the results. Momentum, weight decay and the update
+run as two passes per shape group (:func:`momentum_stack`, :func:`apply_updates`), compiled on CUDA,
+the gradient clip folded into the first (``grad_scale``).
 
-Measured on CPU against a float64 iteration (tests/test_optim_muon.py): the Gram form's distance
-from torch's bf16 result is below torch's own distance from float64, on Gaussian, power-law and
-low-rank-plus-noise spectra.
-
-Same-shape matrices (after the transpose) are stacked and orthogonalised in batched calls
-(``torch.bmm``/``baddbmm``): the 8B draft's 8 matrices make 5 groups (gate/up/down, k/v, q, o, fc).
-**Several processes** (DDP: every process holds the same all-reduced gradients, so the same
-momentum): with ``shard`` each process orthogonalises only its share of the matrices
-(:func:`shard_owners`: the costliest first, each to the least-loaded process, by :func:`ns_cost`)
-and the results are shared in one all-reduce (zeros where another process owns a matrix: an
-exact sum), so the Newton-Schulz work of a step is split over the processes
-instead of repeated on each (the 8B draft's 8 matrices: one or two per process on 8 GPUs). Every
-process then applies the same bf16 updates: the weights stay identical across processes.
-
-Everything else is torch's Muon: ``FastMuon`` subclasses ``torch.optim.Muon`` (the same arguments,
-group keys and ``{"momentum_buffer"}`` state, so a checkpoint of either loads into the other) and
-applies momentum (``lerp``, Nesterov), decoupled weight decay and ``adjust_lr_fn`` as torch does.
-Per shape group these run as two passes, one before the iteration (:func:`momentum_stack`: the
-momentum, the bf16 update, the transpose, the stack, the norm, the Gram form's scaling) and one after
-it (:func:`apply_updates`: decay and update), ``torch.compile``d on CUDA: a few kernels instead of
-some ten passes over the gradients and weights. The gradient clip's coefficient is folded into the
-first (``grad_scale``, as fused AdamW takes it). On one H200 at the 8B shape this took the optimizer
-step from 35.4 to 31.3 ms and the train loop's Muon step from 101.8 / 103.2 to 97.6 ms (two calls;
-bench/results/muon_passes_h200_202612.md). The compiled passes round the update once where the eager ones
-round each op: on CUDA they were closer to a float64 Muon than the eager passes
-(tests/gpu/test_muon_gpu.py).
+Accuracy against a float64 iteration: tests/test_optim_muon.py (CPU), tests/gpu/test_muon_gpu.py.
+What each choice was measured to bring: bench/results/kernels_history_202612.md.
 """
 from __future__ import annotations
 
@@ -93,9 +48,9 @@ SYM_CHOICES = ("auto", "triton", "panels")
 
 
 def resolve_sym(sym: str, device: torch.device) -> str:
-    """``train.muon_sym``: auto -> triton on CUDA where Triton imports (:mod:`eagle3.train.symmm`),
+    """``train.muon_sym``: auto -> triton on CUDA where Triton imports (:mod:`eagle3.kernels.symmm`),
     panels elsewhere; triton asked for where it cannot run is an error that says why."""
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     if sym == "auto":
         return "triton" if device.type == "cuda" and symmm.available() else "panels"
@@ -133,9 +88,9 @@ def sym_fraction(m: int, panels: int) -> float:
 
 def sym_kind(m: int, sym: str) -> str:
     """How the symmetric products of an m x m result run for ``sym`` (triton | panels): the Triton
-    tile triangle (:mod:`eagle3.train.symmm`) where asked for and m is a multiple of its tile and at
+    tile triangle (:mod:`eagle3.kernels.symmm`) where asked for and m is a multiple of its tile and at
     least its ``MIN_ROWS``, else cuBLAS row panels."""
-    from eagle3.train import symmm
+    from eagle3.kernels import symmm
 
     if sym not in ("triton", "panels"):
         raise ValueError(f"sym must be triton or panels, got {sym!r}")
@@ -147,8 +102,8 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
     """Matmul FLOPs of ``steps`` Newton-Schulz iterations on one m x n matrix, standard form or
     :func:`gram_newton_schulz` (a multiply-add = 2 FLOPs; elementwise terms left out), the symmetric
     products computed in ``panels`` (:func:`sym_baddbmm`; 1: whole) or, with ``sym`` triton, as
-    the Triton kernel's tile triangle (:func:`eagle3.train.symmm.tri_fraction`)."""
-    from eagle3.train import symmm
+    the Triton kernel's tile triangle (:func:`eagle3.kernels.symmm.tri_fraction`)."""
+    from eagle3.kernels import symmm
 
     m, n = min(m, n), max(m, n)
     f = symmm.tri_fraction(m) if sym_kind(m, sym) == "triton" else sym_fraction(m, panels)
@@ -171,9 +126,8 @@ def ns_flops(m: int, n: int, steps: int, gram: bool, restart: int = RESTART, pan
 
 def use_gram(m: int, n: int, steps: int, panels: int | None = None, sym: str = "panels") -> bool:
     """Whether the Gram form takes fewer FLOPs than the standard iteration at this shape, both with
-    ``panels`` (default: whole GEMMs. On one H200 call at 4096 x 4096, the standard form in whole
-    GEMMs took 3.14 ms and the Gram form in 2 panels 3.72 ms, although the Gram form has 7% fewer
-    FLOPs there)."""
+    ``panels`` (default: whole GEMMs, which measured faster than panels for the standard form's
+    square shapes: bench/results/kernels_history_202612.md)."""
     p = 1 if panels is None else panels
     return ns_flops(m, n, steps, True, panels=p, sym=sym) < ns_flops(m, n, steps, False, panels=p, sym=sym)
 
@@ -207,8 +161,8 @@ def sym_product(C: Tensor | None, A: Tensor, B: Tensor, beta: float = 1.0, alpha
                 diag: float = 0.0, sym: str = "panels") -> Tensor:
     """``beta C + alpha A B + diag I`` for a symmetric (batch, m, m) product (as :func:`sym_baddbmm`):
     with ``sym`` triton and inputs the kernel takes, one launch of the Triton tile triangle
-    (:func:`eagle3.train.symmm.sym_mm`); else cuBLAS row panels."""
-    from eagle3.train import symmm
+    (:func:`eagle3.kernels.symmm.sym_mm`); else cuBLAS row panels."""
+    from eagle3.kernels import symmm
 
     if sym == "triton" and symmm.supported(A, B):
         return symmm.sym_mm(A, B, C, alpha=alpha, beta=beta if C is not None else 0.0, diag=diag)

@@ -4,7 +4,7 @@ the diagonal are multiplied; each tile above the diagonal is written twice, as i
 Every m x m product of Muon's Gram-form Newton-Schulz is symmetric (``X X^T``, and products of
 polynomials in one Gram matrix, which commute), as are ``X X^T`` and ``A^2`` of the standard form.
 Multiplying only the upper tile-triangle costs ``T (T + 1) / 2`` of the ``T^2`` tiles (T = m / 128:
-51.6% at m = 4096), against 75% for two cuBLAS row panels (:func:`eagle3.train.muon.sym_baddbmm`),
+51.6% at m = 4096), against 75% for two cuBLAS row panels (:func:`eagle3.kernels.muon.sym_baddbmm`),
 in one launch instead of one smaller GEMM per panel, with the panels' mirror copy folded into the
 kernel's stores. Each element of the result is written once, by one program (deterministic).
 
@@ -18,9 +18,8 @@ m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step); where 
 the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares (all
 compute bit-identical results); :func:`pick_config` the one used per shape.
 
-On one H200 (bench/results/muon_sym_h200_202612.md) it runs at ~650 TFLOP/s on the long-k Gram
-products and 360-520 on the k = m ones (cuBLAS's whole product: 640-780), which took the 8B draft's
-Newton-Schulz from 29.9 to 24.1 ms.
+Its speed against cuBLAS: bench/results/muon_sym_h200_202612.md (history:
+bench/results/kernels_history_202612.md).
 
 The tile schedule (:func:`tile_pairs`) walks groups of :data:`GROUP` tile-rows, column by column
 inside a group, so the programs running together share their A rows and B columns in L2.
@@ -46,25 +45,22 @@ CONFIGS = {  # name: (loads, BLOCK_K, num_warps, num_stages, warp-specialised k-
 }
 """The kernel variants ``bench/optimizer.py --sym`` compares. One tile and one k-step: each sums the
 same products in the same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py),
-so a variant changes the speed, not the result. (128 x 256 tiles were slower on every product of the
-8B draft, and a persistent kernel, one program per SM walking the tiles, flattened or not, gained
-nothing consistent: bench/results/muon_sym_h200_202612.md and step_levers_h200_202612.md.)"""
+so a variant changes the speed, not the result. (Larger tiles and a persistent kernel were tried and
+dropped: bench/results/muon_sym_h200_202612.md and step_levers_h200_202612.md.)"""
 LONG_K_CONFIG, SQUARE_CONFIG = "tma-k64w8s3-ws", "tma-k64w8s4"
 
 
 def pick_config(m: int, k: int) -> str:
     """The configuration for an m x m result over k: a warp-specialised three-stage k-loop for the
-    Gram products' long k (k >= 2 m: on the 8B draft's three Gram products, 2-12% faster than the
-    four-stage one in one H200 call, and the one the run-time timing tried in another chose), the
-    plain four-stage one for m x m products. The fastest variant of the m x m products changed from
-    call to call by a few percent; timing them at run time (tried) gained no more than that spread
+    Gram products' long k (k >= 2 m), the plain four-stage one for m x m products; a fixed choice, as
+    timing the variants at run time gained no more than their spread between calls
     (bench/results/muon_sym_h200_202612.md, step_levers_h200_202612.md)."""
     return LONG_K_CONFIG if k >= 2 * m else SQUARE_CONFIG
 
 
 MIN_ROWS = 2048
 """Smallest m the kernel is used for: below it the upper triangle has too few tiles to fill the GPU
-(at m = 1024, 36 tiles a matrix: cuBLAS's whole product was faster on the 8B draft's k/v)."""
+(cuBLAS's whole product was faster at m = 1024: bench/results/muon_sym_h200_202612.md)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +70,7 @@ def _triton():
     try:
         import triton
 
-        from eagle3.train import _symmm_kernels as k
+        from eagle3.kernels import _symmm_kernels as k
     except Exception:  # noqa: BLE001 - any import failure means: not here
         return None
     return triton, k.sym_kernel_ptr, k.sym_kernel_tma

@@ -1,4 +1,4 @@
-"""The Triton kernel of :mod:`eagle3.train.head_loss` (imported only where Triton is: see its docstring)."""
+"""The Triton kernel of :mod:`eagle3.kernels.head_loss` (imported only where Triton is: see its docstring)."""
 import triton
 import triton.language as tl
 
@@ -9,8 +9,8 @@ def soft_ce_kernel(L, T, Rows, W, CE, Arg, V, stride_l, stride_t, BLOCK: tl.cons
     Writes CE[n] = logsumexp(x) * sum(p) - <p, x> and Arg[n] = argmax(x) (the first of equal maxima),
     and overwrites the row of L with W[n] * (softmax(x) * sum(p) - p), the gradient of W[n] * CE[n].
     Two passes over chunks of BLOCK: the first for the row's sums (an online log-sum-exp), the second
-    reads the row again for the gradient. (The whole row in registers, read once, was slower at the
-    8B shape: bench/results/head_loss_h200_202612.md.)"""
+    reads the row again for the gradient. (The whole row in registers, read once, was slower:
+    bench/results/head_loss_h200_202612.md.)"""
     n = tl.program_id(0).to(tl.int64)
     row_t = tl.load(Rows + n).to(tl.int64)
     w = tl.load(W + n).to(tl.float32)

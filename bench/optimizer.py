@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
+from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.kernels.muon import (  # noqa: E402
     chosen_form,
     gram_newton_schulz,
@@ -51,6 +51,7 @@ from eagle3.kernels.muon import (  # noqa: E402
     sym_panels,
     use_gram,
 )
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.optim import build_optimizer, split_for_muon  # noqa: E402
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -59,18 +60,6 @@ SHAPES = {  # name: (hidden, heads, kv heads, head dim, intermediate, draft voca
     "8b": (4096, 32, 8, 128, 14336, 32000),
     "small": (256, 4, 2, 64, 896, 1024),  # the 8B draft's aspect ratios (MLP 3.5, fc 3, q 2, k/v 8)
 }
-
-
-def TrainConfig(**overrides):
-    """eagle3.config.TrainConfig's optimizer fields and defaults (that module needs hydra, which the
-    GPU box lacks), as the train loop reads them; ``overrides`` replace any field."""
-    from types import SimpleNamespace
-
-    fields = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
-                  muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast",
-                  muon_sym="auto", adamw_impl="auto")
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
 
 
 def torch_ns(G):

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.metrics import peak_flops, ttt_flops_per_token  # noqa: E402
 from eagle3.train.optim import can_fold, fold_clip  # noqa: E402
@@ -276,21 +277,12 @@ def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
     return TrainInputs(Store(), None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
 
 
-def loop_config(a, compile_mode: str, **overrides):
-    """eagle3.config.TrainConfig's fields and defaults (that module needs hydra, which the GPU box
-    lacks), with the bench's shape and step count; ``overrides`` replace any field."""
-    from types import SimpleNamespace
-
-    fields = dict(model=SimpleNamespace(lm_head_init="target"), ttt_steps=a.ttt, decay=0.8, lr=1e-4,
-                  min_lr_ratio=0.0, warmup_steps=2, weight_decay=0.0, betas=[0.9, 0.95], grad_clip=0.5,
-                  batch_size=a.batch, grad_accum=1, epochs=1, max_steps=a.loop_steps, max_seq_len=a.seq,
-                  mixed_precision="auto", attention="auto", seed=0, eval_every=10**6, save_every=10**6,
-                  keep_last=1, log_every=5, num_workers=2, packing=True, compile=compile_mode,
-                  optimizer="adamw", muon_lr=1e-3, muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                  muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, muon_sym="auto",
-                  target_cache=True, adamw_impl="auto", loss_rows_only=True, head_loss="auto", fp8_matmul="off")
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+def loop_config(a, compile_mode: str, **overrides) -> TrainConfig:
+    """The real TrainConfig with the bench's shape and step count (warmup 2, no evaluation or
+    checkpoint inside the run, a logged window every 5 steps); ``overrides`` replace any field."""
+    fields = dict(ttt_steps=a.ttt, warmup_steps=2, batch_size=a.batch, max_steps=a.loop_steps, max_seq_len=a.seq,
+                  eval_every=10**6, save_every=10**6, keep_last=1, log_every=5, num_workers=2, compile=compile_mode)
+    return TrainConfig(**{**fields, **overrides})
 
 
 def loop_summary(name: str, recs: list, batch_tokens: int, wall: float) -> dict:

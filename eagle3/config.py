@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
-
 from .contracts import STAGES
+
+MISSING = "???"
+"""omegaconf.MISSING's value (a required field): the schemas import without Hydra or OmegaConf, so
+benchmarks and the GPU tests build the real configs where neither is installed."""
 
 _PACKAGE = Path(__file__).resolve().parent
 CONF_DIR = _PACKAGE / "conf" if (_PACKAGE / "conf").is_dir() else _PACKAGE.parent / "conf"
@@ -845,6 +846,8 @@ def check_experiment_name(name: str) -> None:
 
 
 def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="eagle3_schema", node=Config)
 

@@ -398,18 +398,3 @@ def muon64_step(params, bufs, lr, wd, momentum, nesterov, adjust_lr_fn):
             X = a * X + (b * A + c * A @ A) @ X
         X = X.T if u.shape[0] > u.shape[1] else X
         p.data.mul_(1 - lr * wd).add_(X, alpha=-torch.optim._muon._adjust_lr(lr, adjust_lr_fn, p.shape))
-
-
-OPTIMIZER_DEFAULTS = dict(optimizer="adamw", lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, muon_lr=1e-3,
-                          muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                          muon_adjust_lr_fn="match_rms_adamw", muon_impl="fast", muon_shard=True, muon_sym="auto",
-                          adamw_impl="auto", compile="auto")
-"""eagle3.config.TrainConfig's optimizer fields and defaults, for the GPU tests: that module needs hydra,
-which the GPU machine's image lacks (tests/test_optim_muon.py checks these against TrainConfig)."""
-
-
-def optimizer_config(**overrides):
-    """A stand-in for eagle3.config.TrainConfig's optimizer fields (:data:`OPTIMIZER_DEFAULTS`)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**{**OPTIMIZER_DEFAULTS, **overrides})

@@ -294,13 +294,6 @@ def test_muon_with_adamw_uses_the_configured_implementation():
     assert semantic_dict(TrainConfig(optimizer="muon", muon_sym="panels")) == semantic_dict(TrainConfig(optimizer="muon"))
 
 
-def test_the_gpu_tests_optimizer_stand_in_has_train_configs_defaults():
-    from conftest import OPTIMIZER_DEFAULTS
-
-    cfg = TrainConfig()
-    assert {k: getattr(cfg, k) for k in OPTIMIZER_DEFAULTS} == OPTIMIZER_DEFAULTS
-
-
 # -- the symmetric products: the Triton tile triangle (GPU tests: tests/gpu/test_symmm_gpu.py) --------
 
 def test_tile_pairs_cover_the_upper_triangle_once_in_row_groups():

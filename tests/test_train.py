@@ -642,34 +642,32 @@ def test_compiled_adamw_checkpoint_resumes_in_fused_adamw_and_folds_the_clip():
 
 
 def test_adamw_impl_picks_the_optimizer_for_both_recipes():
-    from types import SimpleNamespace
-
+    from eagle3.config import TrainConfig
     from eagle3.train.optim import CompiledAdamW, MuonWithAdamW, build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    base = dict(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, compile="false", muon_lr=1e-3, muon_momentum=0.95,
-                muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")
+    base = dict(lr=1e-3, compile="false")
     cpu = torch.device("cpu")
     for impl, cls in (("auto", torch.optim.AdamW), ("fused", torch.optim.AdamW), ("compiled", CompiledAdamW)):
-        opt = build_optimizer(model, SimpleNamespace(optimizer="adamw", adamw_impl=impl, **base), cpu)
+        opt = build_optimizer(model, TrainConfig(optimizer="adamw", adamw_impl=impl, **base), cpu)
         assert type(opt) is cls and (cls is CompiledAdamW or opt.defaults["fused"]), impl
-        muon = build_optimizer(model, SimpleNamespace(optimizer="muon", adamw_impl=impl, **base), cpu)
+        muon = build_optimizer(model, TrainConfig(optimizer="muon", adamw_impl=impl, **base), cpu)
         assert isinstance(muon, MuonWithAdamW) and type(muon.adamw) is cls, impl
-    with pytest.raises(ValueError, match="train.adamw_impl must be"):
-        build_optimizer(model, SimpleNamespace(optimizer="adamw", adamw_impl="apex", **base), cpu)
+    with pytest.raises(ValueError, match="train.adamw_impl='apex' is not one of"):
+        TrainConfig(adamw_impl="apex")
     # auto: compiled on CUDA when the step is compiled and the parameters are whole; FSDP shards refuse compiled
     from eagle3.train.optim import adamw_impl
 
     cuda = torch.device("cuda")
     for compile_, sharded, want in (("auto", False, "compiled"), ("true", False, "compiled"),
                                     ("false", False, "fused"), ("auto", True, "fused")):
-        assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile=compile_), cuda, sharded) == want
-    assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile="true"), cpu) == "fused"
+        assert adamw_impl(TrainConfig(adamw_impl="auto", compile=compile_), cuda, sharded) == want
+    assert adamw_impl(TrainConfig(adamw_impl="auto", compile="true"), cpu) == "fused"
     # Muon's AdamW half: fused under auto, compiled when asked for
-    assert adamw_impl(SimpleNamespace(adamw_impl="auto", compile="auto"), cuda, auto_compiled=False) == "fused"
-    assert adamw_impl(SimpleNamespace(adamw_impl="compiled", compile="auto"), cuda, auto_compiled=False) == "compiled"
+    assert adamw_impl(TrainConfig(adamw_impl="auto", compile="auto"), cuda, auto_compiled=False) == "fused"
+    assert adamw_impl(TrainConfig(adamw_impl="compiled", compile="auto"), cuda, auto_compiled=False) == "compiled"
     with pytest.raises(ValueError, match="not supported with FSDP"):
-        adamw_impl(SimpleNamespace(adamw_impl="compiled", compile="auto"), cuda, sharded=True)
+        adamw_impl(TrainConfig(adamw_impl="compiled", compile="auto"), cuda, sharded=True)
 
 
 def test_ttt_forward_traces_as_one_graph():

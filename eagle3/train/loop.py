@@ -96,7 +96,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     if compile_:
         restore_compile_threads()  # vLLM's TORCHINDUCTOR_COMPILE_THREADS=1, where it ran in this process
     model = TTTModel(draft, num_steps=S, decay=tcfg.decay, attention=tcfg.attention, compile=compile_,
-                     head_loss=getattr(tcfg, "head_loss", "auto"), fp8_matmul=getattr(tcfg, "fp8_matmul", "off"))
+                     head_loss=tcfg.head_loss, fp8_matmul=tcfg.fp8_matmul)
     head.compile = compile_
     check_optimizer_distribution(accelerator, tcfg)
     # train.optimizer: AdamW, or Muon + AdamW
@@ -128,7 +128,7 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     pin = device.type == "cuda" and not inputs.train_store.on_device
     loader = torch.utils.data.DataLoader(
         MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0,
-                     head_rows_steps=S if getattr(tcfg, "loss_rows_only", True) else None),
+                     head_rows_steps=S if tcfg.loss_rows_only else None),
         batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
         worker_init_fn=ignore_stop_signals if tcfg.num_workers else None)
     if prefetch is None:
@@ -388,7 +388,7 @@ def _in_vocab_cache(tcfg, inputs: TrainInputs, epochs: Epochs, start: int, total
                     device) -> Optional[InVocabCache]:
     """train.target_cache: an :class:`InVocabCache` when the steps left visit a sample twice (they
     span more than one epoch) and the draft vocabulary is not the whole vocabulary; else None."""
-    if not getattr(tcfg, "target_cache", True) or start >= total or head.draft_vocab_size == head.vocab_size:
+    if not tcfg.target_cache or start >= total or head.draft_vocab_size == head.vocab_size:
         return None
     if epochs.locate(total - 1)[0] == epochs.locate(start)[0]:
         return None
@@ -444,7 +444,7 @@ def evaluate(model, head, store: HiddenStateSource, tcfg, accelerator, dtype, pa
     was_training = model.training
     model.eval()
     ds = MicroBatches(store, [rows[i:i + tcfg.batch_size] for i in range(0, len(rows), tcfg.batch_size)],
-                      tcfg.max_seq_len, pad, head_rows_steps=tcfg.ttt_steps if getattr(tcfg, "loss_rows_only", True)
+                      tcfg.max_seq_len, pad, head_rows_steps=tcfg.ttt_steps if tcfg.loss_rows_only
                       else None)
     for k in range(len(ds)):
         b = to_device(ds[k], device)

@@ -108,7 +108,7 @@ class CompiledAdamW(torch.optim.AdamW):
 def compiles(tcfg, device: torch.device) -> bool:
     """Whether ``train.compile`` compiles on ``device``: true, or auto on CUDA (the loop's rule for
     the TTT step, and the optimizer's for its passes)."""
-    mode = str(getattr(tcfg, "compile", "auto")).lower()
+    mode = str(tcfg.compile).lower()
     return mode == "true" or (mode == "auto" and device.type == "cuda")
 
 
@@ -126,7 +126,7 @@ def adamw_impl(tcfg, device: torch.device, sharded: bool = False, auto_compiled:
     compiled too (train.compile auto or true) and the parameters are whole (not FSDP shards:
     ``sharded``), else fused; fused too where ``auto_compiled`` is false (Muon's AdamW half: its
     131M parameters' step measured the same either way, and compiling it would cost a compile)."""
-    impl = str(getattr(tcfg, "adamw_impl", "auto"))
+    impl = str(tcfg.adamw_impl)
     if impl not in ("auto", "fused", "compiled"):
         raise ValueError(f"train.adamw_impl must be auto, fused or compiled, got {impl!r}")
     if impl == "compiled" and sharded:
@@ -164,7 +164,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  device: torch.device | None = None):
         if not muon_params:
             raise ValueError("train.optimizer=muon: the draft has no 2-D weight for Muon")
-        impl = getattr(tcfg, "muon_impl", "fast")
+        impl = tcfg.muon_impl
         if impl not in ("fast", "torch"):
             raise ValueError(f"train.muon_impl must be fast or torch, got {impl!r}")
         kw = dict(lr=tcfg.muon_lr, weight_decay=tcfg.muon_weight_decay, momentum=tcfg.muon_momentum,
@@ -172,9 +172,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         params = [p for _, p in muon_params]
         if impl == "fast":
             # train.compile: auto compiles FastMuon's two passes on CUDA only, as it does the forward
-            compile_ = {"auto": None, "true": True, "false": False}[str(getattr(tcfg, "compile", "auto")).lower()]
-            self.muon = FastMuon(params, shard=bool(getattr(tcfg, "muon_shard", True)), compile=compile_,
-                                 sym=getattr(tcfg, "muon_sym", "auto"), **kw)
+            compile_ = {"auto": None, "true": True, "false": False}[str(tcfg.compile).lower()]
+            self.muon = FastMuon(params, shard=bool(tcfg.muon_shard), compile=compile_,
+                                 sym=tcfg.muon_sym, **kw)
         else:
             self.muon = torch.optim.Muon(params, **kw)
         rest = [p for _, p in adamw_params]
@@ -218,7 +218,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def build_optimizer(model: torch.nn.Module, tcfg, device: torch.device, sharded: bool = False) -> torch.optim.Optimizer:
     """``train.optimizer``: AdamW over every parameter (:func:`adamw`), or :class:`MuonWithAdamW`.
     ``sharded``: the parameters will be FSDP shards (AdamW then fused)."""
-    if getattr(tcfg, "optimizer", "adamw") == "adamw":
+    if tcfg.optimizer == "adamw":
         return adamw(model.parameters(), tcfg, device, sharded)
     muon, rest = split_for_muon(model.named_parameters())
     return MuonWithAdamW(muon, rest, tcfg, fused=device.type in ("cuda", "cpu"), sharded=sharded, device=device)
@@ -230,7 +230,7 @@ def check_optimizer_distribution(accelerator, tcfg) -> None:
     op dispatch makes it correct, and at what gather cost, is not tested here)."""
     from accelerate.utils import DistributedType
 
-    if getattr(tcfg, "optimizer", "adamw") == "muon" and accelerator.distributed_type == DistributedType.FSDP:
+    if tcfg.optimizer == "muon" and accelerator.distributed_type == DistributedType.FSDP:
         raise ValueError("train.optimizer=muon is not supported with FSDP: Muon orthogonalises whole 2-D "
                          "weights and FSDP shards them (untested here). Train with DDP (the draft fits one "
                          "device) or use train.optimizer=adamw.")

@@ -69,8 +69,7 @@ def test_compiled_fast_muon_on_cuda_takes_torchs_steps_closer_to_float64():
 def test_clip_folded_into_muon_with_adamw_on_cuda_is_clip_grad_norm():
     """train.optimizer=muon on CUDA (FastMuon compiled, fused AdamW): fold_clip's steps equal
     clip_grad_norm_ then step, with gradients above and below the clipping norm."""
-    from conftest import optimizer_config as TrainConfig  # eagle3.config needs hydra, not on the GPU image
-
+    from eagle3.config import TrainConfig  # imports without hydra (absent on the GPU image)
     from eagle3.train.optim import MuonWithAdamW, can_fold, fold_clip
 
     def run(fold):

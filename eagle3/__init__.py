@@ -1,11 +1,8 @@
 """eagle3: train EAGLE-3 speculative-decoding drafts and hand them to vLLM."""
 
-import os as _os
+from .train import inductor as _inductor  # noqa: F401 - records TORCHINDUCTOR_COMPILE_THREADS before vLLM sets it
 
 __version__ = "0.1.0"
-# TORCHINDUCTOR_COMPILE_THREADS as eagle3 found it, before any vLLM import overwrote it (vLLM sets it
-# to 1 for its whole process; eagle3.train.inductor gives the trainer's compile its threads back)
-INDUCTOR_THREADS_AT_START = _os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
 
 
 def open_hidden_states(experiment_dir, split: str = "train", fp8: str = "dequantize"):

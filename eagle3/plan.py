@@ -463,7 +463,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         plan["h200_train_tokens_per_s"] = train_tps
     # online training keeps at most the window ahead of the trainer plus the cache (train.online.*),
     # never more than the whole store would take
-    from .report import fmt_size
+    from .units import fmt_size
 
     ocfg = cfg.train.online
     window = min(ocfg.window_bytes + ocfg.cache_bytes, store[store_dtype]["bytes"])
@@ -577,7 +577,7 @@ def print_plan(plan: dict) -> None:
     from rich.table import Table
 
     from .quantization import summary
-    from .report import fmt_size
+    from .units import fmt_size
 
     console = Console(width=160)
     console.print(f"target {plan['target']}: {plan.get('target_dtype')}, quantization: "

@@ -25,9 +25,10 @@ def _module_file(root: Path, name: str):
     return None
 
 
-def _imports(root: Path, name: str, path: Path) -> set:
+def _imports(root: Path, name: str, path: Path, packages: bool = True) -> set:
     """The project modules ``name`` (file ``path``) imports anywhere in its code; ``from a import b``
-    counts ``a`` and, when it is a module, ``a.b``; relative imports are resolved."""
+    counts ``a`` and, when it is a module, ``a.b``; relative imports are resolved. ``packages``: the
+    packages above each imported module count too (importing them runs their ``__init__``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -41,8 +42,8 @@ def _imports(root: Path, name: str, path: Path) -> set:
                 base = ".".join(parts + ([node.module] if node.module else []))
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}
-    # a.b.c imports its packages a and a.b too
-    found |= {".".join(m.split(".")[:k]) for m in found for k in range(1, m.count(".") + 1)}
+    if packages:  # a.b.c imports its packages a and a.b too
+        found |= {".".join(m.split(".")[:k]) for m in found for k in range(1, m.count(".") + 1)}
     return {m for m in found if m.split(".")[0] in PROJECT and _module_file(root, m) is not None}
 
 
@@ -104,3 +105,27 @@ def test_the_scan_finds_an_online_import(how, tmp_path):
     if how == "through":
         (tmp_path / "eagle3" / "other.py").write_text("import eagle3.online.exchange\n")
     assert any("eagle3.extract.reuse" in chain for chain in online_reached(tmp_path))
+
+
+def _modules(root: Path, package: str) -> list:
+    return [package if p.stem == "__init__" else f"{package}.{p.stem}"
+            for p in sorted(root.joinpath(*package.split(".")).glob("*.py"))]
+
+
+def test_the_kernels_import_no_other_eagle3_module():
+    """eagle3/kernels/ is the floor the train loop and the model stand on: torch and Triton only."""
+    mods = _modules(ROOT, "eagle3.kernels")
+    assert len(mods) > 3
+    found = {m: sorted(d for d in _imports(ROOT, m, _module_file(ROOT, m), packages=False)
+                       if not d.startswith("eagle3.kernels")) for m in mods}
+    assert found == {m: [] for m in mods}
+
+
+def test_train_checkpoint_and_inductor_stay_low():
+    """The checkpoint's messages need no report (the stage's printing), and inductor.py no package
+    __init__: it is what ``import eagle3`` imports first."""
+    def explicit(m):
+        return _imports(ROOT, m, _module_file(ROOT, m), packages=False)
+
+    assert "eagle3.report" not in explicit("eagle3.train.checkpoint")
+    assert explicit("eagle3.train.inductor") == set()

@@ -166,7 +166,7 @@ def free_bytes(path: Path) -> int:
 
 def no_space_message(writing: Path, needed: int, where: Path) -> str:
     """'writing X: it needs N bytes, M are free there' (for an error about a full disk)."""
-    from ..report import fmt_size
+    from ..units import fmt_size
 
     free = free_bytes(where)
     return (f"no space left writing {writing}: it needs about {needed} bytes ({fmt_size(needed)}) there, "

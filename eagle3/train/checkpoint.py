@@ -25,6 +25,7 @@ import torch
 from ..artifacts import CHECKPOINT_COMPLETE, CHECKPOINTS_DIR
 from ..atomic import apply_umask, atomic_write_text, fsync_dir
 from ..errors import Eagle3Error, disk_full
+from ..units import fmt_size
 from .ttt import STAT_NAMES
 
 
@@ -127,8 +128,6 @@ def _any_failed(accelerator, failure: Optional[BaseException]) -> bool:
 
 
 def _raise_save_error(e: Optional[BaseException], directory: Path, step: int, needed: int) -> None:
-    from ..report import fmt_size
-
     free = shutil.disk_usage(directory).free
     previous = complete_checkpoints(directory.parent)
     kept = (f"The previous checkpoint {previous[-1]} is intact: a re-run resumes from it." if previous

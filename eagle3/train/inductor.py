@@ -10,20 +10,24 @@ back, unless the user set the variable before eagle3 started.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional
 
 log = logging.getLogger("eagle3.train")
 ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+AT_START = os.environ.get(ENV)
+"""The variable as eagle3 found it: ``import eagle3`` imports this module first, before any vLLM
+import can overwrite it."""
 _UNSET = object()
 
 
 def restore_compile_threads(user_setting=_UNSET) -> Optional[int]:
     """Inductor's compile threads back to torch's default (``min(32, cores)``) when vLLM, not the
     user, lowered them to 1 in this process; returns the new count, or None when nothing changed.
-    ``user_setting``: the variable as the user started eagle3 (default: as ``import eagle3`` found it)."""
+    ``user_setting``: the variable as the user started eagle3 (default: :data:`AT_START`)."""
     if user_setting is _UNSET:
-        from .. import INDUCTOR_THREADS_AT_START as user_setting
+        user_setting = AT_START
     if "vllm" not in sys.modules or user_setting is not None:
         return None
     import torch

@@ -83,13 +83,3 @@ def mask_html(tokenizer, input_ids, loss_mask, max_tokens: int = 400) -> str:
         style = "background:#c6f6c6" if m else "color:#888"
         parts.append(f'<span style="{style}">{text}</span>')
     return '<div style="font-family:monospace;white-space:pre-wrap">' + "".join(parts) + "</div>"
-
-
-def coverage_curve(freq, sizes) -> list[tuple[int, float]]:
-    """Share of trainable tokens covered by a draft vocabulary of each size."""
-    import numpy as np
-
-    counts = np.sort(np.asarray(freq))[::-1]
-    total = counts.sum() or 1
-    cum = np.cumsum(counts)
-    return [(int(s), float(cum[min(s, len(cum)) - 1] / total)) for s in sizes if s > 0]

@@ -1,9 +1,10 @@
 """The training loop: ``train()``, an explicit Accelerate loop around the TTT model.
 
-``train()`` reads as setup (accelerator, draft and target head, optimizer and LR schedule, data),
-resume (eagle3/train/checkpoint.py) and a loop whose body calls one helper per concern: an
-optimizer step, logging the metrics window, eval, a checkpoint. At the end it writes the draft
-(``draft.safetensors`` and its configs) and returns the last metrics as a :class:`TrainResult`.
+``train()`` reads as its phases: :func:`_set_up` (accelerator, draft and target head, optimizer and
+LR schedule, resume: eagle3/train/checkpoint.py), :func:`_loader` and :func:`_logs` (the batches, the
+progress bar and metrics sinks), :func:`_steps` (a loop whose body calls one helper per concern: an
+optimizer step, logging the metrics window, eval, a checkpoint) and :func:`_finish`, which writes the
+draft (``draft.safetensors`` and its configs); it returns the last metrics as a :class:`TrainResult`.
 
 One optimizer step = ``grad_accum`` micro-batches per process (``accelerator.accumulate``), each
 ``batch_size`` rows; the loss of every micro-batch is divided by the number of loss positions of
@@ -21,7 +22,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -80,10 +81,65 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
     on a GPU with ``train.num_workers=0`` (on a CPU the thread would take cores from the step).
     ``fresh``: from step 0, the checkpoints in ``out_dir`` removed (an earlier attempt's, made from
     other inputs), instead of resuming from the latest."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+    run = _set_up(tcfg, inputs, Path(out_dir), fresh)
+    loader = _loader(run)
+    window = Window(run.state, run.device)
+    cache = _in_vocab_cache(tcfg, inputs, run.epochs, run.state.step, run.total, run.head, run.device)
+    logs = _logs(run, log_fn, progress)
+    if prefetch is None:
+        prefetch = run.device.type == "cuda" and tcfg.num_workers == 0
+    prefetcher = Prefetcher(loader, device=run.device) if prefetch else None
+    batches = prefetcher if prefetch else iter(loader)
+    if run.device.type == "cuda":  # each batch's copy to the GPU beside the step before it
+        batches = DeviceCopies(batches, run.device)
+    try:
+        last_eval = _steps(run, batches, window, cache, logs)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+    logs.flush(wait=True)
+    logs.bar.close()
+    if cache is not None:
+        log.info("train: the target head took in_vocab from its cache for %d of %d micro-batches (the others "
+                 "were a sample's first pass)", cache.hits, cache.hits + cache.misses)
+    _finish(run)
+    return TrainResult(steps=run.total, train=logs.last, eval=last_eval)
 
-    out_dir = Path(out_dir)
+
+# -- the phases of train() -----------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    """What train()'s phases share: the setup, and the loop state the checkpoints carry."""
+    tcfg: Any
+    inputs: TrainInputs
+    out_dir: Path
+    accelerator: Any
+    dtype: torch.dtype
+    model: Any  # the TTT model, as Accelerate prepared it
+    head: TargetHead
+    optimizer: Any
+    scheduler: Any
+    state: LoopState
+    epochs: Epochs
+    total: int
+    metrics: JsonlLogger
+    resumed: Optional[Path]
+    vocab_mapping: dict
+    compile: bool
+    pad: int
+
+    @property
+    def device(self):
+        return self.accelerator.device
+
+
+def _set_up(tcfg, inputs: TrainInputs, out_dir: Path, fresh: bool) -> _Run:
+    """The accelerator, the draft and target head, the TTT model, the optimizer and its schedule,
+    prepared by Accelerate; then the latest checkpoint loaded (unless ``fresh``) and metrics.jsonl
+    cut to it."""
+    from accelerate.utils import set_seed
+
     accelerator, mp = _accelerator(tcfg, out_dir)
     device, W, S = accelerator.device, accelerator.num_processes, tcfg.ttt_steps
     dtype = torch.bfloat16 if mp == "bf16" else torch.float32
@@ -118,39 +174,54 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
             metrics.truncate_after(state.step)
         else:  # a fresh run: old lines belong to an abandoned attempt
             metrics.path.unlink(missing_ok=True)
-
     pad = FLEX_BLOCK if resolve_backend(tcfg.attention, device) == "flex" else 1
-    order = epochs.micro_batches(state.step, total, accelerator.process_index)
-    inputs.train_store.expect(order)  # an online source computes what it will be asked for
+    return _Run(tcfg, inputs, out_dir, accelerator, dtype, model, head, optimizer, scheduler, state, epochs, total,
+                metrics, resumed, vocab_mapping, compile_, pad)
+
+
+def _loader(run: _Run):
+    """The DataLoader of this process's micro-batches from the current step on (the source told
+    what it will be asked for)."""
+    tcfg, store, device = run.tcfg, run.inputs.train_store, run.device
+    order = run.epochs.micro_batches(run.state.step, run.total, run.accelerator.process_index)
+    store.expect(order)  # an online source computes what it will be asked for
     # host batches go to the GPU from pinned memory (async copies): collated straight into it in
     # this process, or pinned by the DataLoader after its worker processes; an online colocated
     # store's items are on the GPU already
-    pin = device.type == "cuda" and not inputs.train_store.on_device
-    loader = torch.utils.data.DataLoader(
-        MicroBatches(inputs.train_store, order, tcfg.max_seq_len, pad, pin=pin and tcfg.num_workers == 0,
-                     head_rows_steps=S if tcfg.loss_rows_only else None),
+    pin = device.type == "cuda" and not store.on_device
+    return torch.utils.data.DataLoader(
+        MicroBatches(store, order, tcfg.max_seq_len, run.pad, pin=pin and tcfg.num_workers == 0,
+                     head_rows_steps=tcfg.ttt_steps if tcfg.loss_rows_only else None),
         batch_size=None, shuffle=False, num_workers=tcfg.num_workers, pin_memory=pin and tcfg.num_workers > 0,
         worker_init_fn=ignore_stop_signals if tcfg.num_workers else None)
-    if prefetch is None:
-        prefetch = device.type == "cuda" and tcfg.num_workers == 0
-    flops_per_token = ttt_flops_per_token(inputs.draft_config, tcfg.max_seq_len, S, inputs.draft_config.vocab_size)
-    window = Window(state, device)
-    cache = _in_vocab_cache(tcfg, inputs, epochs, state.step, total, head, device)
-    last_eval = None
-    bar = tqdm(total=total, initial=state.step, desc="train", disable=not (progress and accelerator.is_local_main_process))
-    logs = Logs(accelerator, (metrics, log_fn), bar, tcfg.decay, flops_per_token)
-    prefetcher = Prefetcher(loader, device=device) if prefetch else None
-    batches = prefetcher if prefetch else iter(loader)
-    if device.type == "cuda":  # each batch's copy to the GPU beside the step before it
-        batches = DeviceCopies(batches, device)
+
+
+def _logs(run: _Run, log_fn, progress: bool) -> "Logs":
+    """The progress bar and the logged windows' sinks (metrics.jsonl, ``log_fn``)."""
+    from tqdm.auto import tqdm
+
+    tcfg = run.tcfg
+    flops_per_token = ttt_flops_per_token(run.inputs.draft_config, tcfg.max_seq_len, tcfg.ttt_steps,
+                                          run.inputs.draft_config.vocab_size)
+    bar = tqdm(total=run.total, initial=run.state.step, desc="train",
+               disable=not (progress and run.accelerator.is_local_main_process))
+    return Logs(run.accelerator, (run.metrics, log_fn), bar, tcfg.decay, flops_per_token)
+
+
+def _steps(run: _Run, batches, window: "Window", cache, logs: "Logs") -> Optional[StepMetrics]:
+    """The optimizer steps up to the last, each followed by its logged window, eval and checkpoint
+    when due; a stop request saves a checkpoint and raises Interrupted, a stalled source saves one
+    between steps and re-raises. Returns the last eval."""
+    tcfg, accelerator, state, total = run.tcfg, run.accelerator, run.state, run.total
+    W, last_eval = accelerator.num_processes, None
     first = state.step + 1
-    if compile_ and state.step < total and accelerator.is_main_process:
+    if run.compile and state.step < total and accelerator.is_main_process:
         import torch._inductor.config as inductor_config
 
         log.info("train: compiling the training step (torch.compile, %d compile threads); the first step waits "
                  "for it", inductor_config.compile_threads)
     t_first = time.perf_counter()
-    saved_step = state.step if resumed else -1  # the step whose checkpoint is on disk
+    saved_step = state.step if run.resumed else -1  # the step whose checkpoint is on disk
     between_steps = True  # nothing of the next step done yet (a checkpoint now is the last step's state)
     try:
         # SIGTERM / SIGINT: finish the step, save a checkpoint, raise Interrupted
@@ -159,57 +230,56 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
                 between_steps = True
                 micro = [next(batches) for _ in range(tcfg.grad_accum)]
                 between_steps = False
-                lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-                grad_norm = _optimizer_step(accelerator, model, optimizer, head, micro, window, tcfg, dtype, cache)
+                lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+                grad_norm = _optimizer_step(accelerator, run.model, run.optimizer, run.head, micro, window, tcfg,
+                                            run.dtype, cache)
                 if isinstance(batches, DeviceCopies) and state.step + 1 < total:
                     batches.ahead(tcfg.grad_accum)  # the next step's copies, beside this step's work
-                scheduler.step()
+                run.scheduler.step()
                 state.step += 1
-                bar.update(1)
+                logs.bar.update(1)
                 step = state.step
-                if step == first and compile_ and accelerator.is_main_process:
+                if step == first and run.compile and accelerator.is_main_process:
                     float(grad_norm)  # the first step done on the device (one sync, once)
                     log.info("train: first step done in %.1f s, compilation included", time.perf_counter() - t_first)
                 if step % tcfg.log_every == 0 or step == total:
-                    logs.add(window.close(accelerator, grad_norm, step=step, epoch=epochs.locate(step - 1)[0], lr=lr))
+                    logs.add(window.close(accelerator, grad_norm, step=step, epoch=run.epochs.locate(step - 1)[0], lr=lr))
                 logs.flush(wait=SYNC_LOGS)
-                if inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
+                if run.inputs.eval_store is not None and (step % tcfg.eval_every == 0 or step == total):
                     logs.flush(wait=True)
-                    last_eval = evaluate(model, head, inputs.eval_store, tcfg, accelerator, dtype, pad)
-                    _log(accelerator, (metrics, log_fn), {**last_eval.to_log("eval"), "step": step})
+                    last_eval = evaluate(run.model, run.head, run.inputs.eval_store, tcfg, accelerator, run.dtype,
+                                         run.pad)
+                    _log(accelerator, logs.sinks, {**last_eval.to_log("eval"), "step": step})
                 saved = step % tcfg.save_every == 0 or step == total
                 if saved:
                     logs.flush(wait=True)
-                    path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last, metrics)
+                    path = _checkpoint(accelerator, state, window, run.out_dir, tcfg.keep_last, run.metrics)
                     saved_step = step
                 # several processes agree at logged steps only (a collective), one process at every step
                 if step < total and (W == 1 or step % tcfg.log_every == 0) and (signum := stop.requested(accelerator)):
                     if not saved:
                         logs.flush(wait=True)
-                        path = _checkpoint(accelerator, state, window, out_dir, tcfg.keep_last, metrics)
+                        path = _checkpoint(accelerator, state, window, run.out_dir, tcfg.keep_last, run.metrics)
                     raise Interrupted(signum, f"train: interrupted by {signal.Signals(signum).name} at step {step} of "
                                               f"{total}; checkpoint saved in {path}. Run the same command again to "
                                               f"resume from step {step}.")
     except SourceStalled as e:
-        _stalled(e, accelerator, state, window, logs, metrics, out_dir, tcfg.keep_last, total,
+        _stalled(e, accelerator, state, window, logs, run.metrics, run.out_dir, tcfg.keep_last, total,
                  save=between_steps and state.step != saved_step)
         raise
-    finally:
-        if prefetcher is not None:
-            prefetcher.close()
-    logs.flush(wait=True)
-    bar.close()
-    if cache is not None:
-        log.info("train: the target head took in_vocab from its cache for %d of %d micro-batches (the others "
-                 "were a sample's first pass)", cache.hits, cache.hits + cache.misses)
+    return last_eval
 
+
+def _finish(run: _Run) -> None:
+    """The trained draft written by the main process, with its vocabulary mapping (every process
+    takes part in gathering it)."""
+    accelerator = run.accelerator
     accelerator.wait_for_everyone()
-    full_state = accelerator.get_state_dict(model)  # all ranks take part (FSDP gathers the shards)
+    full_state = accelerator.get_state_dict(run.model)  # all ranks take part (FSDP gathers the shards)
     if accelerator.is_main_process:
-        _write_draft({**full_state, **{f"draft.{k}": v for k, v in vocab_mapping.items()}}, inputs.draft_config,
-                     out_dir)
+        _write_draft({**full_state, **{f"draft.{k}": v for k, v in run.vocab_mapping.items()}},
+                     run.inputs.draft_config, run.out_dir)
     accelerator.end_training()
-    return TrainResult(steps=total, train=logs.last, eval=last_eval)
 
 
 # -- setup ---------------------------------------------------------------------------------------

@@ -500,14 +500,50 @@ class OnlineConfig:
 
 @dataclass
 class TrainConfig:
-    """``train.*``: the EAGLE-3 draft with training-time test (TTT), on Accelerate."""
+    """``train.*``: the EAGLE-3 draft with training-time test (TTT), on Accelerate.
 
+    One flat section (every key is ``train.<name>``), its fields grouped: the draft and TTT, data,
+    optimizer and schedule, kernels and precision, compile, evaluation / checkpoints / logs."""
+
+    # -- the draft and its training-time test ------------------------------------------------------------------
     model: DraftModelConfig = field(default_factory=DraftModelConfig)
     """The draft's shape."""
     ttt_steps: int = 7
     """TTT steps S: the draft is trained to run on its own predictions S-1 times (serve k <= S)."""
     decay: float = 0.8
     """Loss weight of TTT step j is decay**j."""
+    seed: int = 0
+    """Seed of the draft's initialisation and the data order (a pure function of seed and step)."""
+
+    # -- data: what a step reads -------------------------------------------------------------------------------
+    batch_size: int = 1
+    """Rows of ``max_seq_len`` tokens per micro-batch, per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, per process."""
+    epochs: int = 1
+    """Passes over the training split (when ``max_steps`` is 0)."""
+    max_steps: int = 0
+    """Optimizer steps; > 0 overrides epochs."""
+    max_seq_len: int = 2048
+    """Tokens per row; with packing, several samples share a row (document-masked attention)."""
+    packing: bool = True
+    """Pack several samples into each ``max_seq_len`` row: no padding waste."""
+    num_workers: int = 0
+    """DataLoader worker processes reading the store."""
+    hidden_states: str = "store"
+    """Where the target's hidden states come from: store (the extract stage's complete store) |
+    online (computed while training, from the prepare stage's dataset: no extract run; ``online``
+    says by whom and what stays on disk). Both train the same draft."""
+    online: OnlineConfig = field(default_factory=OnlineConfig)
+    """train.hidden_states=online: the producer, the window ahead and the cache."""
+
+    # -- optimizer and schedule: AdamW's keys, then Muon's (train.optimizer=muon) ------------------------------
+    optimizer: str = "adamw"
+    """adamw: AdamW on every parameter | muon: ``torch.optim.Muon`` on the 2-D weights of the hidden
+    path (fc, q/k/v/o, gate/up/down) and AdamW (``lr``, ``betas``, ``weight_decay``) on the rest
+    (lm_head, the norms), as vllm-project/speculators splits them (eagle3/train/optim.py). Both
+    follow the same warmup + cosine schedule (the logged ``lr`` is then Muon's). Not with FSDP
+    (refused: untested on sharded weights)."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
@@ -520,44 +556,6 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float = 0.5
     """Global gradient-norm clip."""
-    batch_size: int = 1
-    """Rows of ``max_seq_len`` tokens per micro-batch, per process."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step, per process."""
-    epochs: int = 1
-    """Passes over the training split (when ``max_steps`` is 0)."""
-    max_steps: int = 0
-    """Optimizer steps; > 0 overrides epochs."""
-    max_seq_len: int = 2048
-    """Tokens per row; with packing, several samples share a row (document-masked attention)."""
-    mixed_precision: str = "auto"
-    """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py)."""
-    attention: str = "auto"
-    """auto | flex | flex_stacked | sdpa (eagle3/train/attention.py); the result is the same."""
-    seed: int = 0
-    """Seed of the draft's initialisation and the data order (a pure function of seed and step)."""
-    eval_every: int = 200
-    """Steps between passes over the held-out split (and one at the end)."""
-    save_every: int = 500
-    """Steps between checkpoints (and one at the end); a killed run resumes from the last."""
-    keep_last: int = 2
-    """Checkpoints kept."""
-    log_every: int = 10
-    """Steps per logged window (metrics.jsonl, wandb, the progress bar). On a GPU a window's numbers
-    are read back without stopping the GPU's queue and written a step or two later."""
-    num_workers: int = 0
-    """DataLoader worker processes reading the store."""
-    packing: bool = True
-    """Pack several samples into each ``max_seq_len`` row: no padding waste."""
-    compile: str = "auto"
-    """torch.compile of the unrolled TTT forward and of FastMuon's passes around its iteration: auto
-    (on CUDA, off on CPU where compiling is slow) | true | false."""
-    optimizer: str = "adamw"
-    """adamw: AdamW on every parameter | muon: ``torch.optim.Muon`` on the 2-D weights of the hidden
-    path (fc, q/k/v/o, gate/up/down) and AdamW (``lr``, ``betas``, ``weight_decay``) on the rest
-    (lm_head, the norms), as vllm-project/speculators splits them (eagle3/train/optim.py). Both
-    follow the same warmup + cosine schedule (the logged ``lr`` is then Muon's). Not with FSDP
-    (refused: untested on sharded weights)."""
     muon_lr: float = 1e-3
     """Muon's peak learning rate (before ``muon_adjust_lr_fn``); speculators' default is 10 x its
     AdamW lr of 1e-4."""
@@ -570,6 +568,42 @@ class TrainConfig:
     muon_adjust_lr_fn: str = "match_rms_adamw"
     """match_rms_adamw: lr x 0.2 sqrt(max(rows, cols)), an update RMS like AdamW's (speculators'
     choice) | original: lr x sqrt(max(1, rows / cols)) (torch's default)."""
+
+    # -- kernels and precision: how the step runs (speed only but for mixed_precision and fp8_matmul) ----------
+    mixed_precision: str = "auto"
+    """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py)."""
+    fp8_matmul: str = "off"
+    """The draft layer's and fc's matmuls in float8 (eagle3/kernels/fp8_matmul.py: e4m3 operands with a
+    power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
+    optimizer unchanged; the draft head stays bf16): off | on (the forward and both gradients) |
+    bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 9.0 or later on a
+    GPU (Hopper, Blackwell) and bf16 activations there; CPUs run it too (slowly). Changes the
+    numbers: hashed (docs/configuration.md has what it measured)."""
+    attention: str = "auto"
+    """auto | flex | flex_stacked | sdpa (eagle3/train/attention.py); the result is the same."""
+    head_loss: str = "auto"
+    """How the draft head (lm_head) and the loss run: fused (one op: the logits' matmul, then one Triton
+    kernel per row for the loss, the argmax and the logits' gradient, written over the logits:
+    eagle3/kernels/head_loss.py) | unfused (the same as torch code for torch.compile) | auto: fused on
+    CUDA where Triton imports, else unfused. The same loss and gradients up to rounding. Speed
+    only: not hashed."""
+    loss_rows_only: bool = True
+    """Run the draft's lm_head and the loss only on the rows the loss reads (each TTT step's loss
+    positions; chosen on the host where the batch is collated), not on every position: prompts and
+    other positions without loss skip a third of the step's matmuls. The same loss, gradients and
+    statistics up to rounding (tests/test_train.py). false: every position. Speed only: not hashed."""
+    target_cache: bool = True
+    """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
+    draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
+    epoch on the head multiplies only the draft vocabulary's lm_head rows (at the 8B shape a quarter
+    of its FLOPs). Only in runs longer than one epoch. Speed only: not hashed."""
+    adamw_impl: str = "auto"
+    """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
+    update and state as one ``torch.compile``d kernel per parameter (compiled where train.compile
+    compiles: auto on CUDA only, elsewhere it runs eagerly; not with FSDP) | auto: compiled for
+    train.optimizer=adamw on CUDA unless train.compile=false or FSDP shards the parameters, else
+    fused (Muon's AdamW half, lm_head and the norms, stays fused under auto: its step measured the
+    same both ways; compiled applies to it too). Speed only: not hashed."""
     muon_impl: str = "fast"
     """fast: eagle3.kernels.muon.FastMuon, torch's Muon update in fewer FLOPs (a Gram-form
     Newton-Schulz on wide matrices, same-shape matrices batched; equal to torch's within its bf16
@@ -585,47 +619,21 @@ class TrainConfig:
     row panels of the upper block-triangle) | auto: triton on CUDA where Triton imports, else panels.
     Speed only: not hashed."""
 
-    adamw_impl: str = "auto"
-    """fused: ``torch.optim.AdamW(fused=True)`` | compiled: eagle3.train.optim.CompiledAdamW, the same
-    update and state as one ``torch.compile``d kernel per parameter (compiled where train.compile
-    compiles: auto on CUDA only, elsewhere it runs eagerly; not with FSDP) | auto: compiled for
-    train.optimizer=adamw on CUDA unless train.compile=false or FSDP shards the parameters, else
-    fused (Muon's AdamW half, lm_head and the norms, stays fused under auto: its step measured the
-    same both ways; compiled applies to it too). Speed only: not hashed."""
+    # -- compile -----------------------------------------------------------------------------------------------
+    compile: str = "auto"
+    """torch.compile of the unrolled TTT forward and of FastMuon's passes around its iteration: auto
+    (on CUDA, off on CPU where compiling is slow) | true | false."""
 
-    loss_rows_only: bool = True
-    """Run the draft's lm_head and the loss only on the rows the loss reads (each TTT step's loss
-    positions; chosen on the host where the batch is collated), not on every position: prompts and
-    other positions without loss skip a third of the step's matmuls. The same loss, gradients and
-    statistics up to rounding (tests/test_train.py). false: every position. Speed only: not hashed."""
-
-    head_loss: str = "auto"
-    """How the draft head (lm_head) and the loss run: fused (one op: the logits' matmul, then one Triton
-    kernel per row for the loss, the argmax and the logits' gradient, written over the logits:
-    eagle3/kernels/head_loss.py) | unfused (the same as torch code for torch.compile) | auto: fused on
-    CUDA where Triton imports, else unfused. The same loss and gradients up to rounding. Speed
-    only: not hashed."""
-
-    fp8_matmul: str = "off"
-    """The draft layer's and fc's matmuls in float8 (eagle3/kernels/fp8_matmul.py: e4m3 operands with a
-    power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
-    optimizer unchanged; the draft head stays bf16): off | on (the forward and both gradients) |
-    bf16_wgrad (the weight gradient's matmul in bf16). Needs compute capability 9.0 or later on a
-    GPU (Hopper, Blackwell) and bf16 activations there; CPUs run it too (slowly). Changes the
-    numbers: hashed (docs/configuration.md has what it measured)."""
-
-    target_cache: bool = True
-    """Keep the target head's in_vocab bit (whether the target's full-vocabulary argmax is in the
-    draft vocabulary) of every token scored, one byte a token on the device: from a sample's second
-    epoch on the head multiplies only the draft vocabulary's lm_head rows (at the 8B shape a quarter
-    of its FLOPs). Only in runs longer than one epoch. Speed only: not hashed."""
-
-    hidden_states: str = "store"
-    """Where the target's hidden states come from: store (the extract stage's complete store) |
-    online (computed while training, from the prepare stage's dataset: no extract run; ``online``
-    says by whom and what stays on disk). Both train the same draft."""
-    online: OnlineConfig = field(default_factory=OnlineConfig)
-    """train.hidden_states=online: the producer, the window ahead and the cache."""
+    # -- evaluation, checkpoints and logs ----------------------------------------------------------------------
+    eval_every: int = 200
+    """Steps between passes over the held-out split (and one at the end)."""
+    save_every: int = 500
+    """Steps between checkpoints (and one at the end); a killed run resumes from the last."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    log_every: int = 10
+    """Steps per logged window (metrics.jsonl, wandb, the progress bar). On a GPU a window's numbers
+    are read back without stopping the GPU's queue and written a step or two later."""
 
     # hidden_states and online change no number (online trains the draft offline would); an online
     # run's hash differs anyway: its lineage has no extract run but the producer's settings

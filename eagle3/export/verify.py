@@ -16,10 +16,11 @@
 5. Each other k in ``eval_ks``: acceptance length (and the lossless check again).
 6. Prompt lookup (ngram, k, n-gram 2..4) on the same prompts: the no-training baseline; compared by
    generated tokens per target step (its acceptance length counts only steps with a match).
-7. Per domain, when the prompts carry a category: the figures of 4-6 over each category's prompts,
+7. Per domain, when the prompts carry a category, and per bucket of prompt context length
+   (``context_buckets``, eagle3.export.context_length): the figures of 4-6 over each group's prompts,
    from vLLM's per-request acceptance (``per_request_spec_decode_metrics``) in the same engines; a vLLM
-   without it (< 0.32) runs each category's prompts as a batch of their own in the speculative engines
-   and counts each batch exactly (``domain_counting`` says which).
+   without it (< 0.32) runs each (category, bucket) cell's prompts as a batch of their own in the
+   speculative engines and counts each batch exactly (``domain_counting``, ``context_counting`` say which).
 8. Each temperature > 0 of ``temperatures``: the same engines (every k, and prompt lookup) sample
    with request i seeded ``seed + i``; acceptance length per k and temperature. Sampled outputs
    differ from plain decoding's by design (speculative sampling keeps the distribution, not the
@@ -38,6 +39,7 @@ import torch
 from ..model.draft import NORM_OPTIONS
 from .acceptance import AcceptanceStats, lookup_verdict
 from .checkpoint import DraftCheckpoint
+from .context_length import DEFAULT_EDGES, by_context_length, cells, target_max_length
 from .errors import VerificationError
 from .importers import import_draft
 
@@ -75,6 +77,9 @@ class Verification:
     domain_counting: Optional[str] = None   # how: "per request" (vLLM >= 0.32) or "per category batch"
     tie_margin: Optional[float] = None      # the lossless check's near-tie margin, logits
     near_ties: Optional[dict] = None        # engine -> divergences that passed as near-ties
+    by_context_length: Optional[dict] = None  # bucket -> figures (eagle3.export.context_length)
+    context_buckets: Optional[list] = None  # the bucket edges, tokens
+    context_counting: Optional[str] = None  # "per request" (vLLM >= 0.32) or "per bucket batch"
 
 
 def check_files(model_dir: Path, reference: DraftCheckpoint, target_config: dict, dtype: str,
@@ -198,7 +203,8 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
                   seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0,
-                  trust_remote_code: bool = False, shared_engines: bool = True) -> Verification:
+                  trust_remote_code: bool = False, shared_engines: bool = True,
+                  context_buckets=DEFAULT_EDGES) -> Verification:
     """Run steps 1-8; returns what they measured; raises VerificationError on any failure.
     ``categories``: each prompt's category (None without one), parallel to ``prompts``; ``marker``:
     the export marker step 1 reads the directory with (default: its file); ``trust_remote_code``:
@@ -221,21 +227,25 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
     max_model_len = max(len(p) for p in prompts) + max_tokens + max(ks) + 8
     run = dict(dtype=target_dtype, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code)
+    edges = [int(e) for e in context_buckets]
+    max_len = target_max_length(target_config)
+    lengths = [len(p) for p in prompts]
+    has_categories = categories is not None and any(c is not None for c in categories)
     domain_counting, groups = None, None
-    if categories is not None and any(c is not None for c in categories):
-        if per_request_metrics_supported():
-            domain_counting = "per request"
-        else:
-            # vLLM < 0.32 counts acceptance per engine only: each category's prompts run as a batch of their
-            # own in the speculative engines, and its figures are the counters' difference around it
-            domain_counting = "per category batch"
-            groups = list(category_indices(categories).values())
-            log.info("verify: vLLM %s reports no acceptance per request (per_request_spec_decode_metrics, vLLM >= "
-                     "0.32): the speculative engines run each of the %d categories' prompts as a batch of its own, "
-                     "so the per-domain figures are exact engine counts", vllm.__version__, len(groups))
-        run_spec = dict(run, groups=groups)
+    if per_request_metrics_supported():
+        context_counting = "per request"
     else:
-        run_spec = run
+        # vLLM < 0.32 counts acceptance per engine only: each (category, context bucket) cell's prompts run as a
+        # batch of their own in the speculative engines, and its figures are the counters' difference around it
+        context_counting = "per bucket batch"
+        groups = cells(categories if has_categories else None, lengths, edges, max_len)
+        log.info("verify: vLLM %s reports no acceptance per request (per_request_spec_decode_metrics, vLLM >= "
+                 "0.32): the speculative engines run each of the %d (category, context length) cells' prompts as a "
+                 "batch of its own, so the per-domain and per-length figures are exact engine counts",
+                 vllm.__version__, len(groups))
+    if has_categories:
+        domain_counting = "per request" if groups is None else "per category batch"
+    run_spec = dict(run, groups=groups) if groups is not None else run
 
     offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
                                  device=device, progress=progress, trust_remote_code=trust_remote_code)
@@ -322,11 +332,12 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         near_ties[f"ngram k={k}"] = ties
     same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
     domains = None
+    if groups is None:
+        for kk, stats in [*by_k.items(), (0, ngram)]:
+            _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
     if domain_counting is not None:
-        if groups is None:
-            for kk, stats in [*by_k.items(), (0, ngram)]:
-                _check_per_request_totals(stats, "prompt lookup" if kk == 0 else f"EAGLE-3 k={kk}")
         domains = by_domain(categories, by_k, k, ngram)
+    contexts = by_context_length(lengths, edges, max_len, by_k, k, ngram)
     result = Verification(
         k=k, acceptance_length=round(main.acceptance_length, 4),
         acceptance_per_position=[round(p, 4) for p in main.per_position],
@@ -343,7 +354,8 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         eval_temperatures=temps, sampling_seed=seed,
         by_temperature={f"{t:g}": _temperature_row(by_k if t == 0 else sampled[t], ngram_runs[t]) for t in temps},
         lookup_summary=lookup_verdict(k, len(prompts), main.tokens_per_step, ngram.tokens_per_step, domains),
-        by_domain=domains, domain_counting=domain_counting, tie_margin=margin, near_ties=near_ties)
+        by_domain=domains, domain_counting=domain_counting, tie_margin=margin, near_ties=near_ties,
+        by_context_length=contexts, context_buckets=edges, context_counting=context_counting)
     if not result.beats_prompt_lookup:
         log.warning("verify: the draft makes %.3f tokens per target step, prompt lookup %.3f: no better than the "
                     "no-training baseline on these prompts", main.tokens_per_step, ngram.tokens_per_step)
@@ -363,7 +375,8 @@ def _check_per_request_totals(stats: AcceptanceStats, what: str) -> None:
     reqs = stats.per_request
     if not reqs or any("drafts" not in r for r in reqs):
         raise VerificationError(f"{what}: vLLM returned no per-request acceptance for some prompts "
-                                f"(per_request_spec_decode_metrics); per-domain figures cannot be computed")
+                                f"(per_request_spec_decode_metrics); per-domain and per-context-length figures "
+                                f"cannot be computed")
     drafts, accepted = sum(r["drafts"] for r in reqs), sum(r["accepted"] for r in reqs)
     if (drafts, accepted) != (stats.num_drafts, stats.num_accepted):
         raise VerificationError(f"{what}: vLLM's per-request acceptance ({accepted} accepted of {drafts} drafts) "

@@ -1,7 +1,7 @@
 """Generate eagle3's built-in prompt set (prompts.jsonl next to this file), deterministically.
 
-    python eagle3/data/builtin/make_prompts.py          # rewrites prompts.jsonl
-    python eagle3/data/builtin/make_prompts.py --check  # fails if prompts.jsonl is out of date
+    python eagle3/data/builtin/make_prompts.py          # rewrites prompts.jsonl and long_context.jsonl
+    python eagle3/data/builtin/make_prompts.py --check  # fails if either is out of date
 
 Prompts come from hand-written templates and word lists, expanded with a seeded RNG. They are kept
 short and concrete: the default target (SmolLM2-135M-Instruct) is tiny and most coherent on code
@@ -31,6 +31,7 @@ from pathlib import Path
 
 SEED = 20250101
 OUT = Path(__file__).resolve().parent / "prompts.jsonl"
+LONG_OUT = Path(__file__).resolve().parent / "long_context.jsonl"
 
 # ----------------------------------------------------------------------------- code
 
@@ -797,6 +798,31 @@ def build_large(size: int = LARGE_SIZE, seed: int = SEED + 1) -> list[dict]:
     return _shuffled_records(items, rng, "large-", 5)
 
 
+# ----------------------------------------------------------------------------- long context
+
+def build_long_context() -> list[dict]:
+    """A few long held-out prompts (export.extra_prompts=builtin:long_context, served by the embedded
+    default next to the eval split so that its acceptance by context length has prompts past 512
+    tokens): documents assembled from the notes and functions above, each with a task over all of
+    it. Never trained on; three, not more: every prompt is served at each k on a 2-core CPU."""
+    notes = "\n\n".join(f"Note {i + 1}. {p}" for i, p in enumerate(PARAGRAPHS))
+    module = "\n\n\n".join(code for _, _, code in FUNCTIONS)
+    short = "\n\n\n".join(code for _, _, code in FUNCTIONS[:8])
+    return [
+        {"id": "long-notes", "category": "long_context",
+         "messages": [_user(f"Here are {len(PARAGRAPHS)} short notes and a few Python functions.\n\n{notes}\n\n"
+                            f"```python\n{short}\n```\n\nSummarize each note in one sentence, in order, as a "
+                            f"numbered list; then say which function could count the words of a note.")]},
+        {"id": "long-module", "category": "long_context",
+         "messages": [_user(f"Here is a Python module.\n\n```python\n{module}\n```\n\nList every function in "
+                            f"this module with one line saying what it does.")]},
+        {"id": "long-both", "category": "long_context",
+         "messages": [_user(f"Read these notes.\n\n{notes}\n\nNow read this Python module.\n\n```python\n"
+                            f"{module}\n```\n\nWrite a Python function that takes the text of one note and "
+                            f"returns its most common word, using functions from the module where they help.")]},
+    ]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if prompts.jsonl differs from a fresh build")
@@ -813,12 +839,15 @@ def main():
         print(f"wrote {len(records)} prompts to {args.out}: {dict(counts)}")
         return
     text = render(build())
+    long_text = render(build_long_context())
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            sys.exit(f"{OUT} is out of date: run python {Path(__file__).name}")
-        print(f"{OUT.name} is up to date")
+        for out, want in ((OUT, text), (LONG_OUT, long_text)):
+            if not out.exists() or out.read_text() != want:
+                sys.exit(f"{out} is out of date: run python {Path(__file__).name}")
+            print(f"{out.name} is up to date")
         return
     OUT.write_text(text)
+    LONG_OUT.write_text(long_text)
     counts: dict[str, int] = {}
     for line in text.splitlines():
         category = json.loads(line)["category"]

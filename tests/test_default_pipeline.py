@@ -104,8 +104,14 @@ def test_manifest_records_what_the_default_does(default_run):
     assert f.num_prompts >= 1 and f.max_tokens == 24
     # the built-in prompts' categories, through regeneration and the prepared dataset, to export's per-domain figures
     assert set(prep.facts.categories["train"]) <= {"code", "code_completion", "math", "explanation", "writing", "multi_turn"}
-    assert f.by_domain and set(f.by_domain) <= set(prep.facts.categories["eval"])
+    # (and the three long documents of export.extra_prompts=builtin:long_context, category long_context)
+    assert f.by_domain and set(f.by_domain) <= set(prep.facts.categories["eval"]) | {"long_context"}
     assert sum(d["num_prompts"] for d in f.by_domain.values()) == f.num_prompts
+    assert f.by_domain["long_context"]["num_prompts"] == 3
+    # by context length: the eval split's prompts are short, the long documents in 512-2k; SmolLM2 holds 8192
+    ctx = f.by_context_length
+    assert set(ctx) == {"0-512", "512-2k", "2k-8k"} and ctx["512-2k"]["num_prompts"] == 3
+    assert ctx["0-512"]["num_prompts"] == f.num_prompts - 3 and 1.0 <= ctx["512-2k"]["acceptance_length"] <= f.k + 1
     assert f.lookup_summary.startswith("EAGLE-3 ") and f.offline["decoding"] == "greedy"
     assert prep.facts.coverage_curve[str(prep.facts.draft_vocab_size)] == round(prep.facts.coverage, 6)
     assert (exp.out_dir / "model" / "config.json").is_file()
@@ -115,7 +121,7 @@ def test_summary_table_prints(default_run):
     _, out, _ = default_run
     assert "extract: target agreement train " in out and "parity with transformers on 4 samples" in out
     for title in ("eagle3 pipeline", "draft after training", "served by vLLM on held-out prompts",
-                  "per domain of the held-out prompts", "prompt lookup on these"):
+                  "per domain of the held-out prompts", "per prompt context length", "prompt lookup on these"):
         assert title in out, f"missing table {title!r} in:\n{out[-3000:]}"
     for stage in ("prepare", "extract", "train", "export"):
         assert any(line.split("│")[1:2] and line.split("│")[1].strip() == stage for line in out.splitlines()), stage

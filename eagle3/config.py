@@ -799,10 +799,21 @@ class LoggerConfig:
     """wandb entity (team); empty = the account's default."""
     dir: str = ""
     """Where wandb writes its files; empty = ``${workspace}/wandb``."""
+    dashboard: bool = False
+    """Save the experiment's wandb workspace (a saved view) and report once the stages have run
+    (eagle3/dashboard.py: loss and accuracy per TTT step, acceptance per k, position and context
+    length, the sweep's parallel coordinates). Needs logger=wandb_online; for offline runs,
+    ``wandb sync`` them and run ``python -m eagle3.dashboard`` with the run's overrides."""
+    dashboard_sweep_keys: List[str] = field(default_factory=lambda: ["train.lr", "train.ttt_steps"])
+    """Config keys of the report's parallel-coordinates panel (against eval/acceptance_length)."""
 
     def __post_init__(self):
         _check_choice("logger.backend", self.backend, ("wandb", "jsonl"))
         _check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+        if self.dashboard and (self.backend != "wandb" or self.mode != "online"):
+            raise ValueError(f"logger.dashboard=true needs logger=wandb_online (here backend={self.backend}, "
+                             f"mode={self.mode}): an offline run has no wandb.ai project to hold it; `wandb sync` "
+                             f"the runs and run `python -m eagle3.dashboard` with the run's overrides instead")
 
 
 @dataclass

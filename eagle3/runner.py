@@ -92,6 +92,10 @@ def run(cfg: Config) -> dict:
         from .report import print_pipeline_summary
 
         print_pipeline_summary(manifest)
+    if cfg.logger.dashboard:  # logger=wandb_online logger.dashboard=true: the wandb workspace and report
+        from .dashboard import after_run
+
+        after_run(cfg)
     return {"stage": cfg.stage, "experiment_dir": str(exp_dir),
             "records": {k: (v.config_hash if v is not None else None) for k, v in records.items()}}
 

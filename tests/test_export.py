@@ -1600,7 +1600,8 @@ def test_shared_engines_give_the_figures_of_one_engine_per_k(target, kept, promp
     by_k = shared.acceptance_by_k
     assert len(set(by_k.values())) > 1 and all(1 < v < int(kk) + 1 for kk, v in by_k.items())  # imperfect at each k
     for name in ("acceptance_by_k", "tokens_per_step_by_k", "acceptance_per_position_by_k", "vllm", "ngram",
-                 "offline", "by_domain", "lookup_summary", "hf_greedy_equals_vllm_greedy", "near_ties"):
+                 "offline", "by_domain", "by_context_length", "lookup_summary", "hf_greedy_equals_vllm_greedy",
+                 "near_ties"):
         assert getattr(shared, name) == getattr(apart, name), name
     assert shared.ngram["num_drafts"] > 0  # prompt lookup did draft in the shared engine
     # the reference: prompt lookup's engine at 0 draft tokens decodes as an engine without speculation

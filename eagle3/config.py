@@ -759,6 +759,7 @@ class ExportConfig:
 
     NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts", "extra_prompts",
                     "tie_margin", "shared_engines")
+    HASH_OMIT_DEFAULTS = ("context_buckets",)
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))

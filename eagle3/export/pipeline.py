@@ -36,16 +36,12 @@ def run_inputs(cfg, target_path, exp_dir) -> dict:
 
 def export_semantics(export_cfg, semantic_dict) -> dict:
     """The export section as hashed: the temperatures and their seed only when a temperature other
-    than greedy is asked for, the context-length buckets only when not the default, so runs recorded
+    than greedy is asked for (the context-length buckets only when not the default), so runs recorded
     before they existed keep their config hash."""
-    from .context_length import DEFAULT_EDGES
-
-    out = semantic_dict(export_cfg)
+    out = semantic_dict(export_cfg)  # (context_buckets: in HASH_OMIT_DEFAULTS)
     if [float(t) for t in export_cfg.eval_temperatures] == [0.0]:
         out.pop("eval_temperatures", None)
         out.pop("eval_seed", None)
-    if [int(e) for e in export_cfg.context_buckets] == list(DEFAULT_EDGES):
-        out.pop("context_buckets", None)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Runs a composed config: each stage of ``cfg.stage`` in order (``stages/<name>.py``, one
-``run(cfg, manifest)`` each), the status table for ``stage=status``, the summary after
+"""Runs a composed config: each stage of ``cfg.stage`` in order (``eagle3.stages.<name>``: the
+checkout's ``stages/<name>.py``, one ``run(cfg, manifest)`` each), the status table for ``stage=status``, the summary after
 ``stage=all``; user errors end the process with their message, and inside a multirun a failed
 job is reported to the sweep instead of ending it (eagle3.sweep: the sweep exits 1 at its end)."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ STAGE_WORK = {"prepare": "decode", "extract": "batch", "produce": "batch", "trai
 def run_stage(name: str, cfg: Config, manifest: Manifest):
     from .cpu import new_stage, phase_threads
 
-    module = importlib.import_module(f"stages.{name}")
+    module = importlib.import_module(f"eagle3.stages.{name}")
     t0 = time.perf_counter()
     new_stage()
     with phase_threads(STAGE_WORK.get(name, "batch"), on_cpu=_on_cpu()):

@@ -64,11 +64,11 @@ def test_runner_sets_each_stage_threads(monkeypatch, compose, tmp_path, caplog):
     """cpu_threads=0 and no OMP_NUM_THREADS: the runner probes at the stage's start (the log says
     what it measured) and the stage runs with the pick; cpu_threads=N: N, no probe; torch's count
     is restored after the stage."""
-    import stages.prepare
+    import eagle3.stages.prepare
     from eagle3.runner import run
 
     seen = []
-    monkeypatch.setattr(stages.prepare, "run", lambda cfg, manifest: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(eagle3.stages.prepare, "run", lambda cfg, manifest: seen.append(torch.get_num_threads()))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     torch._C.set_num_threads(1)
     with caplog.at_level(logging.INFO, logger="eagle3"):

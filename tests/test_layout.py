@@ -28,7 +28,7 @@ def _extract_derives(cfg, manifest, monkeypatch) -> tuple:
     import dataclasses
 
     import eagle3.extract
-    from stages import extract as extract_stage
+    from eagle3.stages import extract as extract_stage
 
     seen = {}
 

@@ -31,7 +31,8 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
 
 def _expected_files() -> set[str]:
     """Every module of the repo's packages and every config and data file, as the wheel names them."""
-    out = {str(p.relative_to(REPO)) for top in ("eagle3", "stages") for p in (REPO / top).rglob("*.py")}
+    out = {str(p.relative_to(REPO)) for p in (REPO / "eagle3").rglob("*.py")}
+    out |= {"eagle3/stages/" + str(p.relative_to(REPO / "stages")) for p in (REPO / "stages").rglob("*.py")}
     out |= {"eagle3/conf/" + str(p.relative_to(REPO / "conf")) for p in (REPO / "conf").rglob("*.yaml")}
     out |= {str(p.relative_to(REPO)) for p in (REPO / "eagle3" / "data" / "builtin").glob("*.jsonl")}
     return out
@@ -82,8 +83,11 @@ def test_wheel_carries_conf_and_runs_from_elsewhere(tiny_llama_dir, tmp_path, pa
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)])
     (wheel,) = dist.glob("eagle3-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        missing = _expected_files() - set(z.namelist())
+        names = set(z.namelist())
+    missing = _expected_files() - names
     assert not missing, f"left out of the wheel: {sorted(missing)}"
+    # eagle3 alone at the top: a package `stages` beside it would clash with any other of that name
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"eagle3"}
 
     parent, modules = parent_python
     py = _venv_borrowing(parent, tmp_path / "venv")
@@ -106,6 +110,9 @@ def test_wheel_carries_conf_and_runs_from_elsewhere(tiny_llama_dir, tmp_path, pa
     where = _run([str(py), "-c", "import eagle3.config as c; print(c.__file__); print(c.CONF_DIR)"], cwd=elsewhere,
                  env=env).stdout.split()
     assert where == [str(site / "eagle3" / "config.py"), str(installed_conf)]
+    stages = _run([str(py), "-c", "import importlib.util as u, eagle3.stages.train as t; print(t.__file__); "
+                   "print(u.find_spec('stages'))"], cwd=elsewhere, env=env).stdout.split()
+    assert stages == [str(site / "eagle3" / "stages" / "train.py"), "None"]
     # Hydra's own account of where the config came from
     searchpath = cli("--info", "searchpath").stdout
     assert f"file://{installed_conf}" in searchpath and str(REPO) not in searchpath

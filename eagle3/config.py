@@ -887,10 +887,10 @@ def register_configs() -> None:
 
 def to_config(cfg) -> Config:
     """DictConfig (from Hydra) -> validated Config dataclass tree; a key that is no field of the
-    schema is refused (eagle3.preflight), where OmegaConf would keep it as a stray attribute."""
+    schema is refused (eagle3.config_keys), where OmegaConf would keep it as a stray attribute."""
     from omegaconf import OmegaConf
 
-    from .preflight import check_config_keys
+    from .config_keys import check_config_keys
 
     check_config_keys(cfg)
     return OmegaConf.to_object(cfg)

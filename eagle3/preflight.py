@@ -19,21 +19,19 @@ themselves (tests, notebooks). Not done here: anything that needs the data or th
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import typing
-from functools import lru_cache
 from pathlib import Path
 
-from .config import CONF_DIR
+from .config import CONF_DIR, Config
+from .config_keys import UnknownKeyError, check_config_keys, free_form, schema_fields
+from .config_keys import unknown_key_message as _unknown_key_message
 from .errors import Eagle3Error
+
+__all__ = ["UnknownKeyError", "check_config_keys", "check_override_keys", "check_sweep_jobs", "check_environment",
+           "check_writable", "unknown_key_message"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model")
-
-
-class UnknownKeyError(ValueError):
-    """A key the schema does not know (the CLI prints it as an invalid config)."""
 
 
 class WorkspaceError(Eagle3Error):
@@ -45,75 +43,23 @@ def _groups() -> set[str]:
     return {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
 
 
-@lru_cache(maxsize=None)
-def _fields(cls) -> dict:
-    """{field name: its type} of a schema dataclass, with the annotations resolved."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _all_keys(cls, prefix: str = "") -> list[str]:
-    out = []
-    for name, t in _fields(cls).items():
-        out.append(prefix + name)
-        if dataclasses.is_dataclass(t):
-            out += _all_keys(t, f"{prefix}{name}.")
-    return out
-
-
-def _free_form(t) -> bool:
-    return t is dict or t is typing.Any or typing.get_origin(t) is dict
-
-
 def _is_known(parts: list[str], root=None) -> bool:
     """Whether the key ``parts`` names a field of the schema ``root`` (Config), or a config group."""
-    from .config import Config
-
     node = root or Config
     for i, part in enumerate(parts):
-        fields = _fields(node)
+        fields = schema_fields(node)
         if part not in fields:
             return i == 0 and len(parts) == 1 and root is None and part in _groups()
         node = fields[part]
-        if _free_form(node):
+        if free_form(node):
             return True
         if not dataclasses.is_dataclass(node):
             return i == len(parts) - 1
     return True
 
 
-def closest_key(key: str) -> str | None:
-    """The valid key most like ``key``: each unknown part replaced by its closest sibling
-    (``trian.lr`` -> ``train.lr``), else a key anywhere in the schema whose last part is most like
-    ``key``'s (``train.fc_norm`` -> ``train.model.fc_norm``, ``lr`` -> ``train.lr``); None when
-    nothing is close."""
-    from .config import Config
-
-    parts, node, out = key.split("."), Config, []
-    for part in parts:
-        fields = _fields(node) if dataclasses.is_dataclass(node) else {}
-        match = part if part in fields else next(iter(difflib.get_close_matches(part, list(fields), 1, 0.6)), None)
-        if match is None:
-            break
-        out.append(match)
-        node = fields[match]
-    else:
-        return ".".join(out) if out != parts else None
-    by_last: dict[str, list[str]] = {}
-    for k in _all_keys(Config):
-        by_last.setdefault(k.rsplit(".", 1)[-1], []).append(k)
-    match = difflib.get_close_matches(parts[-1], list(by_last), 1, 0.75)
-    if not match:
-        return None
-    # of the keys with that last part, the one sharing most of the path typed
-    return max(by_last[match[0]], key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
-
-
 def unknown_key_message(key: str, value: str | None = None) -> str:
-    suggestion = closest_key(key)
-    fix = f"did you mean {suggestion}{'' if value is None else '=' + value}?" if suggestion else "no key is close."
-    return (f"unknown key {key}: {fix} (`python -m eagle3 --help` lists every key, eagle3/config.py documents "
-            f"them; a `+` adds none: the schema has no free-form section)")
+    return _unknown_key_message(key, Config, value)
 
 
 def check_override_keys(overrides: list[str]) -> None:
@@ -175,31 +121,6 @@ def check_sweep_jobs(overrides: list[str], compose) -> None:
         shown = "; ".join(refused[:5]) + (f"; and {len(refused) - 5} more" if len(refused) > 5 else "")
         raise SweepError(f"{shown}. {len(refused)} of the sweep's {len(jobs)} jobs refused; every job of a "
                          f"sweep is checked before any runs, and none ran")
-
-
-def check_config_keys(dcfg) -> None:
-    """Refuse a composed DictConfig holding a key that is no field of its schema section."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    def walk(node, prefix: str):
-        cls = OmegaConf.get_type(node)
-        if not dataclasses.is_dataclass(cls):
-            return
-        fields = _fields(cls)
-        for k in node.keys():
-            if k not in fields:
-                if not (prefix == "" and k == "hydra"):
-                    raise UnknownKeyError(unknown_key_message(f"{prefix}{k}"))
-                continue
-            child = node._get_node(k)
-            if isinstance(child, DictConfig):
-                walk(child, f"{prefix}{k}.")
-            elif isinstance(child, ListConfig):
-                for i, item in enumerate(child._iter_ex(resolve=False)):
-                    if isinstance(item, DictConfig):
-                        walk(item, f"{prefix}{k}[{i}].")
-
-    walk(dcfg, "")
 
 
 def _nearest_existing(path: Path) -> Path:

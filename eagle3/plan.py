@@ -82,14 +82,12 @@ def count_data(cfg, target, manifest, sample_size: int = 256) -> DataCount:
 
 
 def _counted(rec) -> DataCount:
-    import datasets
-
-    from .artifacts import DATASET_DIR, STATS_FILE
+    from .artifacts import STATS_FILE
+    from .extract import prepared_samples
 
     f = rec.facts
-    ds = datasets.load_from_disk(str(rec.path(DATASET_DIR)))
     stats = json.loads(rec.path(STATS_FILE).read_text()) if rec.path(STATS_FILE).is_file() else {}
-    lengths = [len(x) for x in ds["train"]["input_ids"]]
+    lengths = [int(n) for n in prepared_samples(rec)["train"].lengths]
     return DataCount(samples={"train": f.num_train, "eval": f.num_eval}, tokens=f.tokens,
                      trainable_tokens=f.trainable_tokens, exact=True,
                      how=f"counted: prepare run {rec.config_hash[:12]} of this config", lengths=lengths,
@@ -386,13 +384,13 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     target = resolve(cfg.target, cfg.workspace)
     data = count_data(cfg, target, manifest)
     derived = derive_store_layout(cfg.extract, target, cfg.target.dtype)  # the store extract writes
-    L, H, layer_ids = derived.last_layer_id, derived.hidden_size, derived.layer_ids
+    L, H, layer_ids = derived.layout.last_layer_id, derived.layout.hidden_size, derived.layout.layer_ids
     split_tokens = data.tokens  # extract.splits: train and eval by default
     store = {}
     for dt in STORE_DTYPES:
         lay = dataclasses.replace(derived.layout, dtype=dt)
         store[dt] = {"bytes_per_token": lay.bytes_per_token, "bytes": lay.bytes_per_token * split_tokens}
-    store_dtype, run_dtype = derived.store_dtype, derived.target_dtype
+    store_dtype, run_dtype = derived.layout.dtype, derived.target_dtype
     steps = train_steps(cfg, data.lengths)
     if cfg.train.hidden_states == "online" and cfg.train.online.producer == "external":
         check_online_window(cfg, data, derived.layout)  # before the probes: the trainer would refuse it

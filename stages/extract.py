@@ -27,68 +27,97 @@ from __future__ import annotations
 
 import logging
 
+from eagle3.stage import Inputs, Stage
+
 log = logging.getLogger("eagle3.extract")
 
 
-def run(cfg, manifest):
-    from eagle3.extract import extract_store
-    from eagle3.extract.checks import check_store, refuse_known_bad
-    from eagle3.extract.layout import check_tokenizer
-    from eagle3.extract.recording import discard_damaged, extract_facts, prepared_splits, print_summary, record_outputs
-    from eagle3.extract.reuse import extract_identity, fill_from_caches, reusable_caches
-    from eagle3.hashing import semantic_dict
-    from eagle3.target import resolve
+class Extract(Stage):
+    name = "extract"
 
-    extract_cfg = cfg.extract
-    target = resolve(cfg.target, cfg.workspace)
-    inputs = manifest.consume_upstream("extract", target.identity())
-    prep = inputs["prepare"]
-    check_tokenizer(prep, target)
-    splits, derived = prepared_splits(prep, extract_cfg, target, cfg.target.dtype)
-    layout, layer_ids, target_dtype = derived.layout, derived.layer_ids, derived.target_dtype
-    refuse_known_bad(target.config, extract_cfg.backend, layer_ids, target_dtype=target_dtype,
-                     target_path=target.path)  # before any engine or job exists
-    config = {"extract": semantic_dict(extract_cfg), "layer_ids": list(layer_ids), "last_layer_id": derived.last_layer_id,
-              "store_dtype": derived.store_dtype, "target_dtype": target_dtype}
-    job = manifest.start("extract", config=config, target=target.identity(), inputs=inputs)
-    # a complete store counts only while every shard has its recorded sha256 tree (reads the store)
-    if (done := job.claim(digests=True, progress=cfg.progress)) is not None:
-        return done
-    if job.damaged:
-        discard_damaged(job)
-    log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
-             layer_ids, derived.last_layer_id, derived.last_layer_id, derived.hidden_size, derived.store_dtype,
-             target_dtype)
-    reused = {}
+    def consume(self, cfg, manifest) -> Inputs:
+        from eagle3.extract.checks import refuse_known_bad
+        from eagle3.extract.layout import check_tokenizer
+        from eagle3.extract.recording import prepared_splits
+        from eagle3.target import resolve
 
-    def extract(num_processes, process_index):
-        # training samples kept by an online run's cache with these very states: taken, not recomputed
-        caches = reusable_caches(manifest, prep.config_hash, *extract_identity(layout, target_dtype, extract_cfg))
-        if caches and "train" in splits:
-            n = fill_from_caches(job.out_dir, splits["train"], layout, extract_cfg.samples_per_shard, caches,
-                                 num_processes=num_processes, process_index=process_index, progress=cfg.progress)
-            if n:
-                reused.update(samples=n, caches=[str(c) for c in caches])
-                print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
-                      f"({', '.join(map(str, caches))}), the target not run for them")
-        return extract_store(job.out_dir, splits, layout, backend=extract_cfg.backend, target_path=target.path,
-                             target_dtype=target_dtype, extract_cfg=extract_cfg, num_processes=num_processes,
-                             process_index=process_index, progress=cfg.progress,
-                             trust_remote_code=target.trust_remote_code)
+        target = resolve(cfg.target, cfg.workspace)
+        upstream = manifest.consume_upstream("extract", target.identity())
+        prep = upstream["prepare"]
+        check_tokenizer(prep, target)
+        splits, derived = prepared_splits(prep, cfg.extract, target, cfg.target.dtype)
+        refuse_known_bad(target.config, cfg.extract.backend, tuple(derived.layout.layer_ids),
+                         target_dtype=derived.target_dtype, target_path=target.path)  # before any engine or job exists
+        return Inputs(cfg=cfg, manifest=manifest, target=target, upstream=upstream, prep=prep, splits=splits,
+                      derived=derived)
 
-    regen = prep.facts.regen or {}
-    greedy = bool(prep.facts.regenerated) and float(regen.get("temperature", 0.0)) == 0.0
+    def identity(self, inputs) -> dict:
+        from eagle3.hashing import semantic_dict
 
-    def record(result):
-        checks = check_store(job.out_dir, list(splits), layout, target.path, target.config, target_dtype, extract_cfg,
-                             greedy=greedy, prepare_run=prep.config_hash, trust_remote_code=target.trust_remote_code)
-        record_outputs(job, splits)
-        job.facts = extract_facts(derived, extract_cfg, splits, checks, reused)
+        layout = inputs.derived.layout
+        return {"extract": semantic_dict(inputs.cfg.extract), "layer_ids": list(layout.layer_ids),
+                "last_layer_id": layout.last_layer_id, "store_dtype": layout.dtype,
+                "target_dtype": inputs.derived.target_dtype}
 
-    # one process, or the part p of N of a scale-out (the last part to finish records the run)
-    rec = job.run_parts(extract, record, part=extract_cfg.shard_index, parts=extract_cfg.num_shards)
-    if rec is not None:
-        log.info("extract: store complete at %s (%s)", rec.out_dir,
-                 ", ".join(f"{s}: {len(v)} samples" for s, v in splits.items()))
-        print_summary(rec, layout, splits)
-    return rec
+    def claim(self, job, inputs):
+        # a complete store counts only while every shard has its recorded sha256 tree (reads the store)
+        return job.claim(digests=True, progress=inputs.cfg.progress)
+
+    def before(self, job, inputs) -> None:
+        from eagle3.extract.recording import discard_damaged
+
+        if job.damaged:
+            discard_damaged(job)
+        layout = inputs.derived.layout
+        log.info("extract: layer ids %s + last layer %d of a %d-layer target, hidden %d, %s store from a %s target",
+                 tuple(layout.layer_ids), layout.last_layer_id, layout.last_layer_id, layout.hidden_size, layout.dtype,
+                 inputs.derived.target_dtype)
+
+    def execute(self, job, inputs):
+        """One process, or the part p of N of a scale-out: the last part to finish records the run."""
+        from eagle3.extract import extract_store
+        from eagle3.extract.checks import check_store
+        from eagle3.extract.recording import extract_facts, record_outputs
+        from eagle3.extract.reuse import extract_identity, fill_from_caches, reusable_caches
+
+        cfg, extract_cfg, target, splits = inputs.cfg, inputs.cfg.extract, inputs.target, inputs.splits
+        layout, target_dtype, prep = inputs.derived.layout, inputs.derived.target_dtype, inputs.prep
+        reused = {}
+
+        def extract(num_processes, process_index):
+            # training samples kept by an online run's cache with these very states: taken, not recomputed
+            caches = reusable_caches(inputs.manifest, prep.config_hash, *extract_identity(layout, target_dtype, extract_cfg))
+            if caches and "train" in splits:
+                n = fill_from_caches(job.out_dir, splits["train"], layout, extract_cfg.samples_per_shard, caches,
+                                     num_processes=num_processes, process_index=process_index, progress=cfg.progress)
+                if n:
+                    reused.update(samples=n, caches=[str(c) for c in caches])
+                    print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
+                          f"({', '.join(map(str, caches))}), the target not run for them")
+            return extract_store(job.out_dir, splits, layout, backend=extract_cfg.backend, target_path=target.path,
+                                 target_dtype=target_dtype, extract_cfg=extract_cfg, num_processes=num_processes,
+                                 process_index=process_index, progress=cfg.progress,
+                                 trust_remote_code=target.trust_remote_code)
+
+        regen = prep.facts.regen or {}
+        greedy = bool(prep.facts.regenerated) and float(regen.get("temperature", 0.0)) == 0.0
+
+        def record(result):
+            checks = check_store(job.out_dir, list(splits), layout, target.path, target.config, target_dtype,
+                                 extract_cfg, greedy=greedy, prepare_run=prep.config_hash,
+                                 trust_remote_code=target.trust_remote_code)
+            record_outputs(job, splits)
+            job.facts = extract_facts(inputs.derived, extract_cfg, splits, checks, reused)
+
+        return job.run_parts(extract, record, part=extract_cfg.shard_index, parts=extract_cfg.num_shards)
+
+    def report(self, record, inputs) -> None:
+        from eagle3.extract.recording import print_summary
+
+        log.info("extract: store complete at %s (%s)", record.out_dir,
+                 ", ".join(f"{s}: {len(v)} samples" for s, v in inputs.splits.items()))
+        print_summary(record, inputs.derived.layout, inputs.splits)
+
+
+STAGE = Extract()
+run = STAGE.run

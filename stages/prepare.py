@@ -8,30 +8,45 @@ and :class:`eagle3.contracts.PrepareFacts`.
 """
 from __future__ import annotations
 
+from eagle3.stage import Inputs, Stage
 
-def run(cfg, manifest):
-    from eagle3.data.build import build_dataset, check_chat_template
-    from eagle3.data.dataset import prepare_config
-    from eagle3.target import load_tokenizer, resolve
 
-    target = resolve(cfg.target, cfg.workspace)
-    if cfg.prepare.regenerate:  # an engine known to compute this target wrong would write the answers
-        from eagle3.extract.checks import refuse_known_bad
+class Prepare(Stage):
+    name = "prepare"
 
-        refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend",
-                         target_path=target.path)
-    config = prepare_config(cfg)
-    job = manifest.start("prepare", config=config, target=target.identity(),
-                         inputs=manifest.consume_upstream("prepare", target.identity()))
-    if (done := job.claim()) is not None:
-        return done
-    tokenizer = load_tokenizer(target, cfg.target.chat_template)
-    check_chat_template(tokenizer, target)
-    with job:
-        prepared = build_dataset(cfg, target, tokenizer, job.out_dir)
+    def consume(self, cfg, manifest) -> Inputs:
+        from eagle3.target import resolve
+
+        target = resolve(cfg.target, cfg.workspace)
+        if cfg.prepare.regenerate:  # an engine known to compute this target wrong would write the answers
+            from eagle3.extract.checks import refuse_known_bad
+
+            refuse_known_bad(target.config, cfg.prepare.regen.backend, setting="prepare.regen.backend",
+                             target_path=target.path)
+        return Inputs(cfg=cfg, target=target, upstream=manifest.consume_upstream("prepare", target.identity()))
+
+    def identity(self, inputs) -> dict:
+        from eagle3.data.dataset import prepare_config
+
+        return prepare_config(inputs.cfg)
+
+    def before(self, job, inputs) -> None:
+        from eagle3.data.build import check_chat_template
+        from eagle3.target import load_tokenizer
+
+        inputs.tokenizer = load_tokenizer(inputs.target, inputs.cfg.target.chat_template)
+        check_chat_template(inputs.tokenizer, inputs.target)
+
+    def work(self, job, inputs):
+        from eagle3.data.build import build_dataset
+
+        prepared = build_dataset(inputs.cfg, inputs.target, inputs.tokenizer, job.out_dir)
         for path in prepared.outputs:
             job.add_output(path)
         job.log({f"prepare/{k}": v for k, v in prepared.stats.items() if isinstance(v, (int, float))})
-        job.facts = prepared.facts
-        print(f"prepare: draft vocabulary coverage of trainable tokens: {job.facts.coverage_line()}")
-    return job.record
+        print(f"prepare: draft vocabulary coverage of trainable tokens: {prepared.facts.coverage_line()}")
+        return prepared.facts
+
+
+STAGE = Prepare()
+run = STAGE.run

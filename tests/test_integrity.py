@@ -278,7 +278,7 @@ def _flip_state(path: Path, row: int, hidden: int = 64) -> None:
 def _flip_after_verification(monkeypatch, path: Path, row: int) -> list:
     """The train stage's up-front store check runs as it is, then 8 bytes of ``path`` change: as a disk
     or another process would while the run reads the memory-mapped shard. Returns the flips done."""
-    import eagle3.train.inputs as inputs_mod
+    import eagle3.train_inputs as inputs_mod
 
     real, done = inputs_mod.verify_store, []
 

@@ -29,7 +29,7 @@ from .layout import max_model_len
 
 log = logging.getLogger("eagle3.extract")
 
-__all__ = ["Samples", "DatasetSamples", "extract_store", "make_extractor", "resolve_layer_ids",
+__all__ = ["Samples", "DatasetSamples", "prepared_samples", "extract_store", "make_extractor", "resolve_layer_ids",
            "default_layer_ids", "resolve_store_dtype", "LayerIdError", "ExtractResult", "Extractor", "Progress",
            "BACKENDS", "backend_class"]
 
@@ -70,6 +70,17 @@ class DatasetSamples:
     def get(self, a: int, b: int) -> tuple[list, list]:
         rows = self.ds[a:b]
         return rows["input_ids"], rows["loss_mask"]
+
+
+def prepared_samples(prep) -> dict:
+    """{split: DatasetSamples} of the prepare run ``prep``'s dataset: what the extract stage, online
+    training and ``stage=plan`` read of it."""
+    import datasets
+
+    from ..artifacts import DATASET_DIR
+
+    ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
+    return {s: DatasetSamples(ds[s]) for s in ds}
 
 
 @dataclass

@@ -29,22 +29,6 @@ class ExtractLayout:
     splits: tuple = ()
     max_model_len: int = 0
 
-    @property
-    def layer_ids(self) -> tuple:
-        return tuple(self.layout.layer_ids)
-
-    @property
-    def last_layer_id(self) -> int:
-        return self.layout.last_layer_id
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layout.hidden_size
-
-    @property
-    def store_dtype(self) -> str:
-        return self.layout.dtype
-
 
 def max_model_len(lengths) -> int:
     """Room for the longest of ``lengths`` (arrays of sample lengths) and the one sampled token,

@@ -10,14 +10,10 @@ def prepared_splits(prep, extract_cfg, target, target_dtype: str) -> tuple:
     """(the splits to extract {name: DatasetSamples}, their ExtractLayout) of the prepare run
     ``prep``: refuses a split extract.splits names that is not there, a sample longer than the
     target's context (eagle3.extract.layout.derive_store_layout)."""
-    import datasets
-
-    from ..artifacts import DATASET_DIR
-    from . import DatasetSamples
+    from . import prepared_samples
     from .layout import derive_store_layout
 
-    ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
-    prepared = {s: DatasetSamples(ds[s]) for s in ds}
+    prepared = prepared_samples(prep)
     derived = derive_store_layout(extract_cfg, target, target_dtype, {s: v.lengths for s, v in prepared.items()})
     return {s: prepared[s] for s in derived.splits}, derived
 
@@ -58,8 +54,8 @@ def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict):
 
     agreement, threshold, parity = checks
     layout = derived.layout
-    return ExtractFacts(layer_ids=list(derived.layer_ids), last_layer_id=derived.last_layer_id,
-                        hidden_size=derived.hidden_size, store_dtype=derived.store_dtype,
+    return ExtractFacts(layer_ids=list(layout.layer_ids), last_layer_id=layout.last_layer_id,
+                        hidden_size=layout.hidden_size, store_dtype=layout.dtype,
                         target_dtype=derived.target_dtype, backend=extract_cfg.backend, store_format=layout.format,
                         bytes_per_token=layout.bytes_per_token,
                         num_samples={s: len(v) for s, v in splits.items()},
@@ -70,7 +66,7 @@ def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict):
 
 def print_summary(rec, layout, splits) -> None:
     """Bytes per token, the store's size on disk, what a data set of this size needs; the checks."""
-    from ..report import fmt_size
+    from ..units import fmt_size
 
     out_dir = rec.out_dir
     tokens = sum(int(v.lengths.sum()) for v in splits.values())

@@ -1,7 +1,9 @@
 """What ``stage=train`` (online) and ``stage=produce`` both set up from the config and the manifest
-(:class:`OnlineRun`)."""
+(:class:`OnlineRun`); for the train stage it is the online provider of its hidden states (the other
+one: ``eagle3.train_inputs.StoreInput``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,13 +19,12 @@ class OnlineRun:
     config hash names the run and the default exchange directory) and the prepared splits."""
 
     def __init__(self, cfg, manifest):
-        from ..artifacts import DATASET_DIR
-        from ..extract import DatasetSamples
+        from ..extract import prepared_samples
         from ..extract.checks import refuse_known_bad
         from ..extract.layout import check_tokenizer, derive_store_layout
         from ..extract.reuse import extract_identity
-        from ..hashing import semantic_dict
         from ..target import resolve
+        from ..train_inputs import train_run_config
 
         tcfg, extract_cfg, ocfg = cfg.train, cfg.extract, cfg.train.online
         self.cfg, self.ocfg = cfg, ocfg
@@ -36,24 +37,20 @@ class OnlineRun:
                               f"training process, but extract.backend={extract_cfg.backend}: set extract.backend=hf, "
                               f"or train.online.producer=external to use {extract_cfg.backend} engines in their own "
                               f"processes (`python -m eagle3 stage=produce`)")
-        import datasets
-
-        ds = datasets.load_from_disk(str(prep.path(DATASET_DIR)))
-        prepared = {s: DatasetSamples(ds[s]) for s in ds}
+        prepared = prepared_samples(prep)
         # the store extract would write, from the splits it would read (and the training split, which
         # online training always reads): the same refusals as stage=extract
         derived = derive_store_layout(extract_cfg, target, cfg.target.dtype,
                                       {s: v.lengths for s, v in prepared.items()}, also=("train",))
-        self.layer_ids = layer_ids = list(derived.layer_ids)
+        self.layer_ids = layer_ids = list(derived.layout.layer_ids)
         refuse_known_bad(target.config, extract_cfg.backend, layer_ids, target_dtype=derived.target_dtype,
                          target_path=target.path)
         self.target_dtype, self.layout, self.max_model_len = derived.target_dtype, derived.layout, derived.max_model_len
         # what the producer's numbers depend on: in the config hash, checked between the processes
         self.identity, extract = extract_identity(self.layout, self.target_dtype, extract_cfg)
         self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
-        config = {"train": semantic_dict(tcfg), "layer_ids": layer_ids, "hidden_states": "online",
-                  "producer": {**self.identity, "extract": extract}}
-        self.job = manifest.start("train", config=config, target=target.identity(), inputs=self.upstream)
+        self.job = manifest.start("train", config=train_run_config(tcfg, layer_ids, {**self.identity, "extract": extract}),
+                                  target=target.identity(), inputs=self.upstream)
         self.dir = Path(ocfg.dir).expanduser().resolve() if ocfg.dir else self.job.out_dir / "online"
         self.splits = {"train": prepared["train"]}
         if "eval" in derived.splits and len(prepared["eval"]):
@@ -91,6 +88,39 @@ class OnlineRun:
         train = OnlineHiddenStates("train", self.splits["train"], self.layout, source)
         ev = OnlineHiddenStates("eval", self.splits["eval"], self.layout, source) if "eval" in self.splits else None
         return train, ev
+
+    # -- the train stage's input (eagle3.train_inputs: the same surface as StoreInput)
+    def open(self) -> tuple:
+        """(train split, eval split or None) for this process of the launch, and the stage's first line."""
+        from ..train_inputs import world
+
+        self._opened = self.stores(*world())
+        ocfg = self.ocfg
+        where = (f"exchange/cache directory {self.dir}" if ocfg.producer == "colocated" or ocfg.transport == "dir"
+                 else self.where())
+        print(f"train: online, {ocfg.producer} {self.cfg.extract.backend} producer, layers {self.layer_ids}, "
+              f"{self.layout.dtype} states; {where}"
+              + ("" if ocfg.producer == "colocated" else
+                 " (start the producer: `python -m eagle3 stage=produce` with this run's overrides)"))
+        return self._opened
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Around the training: the online store closed as finished (the producer may stop, the cache
+        becomes a store if complete), or given up when the training fails (the trainer's heartbeat
+        stops: producers see it gone)."""
+        train_store = self._opened[0]
+        try:
+            yield
+        except BaseException:
+            train_store.close(finished=False)
+            raise
+        train_store.close(finished=True)
+
+    def facts(self) -> dict:
+        """What :class:`eagle3.contracts.TrainFacts` records of where the states came from."""
+        return {"hidden_states": "online", "producer": self.producer,
+                "cache_dir": str(self.dir) if self.ocfg.cache_bytes else None}
 
     # -- the exchange between producers and trainer (train.online.transport)
     @property

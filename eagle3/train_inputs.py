@@ -1,12 +1,77 @@
-"""What the train stage hands ``train()``: the hidden-state store of the extract run (opened,
-checked against its record, verified), the vocabulary mapping and the target's head, as
-:class:`eagle3.train.loop.TrainInputs`; and the line the stage prints at the end."""
+"""What the train stage hands ``train()`` (:class:`eagle3.train.loop.TrainInputs`): the hidden
+states from one of two providers, the vocabulary mapping and the target's head; and the line the
+stage prints at the end.
+
+The providers (``train.hidden_states`` picks one): :class:`StoreInput`, the extract run's store on
+disk (opened, checked against its record, verified), and ``eagle3.online.OnlineRun``, the states
+computed while training (``train.hidden_states=online``). Each resolves the stage's upstream runs and starts
+its job with the one identity of a train run (:func:`train_run_config`), opens the splits, and
+brackets the training (:meth:`StoreInput.reading`); the stage does not ask which one it has.
+This is stage glue (the manifest, the store, prepare's vocabulary file): ``eagle3.train`` imports none of it.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from typing import Optional
 
 log = logging.getLogger("eagle3.train")
+
+
+def train_run_config(tcfg, layer_ids: list, producer: Optional[dict] = None) -> dict:
+    """The train run's hashed config: the training settings and the layers, and for online states the
+    producer's identity (what its numbers depend on: eagle3.extract.reuse.extract_identity and the
+    backend's semantic config). The one place a train run's identity is built (its config hash names
+    the run, its directory and an online run's exchange)."""
+    from .hashing import semantic_dict
+
+    config = {"train": semantic_dict(tcfg), "layer_ids": list(layer_ids)}
+    if producer is not None:
+        config.update(hidden_states="online", producer=producer)
+    return config
+
+
+def world() -> tuple:
+    """(processes, this one's rank) of a launch (torchrun / accelerate launch set them)."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+class StoreInput:
+    """The extract run's store on disk as the train stage's input (``train.hidden_states=store``)."""
+
+    def __init__(self, cfg, manifest):
+        from .target import resolve
+
+        self.cfg = cfg
+        self.target = target = resolve(cfg.target, cfg.workspace)
+        self.upstream = manifest.consume_upstream("train", target.identity(), cfg=cfg)
+        self.prep, self.ext = self.upstream["prepare"], self.upstream["extract"]
+        self.layer_ids = [int(i) for i in self.ext.facts.layer_ids]
+        self.job = manifest.start("train", config=train_run_config(cfg.train, self.layer_ids),
+                                  target=target.identity(), inputs=self.upstream)
+        self.checked = True
+
+    def open(self) -> tuple:
+        """(train split, eval split or None); whether each sample is verified as it is read decides
+        the checks around the training (:func:`check_reads`)."""
+        stores = open_store(self.ext, self.layer_ids)
+        self.checked = check_reads(self.job, stores)
+        return stores
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Around the training: every shard's digest before the first step; a store without
+        per-sample checksums verified again after the last."""
+        job = self.job
+        verify_store(self.ext, self.cfg.progress and job.is_main)
+        yield
+        if not self.checked and job.is_main:  # damage while it was read, found before the run is complete
+            verify_store(self.ext, self.cfg.progress, again=True)
+
+    def facts(self) -> dict:
+        """What :class:`eagle3.contracts.TrainFacts` records of where the states came from."""
+        return {"hidden_states": "store", "producer": None, "cache_dir": None}
 
 
 def verify_store(ext, progress: bool, again: bool = False) -> None:
@@ -19,12 +84,12 @@ def verify_store(ext, progress: bool, again: bool = False) -> None:
     ``again``: the check at the end of a run over a store without per-sample checksums (see
     :func:`check_reads`): every file read again (none taken as verified before), by this process
     alone (the main one, which records the run)."""
-    from ..store import REBUILD, StoreError
+    from .store import REBUILD, StoreError
 
-    world, rank = (1, 0) if again else (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")))
+    processes, rank = (1, 0) if again else world()
     prefix = ext.data["out_dir"] + "/"
     files = sorted(r for r in ext.data.get("outputs", {}) if r.startswith(prefix))
-    mine = set(files[rank::world])
+    mine = set(files[rank::processes])
     damaged = ext.damaged_outputs(select=mine.__contains__, progress=progress, reread=again)
     if damaged:
         when = " at the end of this run (it changed while the run read it)" if again else ""
@@ -54,8 +119,8 @@ def check_reads(job, stores) -> bool:
 def open_store(ext, layer_ids: list) -> tuple:
     """(train split, eval split or None) of the extract run ``ext``'s store; an fp8 store is read as
     stored (values + scales): the loop dequantises on its device."""
-    from ..manifest import ManifestError
-    from ..store import open_hidden_states
+    from .manifest import ManifestError
+    from .store import open_hidden_states
 
     train_store = open_hidden_states(ext.out_dir, "train", fp8="raw")
     if list(train_store.layer_ids) != layer_ids:
@@ -74,12 +139,12 @@ def train_inputs(cfg, target, prep, layer_ids: list, train_store, eval_store):
     """The draft's config (from the target, the layers and prepare's vocabulary mapping) and the
     target's embedding, final norm and lm_head, read from the checkpoint alone
     (eagle3.target_weights), never the whole model."""
-    from ..artifacts import VOCAB_FILE
-    from ..data.vocab import load_vocab
-    from ..manifest import ManifestError
-    from ..model.draft import Eagle3DraftConfig, is_mla_config
-    from ..target_weights import read_target_head
-    from .loop import TrainInputs
+    from .artifacts import VOCAB_FILE
+    from .data.vocab import load_vocab
+    from .manifest import ManifestError
+    from .model.draft import Eagle3DraftConfig, is_mla_config
+    from .target_weights import read_target_head
+    from .train.loop import TrainInputs
 
     d2t, t2d = load_vocab(prep.path(VOCAB_FILE))
     draft_cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, d2t.numel(), cfg.train.model)

@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .store_layout import StoreLayout
+
 # The pipeline, in order. `eval` (the offline evaluator alone) is a side stage: nothing consumes it.
 STAGES = ("prepare", "extract", "train", "export")
 UPSTREAM: dict[str, tuple[str, ...]] = {
@@ -125,14 +127,13 @@ def _size_label(n: int) -> str:
 class ExtractFacts(Facts):
     """What extract promises: a complete store of these layers, for every sample of each split."""
 
-    layer_ids: list                     # aux layers, vLLM's convention (id k = stream entering layer k)
-    last_layer_id: int                  # L: the final pre-norm state, stored beside the aux layers
-    hidden_size: int
-    store_dtype: str                    # dtype of the stored values (fp8: float8 e4m3 + float32 scales)
+    # what every shard holds: the aux layer ids (vLLM's convention: id k = stream entering layer k),
+    # the last layer id L (the final pre-norm state, stored beside them), the hidden size, the store
+    # dtype (fp8: float8 e4m3 + float32 scales) and the target's identity; its format and bytes per
+    # token (hidden states + ids + mask) follow from it (eagle3.store_layout.StoreLayout)
+    layout: StoreLayout
     target_dtype: str                   # dtype the target ran in
     backend: str                        # extract.backend that produced the states
-    store_format: str                   # eagle3.store.FORMAT (FORMAT_FP8 for an fp8 store)
-    bytes_per_token: int                # store bytes per token (hidden states + ids + mask)
     num_samples: dict = field(default_factory=dict)   # split -> samples
     num_tokens: dict = field(default_factory=dict)    # split -> tokens
     # -- the store's checks (eagle3.extract.checks); None in runs recorded before they existed ----
@@ -151,6 +152,8 @@ class ExtractFacts(Facts):
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)
+        out.update({f"{prefix}/last_layer_id": self.layout.last_layer_id, f"{prefix}/hidden_size": self.layout.hidden_size,
+                    f"{prefix}/bytes_per_token": self.layout.bytes_per_token})
         out.update({f"{prefix}/tokens_{split}": n for split, n in self.num_tokens.items()})
         for split, a in (self.agreement or {}).items():
             if a.get("rate") is not None:
@@ -370,7 +373,7 @@ def context_metrics(by_context: Optional[dict], prefix: str) -> dict[str, float]
 
 FACTS: dict[str, type[Facts]] = {"prepare": PrepareFacts, "extract": ExtractFacts, "train": TrainFacts,
                                  "export": ExportFacts, "eval": EvalFacts}
-_NESTED = {("TrainFacts", "train"): StepMetrics, ("TrainFacts", "eval"): StepMetrics}
+_NESTED = {("TrainFacts", "train"): StepMetrics, ("TrainFacts", "eval"): StepMetrics, ("ExtractFacts", "layout"): StoreLayout}
 
 
 def facts_from_json(stage: str, data: Optional[dict]) -> Optional[Facts]:
@@ -380,11 +383,21 @@ def facts_from_json(stage: str, data: Optional[dict]) -> Optional[Facts]:
     return FACTS[stage].from_json(data)
 
 
+_FLAT_LAYOUT = ("layer_ids", "last_layer_id", "hidden_size", "store_dtype", "store_format", "bytes_per_token")
+
+
 def upgrade_facts(stage: str, data: dict, schema_version: int) -> dict:
     """Facts written by an older manifest schema, in the current one's field names.
 
     Version 1 recorded the train stage's metrics as flat lists beside each other
-    (``eval_acc_per_step``, ``train_accept_len``, ...) and the names of its files."""
+    (``eval_acc_per_step``, ``train_accept_len``, ...) and the names of its files. Versions 1 and 2
+    recorded the extract stage's store layout as separate fields (``layer_ids``, ``last_layer_id``,
+    ``hidden_size``, ``store_dtype``, and the ``store_format`` and ``bytes_per_token`` that follow
+    from them; no target identity: "")."""
+    if schema_version < 3 and stage == "extract" and data and "layout" not in data:
+        layout = {"layer_ids": data["layer_ids"], "last_layer_id": data["last_layer_id"],
+                  "hidden_size": data["hidden_size"], "dtype": data["store_dtype"], "target_hash": ""}
+        return {"layout": layout, **{k: v for k, v in data.items() if k not in _FLAT_LAYOUT}}
     if schema_version >= 2 or stage != "train" or not data:
         return data
     out = {k: data[k] for k in ("steps", "ttt_steps", "layer_ids", "draft_vocab_size") if k in data}

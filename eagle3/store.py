@@ -61,11 +61,8 @@ import numpy as np
 from .artifacts import INDEX_JSON, STORE_JSON
 from .atomic import atomic_write_json
 from .errors import Eagle3Error
+from .store_layout import _ST_DTYPES, FORMAT, FORMAT_FP8, FORMATS, StoreLayout  # noqa: F401 (the store's API)
 
-FORMAT = "eagle3.hidden_states/1"
-FORMAT_FP8 = "eagle3.hidden_states/2"  # float8 values + float32 scales (dtype "fp8")
-FORMATS = (FORMAT, FORMAT_FP8)
-_ST_DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2), "fp8": ("F8_E4M3", 1)}
 # per-token tensors written as rows arrive (the rest of a shard is written when it is opened)
 ROW_TENSORS = ("aux_hidden_states", "last_hidden_state", "aux_scales", "last_scales")
 # what a sample's checksum covers, in this order (the scales only in an fp8 store)
@@ -86,58 +83,6 @@ truncated and corrupt shards (size and sha256 tree against the manifest) and wri
 
 class StoreWriteError(Eagle3Error):
     """Writing a shard failed (e.g. the disk is full); no incomplete shard is left claiming completion."""
-
-
-@dataclass(frozen=True)
-class StoreLayout:
-    """What every shard of a store holds; identical for all shards and all processes."""
-
-    layer_ids: tuple          # aux layer ids, ascending
-    last_layer_id: int        # L (num_hidden_layers): the final pre-norm state
-    hidden_size: int
-    dtype: str                # float32 | bfloat16 | float16 | fp8 (float8 e4m3 + a float32 scale per row)
-    target_hash: str = ""     # identity of the target (eagle3.target), "" when unknown
-
-    def __post_init__(self):
-        if self.dtype not in _ST_DTYPES:
-            raise ValueError(f"store dtype {self.dtype!r} is not one of {sorted(_ST_DTYPES)}")
-        if list(self.layer_ids) != sorted(set(self.layer_ids)):
-            raise ValueError(f"layer ids must be distinct and ascending, got {self.layer_ids}")
-
-    @property
-    def itemsize(self) -> int:
-        return _ST_DTYPES[self.dtype][1]
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype == "fp8"
-
-    @property
-    def format(self) -> str:
-        return FORMAT_FP8 if self.is_fp8 else FORMAT
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.layer_ids)
-
-    @property
-    def hidden_bytes_per_token(self) -> int:
-        """Values, and for fp8 the float32 scales (one per layer)."""
-        return (self.n_aux + 1) * (self.hidden_size * self.itemsize + (4 if self.is_fp8 else 0))
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Stored bytes per token: hidden states + input id (int32) + loss mask (uint8)."""
-        return self.hidden_bytes_per_token + 5
-
-    def metadata(self) -> dict:
-        return {"format": self.format, "layer_ids": ",".join(map(str, self.layer_ids)),
-                "last_layer_id": str(self.last_layer_id), "hidden_size": str(self.hidden_size),
-                "dtype": self.dtype, "target_hash": self.target_hash}
-
-    def to_json(self) -> dict:
-        return {"layer_ids": list(self.layer_ids), "last_layer_id": self.last_layer_id,
-                "hidden_size": self.hidden_size, "dtype": self.dtype, "target_hash": self.target_hash}
 
 
 # -- shard planning -------------------------------------------------------------------------------
@@ -483,6 +428,10 @@ class HiddenStates(Sequence):
         if (fmt == FORMAT_FP8) != (self.meta.get("dtype") == "fp8"):
             raise StoreError(f"{meta_path} has format {fmt!r} but dtype {self.meta.get('dtype')!r}: it was not "
                              f"written by eagle3; {REBUILD}")
+        try:
+            self.layout = StoreLayout.from_json(self.meta)  # what every shard of the store holds
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"{meta_path} holds no valid layout ({type(e).__name__}: {e}); {REBUILD}") from None
         if split not in self.meta["splits"]:
             raise StoreError(f"split {split!r} is not in {self.store_dir} (it has {sorted(self.meta['splits'])})")
         self.split = split
@@ -506,26 +455,12 @@ class HiddenStates(Sequence):
     def expect(self, micro_batches) -> None:
         pass
 
-    # facts
-    @property
-    def layer_ids(self) -> tuple:
-        return tuple(self.meta["layer_ids"])
-
-    @property
-    def last_layer_id(self) -> int:
-        return int(self.meta["last_layer_id"])
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.meta["hidden_size"])
-
-    @property
-    def dtype(self) -> str:
-        return self.meta["dtype"]
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype == "fp8"
+    # the layout's figures, as eagle3.online.hidden_states.OnlineHiddenStates gives them
+    layer_ids = property(lambda self: self.layout.layer_ids)
+    last_layer_id = property(lambda self: self.layout.last_layer_id)
+    hidden_size = property(lambda self: self.layout.hidden_size)
+    dtype = property(lambda self: self.layout.dtype)
+    is_fp8 = property(lambda self: self.layout.is_fp8)
 
     @property
     def num_tokens(self) -> int:
@@ -567,9 +502,9 @@ class HiddenStates(Sequence):
     def _check_shard(self, path: Path, h) -> None:
         """The shard holds what store.json says (format, dtype; an fp8 shard its scales)."""
         meta = h.metadata() or {}
-        if meta.get("format") != self.meta["format"] or meta.get("dtype") != self.dtype:
+        if meta.get("format") != self.layout.format or meta.get("dtype") != self.dtype:
             raise StoreError(f"shard {path} has format {meta.get('format')!r}, dtype {meta.get('dtype')!r} but the "
-                             f"store is {self.meta['format']!r}, {self.dtype!r}: it was not written by this "
+                             f"store is {self.layout.format!r}, {self.dtype!r}: it was not written by this "
                              f"extraction; {REBUILD}")
         if self.is_fp8:
             missing = [n for n in ("aux_scales", "last_scales") if n not in h.keys()]

@@ -47,7 +47,7 @@ class StoreInput:
         self.target = target = resolve(cfg.target, cfg.workspace)
         self.upstream = manifest.consume_upstream("train", target.identity(), cfg=cfg)
         self.prep, self.ext = self.upstream["prepare"], self.upstream["extract"]
-        self.layer_ids = [int(i) for i in self.ext.facts.layer_ids]
+        self.layer_ids = list(self.ext.facts.layout.layer_ids)
         self.job = manifest.start("train", config=train_run_config(cfg.train, self.layer_ids),
                                   target=target.identity(), inputs=self.upstream)
         self.checked = True

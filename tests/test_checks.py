@@ -354,13 +354,16 @@ def test_eligible_positions_leave_out_the_end_of_turn_marker():
 
 
 def test_old_manifest_facts_read_without_checks():
-    from eagle3.contracts import ExtractFacts
+    """An extract run recorded before the store checks, in schema version 2 (the layout as separate
+    fields): read as its layout, with no checks."""
+    from eagle3.contracts import ExtractFacts, upgrade_facts
 
     old = {"layer_ids": [2, 15, 27], "last_layer_id": 30, "hidden_size": 576, "store_dtype": "float32",
            "target_dtype": "float32", "backend": "vllm", "store_format": "eagle3.hidden_states/1",
            "bytes_per_token": 9221, "num_samples": {"train": 1}, "num_tokens": {"train": 9}}
-    f = ExtractFacts.from_json(old)
+    f = ExtractFacts.from_json(upgrade_facts("extract", old, 2))
     assert f.agreement is None and f.parity is None and "no checks recorded" in f.checks_line()
+    assert f.layout.layer_ids == (2, 15, 27) and f.layout.dtype == "float32" and f.layout.bytes_per_token == 9221
 
 
 def test_check_settings_are_not_hashed():
@@ -380,10 +383,11 @@ def test_export_warning_names_the_store_figures(caplog):
 
     from eagle3.contracts import ExtractFacts
     from eagle3.export.pipeline import compare_with_training
+    from eagle3.store import StoreLayout
 
     store = SimpleNamespace(config_hash="abcdef0123456789", facts=ExtractFacts(
-        layer_ids=[1, 2, 3], last_layer_id=4, hidden_size=64, store_dtype="float32", target_dtype="float32",
-        backend="vllm", store_format="x", bytes_per_token=1,
+        layout=StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="float32"),
+        target_dtype="float32", backend="vllm",
         agreement={"train": {"positions": 2048, "agreeing": 410, "rate": 0.2002, "samples": 300}},
         agreement_threshold=None, parity={"skipped": "the target (700.0 GiB in bfloat16) does not fit"}))
     with caplog.at_level(logging.WARNING, logger="eagle3.export"):

@@ -82,8 +82,8 @@ def test_manifest_records_what_the_default_does(default_run):
     regenerated = [json.loads(x) for x in prep.path("regenerated.jsonl").read_text().splitlines()]
     assert regenerated and all(c["messages"][-1]["role"] == "assistant" for c in regenerated)
 
-    assert ext.facts.backend == "vllm" and len(ext.facts.layer_ids) == 3
-    assert ext.facts.store_dtype == "float32" and ext.facts.target_dtype == "float32"
+    assert ext.facts.backend == "vllm" and len(ext.facts.layout.layer_ids) == 3
+    assert ext.facts.layout.dtype == "float32" and ext.facts.target_dtype == "float32"
     assert ext.facts.num_tokens["train"] == prep.facts.tokens - ext.facts.num_tokens["eval"]
     # the answers were regenerated greedily by the target: the store was held to the agreement threshold
     assert ext.facts.agreement_threshold == default.extract.min_agreement

@@ -818,9 +818,10 @@ def experiment(target, tmp_path_factory):
 def recorded_extract_facts(layer_ids):
     """An extract run recorded by the test (no store: export reads only its layer ids and width)."""
     from eagle3.contracts import ExtractFacts
+    from eagle3.store import StoreLayout
 
-    return ExtractFacts(layer_ids=layer_ids, last_layer_id=4, hidden_size=64, store_dtype="float32",
-                        target_dtype="float32", backend="hf", store_format="none", bytes_per_token=0)
+    return ExtractFacts(layout=StoreLayout(layer_ids=layer_ids, last_layer_id=4, hidden_size=64, dtype="float32"),
+                        target_dtype="float32", backend="hf")
 
 
 def record_train_run(m, tinfo, draft, tag="perfect"):

@@ -350,8 +350,9 @@ def test_stage_through_cli(tmp_path, tiny_llama_dir, chats):
     exp = tmp_path / "cli"
     rec = Manifest(exp).current("extract")
     facts = rec.facts
-    assert facts.layer_ids == [1, 2, 3] and facts.last_layer_id == 4 and facts.hidden_size == 64
-    assert facts.store_dtype == "float32" and facts.bytes_per_token == 4 * 64 * 4 + 5
+    assert facts.layout.layer_ids == (1, 2, 3) and facts.layout.last_layer_id == 4 and facts.layout.hidden_size == 64
+    assert facts.layout.dtype == "float32" and facts.layout.bytes_per_token == 4 * 64 * 4 + 5
+    assert facts.layout == open_hidden_states(rec.out_dir, "train").layout  # one value: the facts', the store's
     prep = Manifest(exp).current("prepare")
     ds = datasets.load_from_disk(str(prep.path("dataset")))
     assert facts.num_samples == {"train": len(ds["train"]), "eval": len(ds["eval"])}

@@ -435,10 +435,10 @@ def test_extract_stage_fp8_end_to_end(tmp_path, compose, tiny_llama_dir, capsys)
     m = Manifest(tmp_path / "f")
     rec = m.current("extract")
     f = rec.facts
-    assert f.store_dtype == "fp8" and f.store_format == FORMAT_FP8 and f.target_dtype == "float32"
-    assert f.bytes_per_token == 4 * (64 + 4) + 5
+    assert f.layout.dtype == "fp8" and f.layout.format == FORMAT_FP8 and f.target_dtype == "float32"
+    assert f.layout.bytes_per_token == 4 * (64 + 4) + 5
     tokens = sum(f.num_tokens.values())
-    assert f"fp8 store, {f.bytes_per_token} bytes/token" in printed and f"{tokens} tokens" in printed
+    assert f"fp8 store, {f.layout.bytes_per_token} bytes/token" in printed and f"{tokens} tokens" in printed
     row = next(r for r in status_rows(m) if r["stage"] == "extract")
     assert "bytes_per_token=277" in row["facts"] and f"tokens={tokens}, store=" in row["facts"]
     hs = open_hidden_states(tmp_path / "f")

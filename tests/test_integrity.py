@@ -229,12 +229,12 @@ def test_a_corrupt_shard_header_names_the_file_and_extract_rebuilds_it(tmp_path,
 def test_resume_writes_a_damaged_shard_again(tmp_path, tiny_llama_dir):
     """Before a run is recorded (a crashed extraction resumes), a shard that exists but is truncated
     or has a broken header is written again, not refused."""
-    from eagle3.store import ShardSpec, StoreLayout, completed_shard
+    from eagle3.store import ShardSpec, completed_shard
 
     rec, shards = _extracted(tmp_path, tiny_llama_dir)
     f = rec.facts
-    layout = StoreLayout(layer_ids=tuple(f.layer_ids), last_layer_id=f.last_layer_id, hidden_size=f.hidden_size,
-                         dtype=f.store_dtype, target_hash=rec.data["target"]["hash"])
+    layout = f.layout  # what the store's shards hold, as the extract run recorded it
+    assert layout.target_hash == rec.data["target"]["hash"]
     index = json.loads((rec.out_dir / "train" / "index.json").read_text())
     s0 = index["shards"][0]
     lengths = index["lengths"][s0["first_sample"]:s0["first_sample"] + s0["num_samples"]]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from eagle3.contracts import Facts
-from eagle3.manifest import Manifest, ManifestError
+from eagle3.manifest import SCHEMA_VERSION, Manifest, ManifestError
 
 
 @dataclass
@@ -39,7 +39,7 @@ def test_complete_record_has_contract_fields(tmp_path):
     job, ran = _run(m, "prepare", {"a": 1})
     assert ran
     data = json.loads(m.path.read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == SCHEMA_VERSION == 3
     rec = data["stages"]["prepare"]["runs"][job.config_hash]
     assert rec["status"] == "complete" and rec["target"] == TARGET
     assert rec["facts"] == {"n": 1} and rec["started"] and rec["ended"]
@@ -214,7 +214,7 @@ def test_version_1_manifest_is_read_and_upgraded(tmp_path):
     assert facts.final is facts.eval
     m.update(lambda d: None)
     data = json.loads((exp / "manifest.json").read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == SCHEMA_VERSION
     assert data["stages"]["train"]["runs"][run["config_hash"]]["facts"]["eval"]["loss"] == 3.25
 
 
@@ -449,3 +449,32 @@ def test_a_run_in_parts_is_recorded_by_the_last_part_to_finish(tmp_path):
     assert jobs[0].claim() is None
     rec = jobs[0].run_parts(work, finish, part=0, parts=2)
     assert rec.status == "complete" and rec.data["facts"] == {"n": 2}
+
+
+def test_schema_2_extract_facts_read_as_one_layout(tmp_path):
+    """An extract run of schema version 2 (its layout as separate facts) reads as one StoreLayout, as
+    the store it describes holds it; written back, the facts carry the layout whole."""
+    from eagle3.contracts import ExtractFacts
+    from eagle3.store import StoreLayout
+
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    v2_extract = {"layer_ids": [1, 2, 3], "last_layer_id": 4, "hidden_size": 64, "store_dtype": "bfloat16",
+                  "target_dtype": "bfloat16", "backend": "hf", "store_format": "eagle3.hidden_states/1",
+                  "bytes_per_token": 517, "num_samples": {"train": 2}, "num_tokens": {"train": 9}}
+    run = {"status": "complete", "config_hash": "e" * 64, "config": {}, "upstream": {}, "target": TARGET,
+           "out_dir": "extract/e", "facts": v2_extract, "started": "2026-11-01T00:00:00+00:00",
+           "ended": "2026-11-01T00:01:00+00:00", "outputs": {}}
+    (exp / "manifest.json").write_text(json.dumps({"schema_version": 2, "experiment": "exp", "stages": {
+        "extract": {"current": run["config_hash"], "latest": run["config_hash"], "runs": {run["config_hash"]: run}}}}))
+    m = Manifest(exp)
+    facts = m.record("extract", "e" * 64).facts
+    assert isinstance(facts, ExtractFacts) and facts.backend == "hf" and facts.num_tokens == {"train": 9}
+    assert facts.layout == StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="bfloat16")
+    assert facts.layout.bytes_per_token == 517  # the recorded figure follows from the layout
+    m.update(lambda d: None)
+    data = json.loads((exp / "manifest.json").read_text())
+    assert data["schema_version"] == SCHEMA_VERSION == 3
+    assert data["stages"]["extract"]["runs"]["e" * 64]["facts"]["layout"] == {
+        "layer_ids": [1, 2, 3], "last_layer_id": 4, "hidden_size": 64, "dtype": "bfloat16", "target_hash": ""}
+    assert "store_dtype" not in data["stages"]["extract"]["runs"]["e" * 64]["facts"]

@@ -596,7 +596,7 @@ def test_stage_all_online_skips_extract_records_the_producer_and_exports(target_
     # a cache of other states (here another store dtype) is not taken
     run(dataclasses.replace(cfg, stage="extract",
                             extract=dataclasses.replace(cfg.extract, samples_per_shard=1, store_dtype="bfloat16")))
-    assert manifest.current("extract").facts.store_dtype == "bfloat16"
+    assert manifest.current("extract").facts.layout.dtype == "bfloat16"
     assert manifest.current("extract").facts.reused is None
 
 

@@ -52,8 +52,8 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     assert not est["exact"] and abs(est["tokens"] / d["tokens"] - 1) < 0.15
     assert abs(est["trainable_tokens"] / d["trainable_tokens"] - 1) < 0.15
     # the store: bytes per token and size as extraction wrote them
-    assert after["store"]["float32"]["bytes_per_token"] == ext.facts.bytes_per_token
-    assert after["store"]["float32"]["bytes"] == ext.facts.bytes_per_token * sum(ext.facts.num_tokens.values())
+    assert after["store"]["float32"]["bytes_per_token"] == ext.facts.layout.bytes_per_token
+    assert after["store"]["float32"]["bytes"] == ext.facts.layout.bytes_per_token * sum(ext.facts.num_tokens.values())
     assert after["store"]["fp8"]["bytes_per_token"] == 4 * (64 + 4) + 5
     assert after["train_steps"] == tr.facts.steps
     # time: extract + train within TIME_FACTOR of the real run
@@ -70,9 +70,9 @@ def test_plan_estimates_then_counts_and_matches_a_real_run(compose, tiny_llama_d
     assert small["offline_online"]["online"]["disk"] == 1_500_000 < store_bytes
     # online across hosts: the bytes a token takes on the wire at the trainer's probed rate
     on = after["offline_online"]["online"]
-    assert on["bytes_per_token"] == ext.facts.bytes_per_token
-    assert on["network_bytes_per_s_here"] == ext.facts.bytes_per_token * after["probes"]["train"]["tokens_per_s"]
-    assert on["network_bytes_per_s_h200"] == ext.facts.bytes_per_token * after["h200_train_tokens_per_s"]
+    assert on["bytes_per_token"] == ext.facts.layout.bytes_per_token
+    assert on["network_bytes_per_s_here"] == ext.facts.layout.bytes_per_token * after["probes"]["train"]["tokens_per_s"]
+    assert on["network_bytes_per_s_h200"] == ext.facts.layout.bytes_per_token * after["h200_train_tokens_per_s"]
 
 
 def _small_plan_config(compose, target, tmp_path, *extra):

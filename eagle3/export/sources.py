@@ -43,8 +43,8 @@ def trained_draft(train_rec, extract_rec, prepare_rec, target) -> DraftCheckpoin
     embed = tensors.pop("embed_tokens.weight", None)
 
     if extract_rec is not None:
-        layer_ids = [int(i) for i in extract_rec.facts.layer_ids]
-        H = int(extract_rec.facts.hidden_size)
+        layer_ids = list(extract_rec.facts.layout.layer_ids)
+        H = extract_rec.facts.layout.hidden_size
         states = f"the extract run {extract_rec.config_hash[:12]} stored"
     else:  # trained online (train.hidden_states=online): the producer's facts, recorded by the train run
         producer = facts.producer or {}

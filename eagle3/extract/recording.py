@@ -54,10 +54,7 @@ def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict):
 
     agreement, threshold, parity = checks
     layout = derived.layout
-    return ExtractFacts(layer_ids=list(layout.layer_ids), last_layer_id=layout.last_layer_id,
-                        hidden_size=layout.hidden_size, store_dtype=layout.dtype,
-                        target_dtype=derived.target_dtype, backend=extract_cfg.backend, store_format=layout.format,
-                        bytes_per_token=layout.bytes_per_token,
+    return ExtractFacts(layout=layout, target_dtype=derived.target_dtype, backend=extract_cfg.backend,
                         num_samples={s: len(v) for s, v in splits.items()},
                         num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()},
                         agreement=agreement, agreement_threshold=threshold, parity=parity,

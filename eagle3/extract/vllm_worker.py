@@ -86,7 +86,7 @@ class HiddenStateCapture:
         elif not runner.use_aux_hidden_state_outputs:
             raise RuntimeError("aux_setup=load_time but the runner has no aux outputs: the engine was not started "
                                "with the extract_hidden_states speculative method")
-        layout = StoreLayout(**cfg["layout"])
+        layout = StoreLayout.from_json(cfg["layout"])
         self._eagle3_async = bool(getattr(runner.scheduler_config, "async_scheduling", False))
         self._eagle3_rank = get_tensor_model_parallel_rank()
         self._eagle3_error = None

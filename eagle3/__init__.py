@@ -1,5 +1,7 @@
 """eagle3: train EAGLE-3 speculative-decoding drafts and hand them to vLLM."""
 
+import os as _os
+
 from .train import inductor as _inductor  # noqa: F401 - records TORCHINDUCTOR_COMPILE_THREADS before vLLM sets it
 
 __version__ = "0.1.0"

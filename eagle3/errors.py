@@ -13,15 +13,6 @@ class Eagle3Error(RuntimeError):
     """Base class for errors caused by inputs, configs or the environment rather than by a bug."""
 
 
-def fmt_size(n: float) -> str:
-    """Bytes as a short human-readable size (binary units), as the messages about space say them."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def disk_full(e: Optional[BaseException]) -> bool:
     """Whether ``e`` (or what caused it) is a write that failed for want of space or quota."""
     for _ in range(8):  # the exception and what caused it

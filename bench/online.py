@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from eagle3.launch import launch  # noqa: E402
 from eagle3.train.source import HiddenStateSource  # noqa: E402
 
 
@@ -182,10 +183,10 @@ def run_train(a, store, name: str, out_dir: Path | None = None) -> dict | None:
         t0 = time.time()
         train(tcfg(a), draft_inputs(a, store), out, progress=False)
         wall = time.time() - t0
-        if int(os.environ.get("RANK", "0")):
+        if launch().rank:
             return None
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return BT.loop_summary(name, recs, a.batch * a.seq * int(os.environ.get("WORLD_SIZE", "1")), wall)
+    return BT.loop_summary(name, recs, a.batch * a.seq * launch().world_size, wall)
 
 
 def forward_rate(ext, smp, reps: int) -> float:
@@ -314,7 +315,7 @@ def role_trainer(a) -> None:
             it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"].float())
             it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"].float())
     # a trainer of several processes (torchrun): each rank its own rank-<r>/ in the directory
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = launch().rank, launch().world_size
     shared = (lambda kind: Path(a.dir).parent / f"{Path(a.dir).name}.{kind}") if world > 1 else (lambda kind: None)
     t = run_train(a, MemoryStore(items, a.samples, layout), "train only", shared("train-only"))
     ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import train as bench  # noqa: E402  (bench/train.py: shapes, in-memory store, loop config)
+from eagle3.launch import launch as where  # noqa: E402  (this process in the launch)
 
 SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=688, vocab=4096, draft_vocab=1024,
              n_aux=3, ttt=3, seq=256, batch=1)
@@ -56,7 +57,7 @@ def worker(spec: dict) -> None:
     """One process of a run (started by the driver, directly or through accelerate launch)."""
     from eagle3.train.loop import train
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = where().world_size
     if world != spec["world"]:
         raise RuntimeError(f"the launcher started a world of {world} processes, {spec['world']} expected")
     a = argparse.Namespace(**spec["shape"], loop_steps=spec["train"].get("max_steps", 30))
@@ -65,7 +66,7 @@ def worker(spec: dict) -> None:
     tcfg = bench.loop_config(a, spec["train"].pop("compile", "auto"), **spec["train"])
     t0 = time.time()
     train(tcfg, inputs, Path(spec["out"]), progress=False)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if where().is_main:
         Path(spec["out"], "wall_s").write_text(f"{time.time() - t0:.1f}")
 
 

@@ -77,7 +77,7 @@ def sections(cfg) -> list[SectionSpec]:
     context = SectionSpec("Acceptance by prompt context length", "export", [
         PanelSpec("bar", f"vLLM acceptance length per context length (k={k})",
                   [f"export/context/{b}/acceptance_length" for b in labels]),
-        PanelSpec("bar", f"prompts per context length", [f"export/context/{b}/num_prompts" for b in labels]),
+        PanelSpec("bar", "prompts per context length", [f"export/context/{b}/num_prompts" for b in labels]),
     ])
     offline = SectionSpec("Offline evaluator by prompt context length", "eval", [
         PanelSpec("bar", f"offline acceptance length per context length (k={k})",
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                                                  "logger.dashboard_sweep_keys=[train.lr,train.ttt_steps], ...)")
     ap.add_argument("--dry-run", action="store_true", help="print the panels and their metrics; save nothing")
     args = ap.parse_args(argv)
-    from .__main__ import compose_config
+    from .compose import compose_config
 
     cfg = compose_config(list(args.overrides))
     if args.dry_run:

@@ -473,7 +473,9 @@ class StageJob:
         record nothing (``with job:`` only runs their share of the work, ``job.record`` stays None).
         The launcher's rank, not accelerate.PartialState(): creating that before the Accelerator
         would fix its device and distributed mode too early."""
-        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        from .launch import launch
+
+        self.is_main = launch().is_main
         return self
 
     def unchecked(self, up: str) -> None:

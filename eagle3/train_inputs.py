@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Optional
 
 log = logging.getLogger("eagle3.train")
@@ -34,7 +33,10 @@ def train_run_config(tcfg, layer_ids: list, producer: Optional[dict] = None) -> 
 
 def world() -> tuple:
     """(processes, this one's rank) of a launch (torchrun / accelerate launch set them)."""
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    from .launch import launch
+
+    here = launch()
+    return here.world_size, here.rank
 
 
 class StoreInput:

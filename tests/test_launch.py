@@ -28,3 +28,18 @@ def test_it_reads_the_process_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "2")
     assert launch().rank == 2 and launch().world_size == 3
+
+
+def test_only_launch_reads_the_launchers_environment():
+    """eagle3.launch is the one place that reads WORLD_SIZE / RANK / LOCAL_RANK / LOCAL_WORLD_SIZE:
+    no other module of the library, the stages or the benchmarks reads them from os.environ."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"environ(\.get)?[\[(]\s*['\"](WORLD_SIZE|RANK|LOCAL_RANK|LOCAL_WORLD_SIZE)['\"]"
+                         r"|['\"](WORLD_SIZE|RANK|LOCAL_RANK|LOCAL_WORLD_SIZE)['\"]\s+in\s+os\.environ")
+    found = [f"{p.relative_to(root)}:{i}" for d in ("eagle3", "stages", "bench") for p in sorted((root / d).rglob("*.py"))
+             if p.name != "launch.py" for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], found
+    assert pattern.search('int(os.environ.get("RANK", "0"))') and pattern.search("os.environ['LOCAL_RANK']")

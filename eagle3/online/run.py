@@ -4,7 +4,6 @@ one: ``eagle3.train_inputs.StoreInput``)."""
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 from .colocated import ColocatedSource
@@ -63,12 +62,14 @@ class OnlineRun:
 
         from ..extract.backend import make_extractor
 
-        extract_cfg = self.cfg.extract
-        if extract_cfg.backend == "hf" and extract_cfg.device == "auto" and "LOCAL_RANK" in os.environ:
+        from ..launch import launch
+
+        extract_cfg, local_rank = self.cfg.extract, launch().local_rank
+        if extract_cfg.backend == "hf" and extract_cfg.device == "auto" and local_rank is not None:
             import torch
 
             if torch.cuda.is_available():
-                extract_cfg = dataclasses.replace(extract_cfg, device=f"cuda:{os.environ['LOCAL_RANK']}")
+                extract_cfg = dataclasses.replace(extract_cfg, device=f"cuda:{local_rank}")
         return make_extractor(extract_cfg.backend, self.target.path, self.layout, self.target_dtype, extract_cfg,
                               self.max_model_len, self.dir, trust_remote_code=self.target.trust_remote_code)
 
@@ -151,8 +152,9 @@ class OnlineRun:
 
             proc = start_master_at(master, setting, self.dir / "mooncake-master.log")
         if not master:
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            if local_world != world_size:
+            from ..launch import launch
+
+            if not launch().one_host:
                 raise OnlineError("train.online.transport=mooncake with a trainer on several hosts needs a Mooncake "
                                   "master every host reaches: set train.online.mooncake.master=<host>:<port> (or env "
                                   "EAGLE3_MOONCAKE_MASTER); start it with `mooncake_master --rpc_address=<host> "

@@ -49,7 +49,7 @@ from .rope import (
 
 # deepseek: vLLM 0.32's deepseek_eagle3.py (registered as Eagle3DeepseekV2ForCausalLM and, an alias,
 # Eagle3DeepseekV3ForCausalLM); its config must say model_type deepseek_v2 (with deepseek_v3 vLLM's
-# SpeculativeConfig rewrites the draft into an MTP model, bench/probe_mla_draft.py)
+# SpeculativeConfig rewrites the draft into an MTP model, bench/results/mla_draft_probe_cpu_202611.md)
 ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM",
                  "deepseek": "Eagle3DeepseekV2ForCausalLM"}
 MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "deepseek": "deepseek_v2"}

@@ -398,6 +398,7 @@ def test_other_ranks_of_a_launch_run_the_work_and_record_nothing(tmp_path, monke
     """job.across_ranks(): a rank other than 0 takes no lock (rank 0 holds it) and records nothing;
     once rank 0 recorded the run, every rank finds it complete."""
     monkeypatch.setenv("EAGLE3_NO_WAIT", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launch of two processes (a launcher sets both, RANK below)
     m = Manifest(tmp_path / "exp")
     main = m.start("prepare", config={"a": 1}, target=TARGET).across_ranks()
     assert main.claim() is None  # rank 0 holds the run lock from here

@@ -30,23 +30,32 @@ def _module_file(root: Path, name: str):
     return None
 
 
-def _imports(root: Path, name: str, path: Path, packages: bool = True) -> set:
-    """The project modules ``name`` (file ``path``) imports anywhere in its code; ``from a import b``
-    counts ``a`` and, when it is a module, ``a.b``; relative imports are resolved. ``packages``: the
-    packages above each imported module count too (importing them runs their ``__init__``)."""
+def _statements(name: str, path: Path):
+    """(module, names) of every import statement of ``name`` (file ``path``), at any depth of its code:
+    ``import a.b`` is ("a.b", None), ``from a import b, c`` is ("a", ["b", "c"]) with relative
+    imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            for a in node.names:
+                yield a.name, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[:len(parts) - (node.level - 1)]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}
+            yield base, [a.name for a in node.names]
+
+
+def _imports(root: Path, name: str, path: Path, packages: bool = True) -> set:
+    """The project modules ``name`` (file ``path``) imports anywhere in its code; ``from a import b``
+    counts ``a`` and, when it is a module, ``a.b``; relative imports are resolved. ``packages``: the
+    packages above each imported module count too (importing them runs their ``__init__``)."""
+    found = set()
+    for base, names in _statements(name, path):
+        found.add(base)
+        found |= {f"{base}.{n}" for n in names or ()}
     if packages:  # a.b.c imports its packages a and a.b too
         found |= {".".join(m.split(".")[:k]) for m in found for k in range(1, m.count(".") + 1)}
     return {m for m in found if m.split(".")[0] in PROJECT and _module_file(root, m) is not None}
@@ -162,20 +171,13 @@ def direct_imports(root: Path, name: str) -> set:
     ``from a import b`` is a.b when b is a module, else a (a package's own code). Unlike
     :func:`_imports`, a module's parent packages are not counted (Python runs them first, but a
     submodule does not depend on them)."""
-    path = _module_file(root, name)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[:len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            subs = {f"{base}.{a.name}" for a in node.names if _module_file(root, f"{base}.{a.name}") is not None}
-            found |= subs if len(subs) == len(node.names) else subs | {base}
+    for base, names in _statements(name, _module_file(root, name)):
+        if names is None:
+            found.add(base)
+            continue
+        subs = {f"{base}.{n}" for n in names if _module_file(root, f"{base}.{n}") is not None}
+        found |= subs if len(subs) == len(names) else subs | {base}
     return {m for m in found if m.split(".")[0] in PROJECT and m != name and _module_file(root, m) is not None}
 
 

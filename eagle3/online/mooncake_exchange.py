@@ -955,7 +955,6 @@ class MooncakeProducerLink(_Side):
                     time.sleep(0.2)
                     continue
                 now = time.monotonic()
-                self.timings["room_wait_s"] += self.poll_s
                 if now - t0 > self.timeout_s:
                     raise OnlineError(f"the Mooncake store at {self.client.master} has had no room for {key} "
                                       f"({msg.nbytes} B) for {now - t0:.0f} s: the trainer of rank {rank} does not read "
@@ -967,6 +966,7 @@ class MooncakeProducerLink(_Side):
                     log.warning("online producer: the Mooncake store is full; waiting for the trainer of rank %d to "
                                 "read (%.0f s)", rank, now - t0)
                 time.sleep(self.poll_s)
+                self.timings["room_wait_s"] += time.monotonic() - now
 
 
 class _ProducerBeat(Heartbeat):

@@ -264,6 +264,9 @@ def main() -> None:
             st = res[0].stats or {}
             if rep != "warmup" and st:
                 capture_cpu.setdefault(name, []).append(st.get("capture_cpu_s", 0.0) + st.get("writer_cpu_s", 0.0))
+            if st.get("pin_s") is not None:  # host memory pinned by this run's stager, and its waits for a buffer
+                print(f"bench: {name} rep {rep}: pinned host memory (the engine's stager so far) {st['pin_s']:.3f} s, waited for a staging "
+                      f"buffer {st.get('stager_wait_s', 0.0):.3f} s, {st.get('steps')} steps", file=sys.stderr)
             shutil.rmtree(store, ignore_errors=True)
             return t
 

@@ -95,7 +95,11 @@ class HiddenStateCapture:
         self._eagle3_chunks = 0  # segments that continue a sample begun in an earlier step (chunked prefill)
         self._eagle3_capture_cpu = 0.0
         self._eagle3_writer = ShardWriter(cfg["store_dir"], layout) if self._eagle3_rank == 0 else None
-        self._eagle3_stager = HostStager()
+        # one stager for the engine's life: its pinned buffers (sized for the largest step) are
+        # reused by every later capture instead of being pinned again
+        step_bytes = int(runner.scheduler_config.max_num_batched_tokens) * (layout.bytes_per_token + 64)
+        if getattr(self, "_eagle3_stager", None) is None or self._eagle3_stager.min_bytes < step_bytes:
+            self._eagle3_stager = HostStager(min_bytes=step_bytes)
         self._eagle3_n_capture = len(ids)
         if not hasattr(self, "_eagle3_orig_execute"):
             self._eagle3_orig_execute = runner.execute_model
@@ -235,6 +239,7 @@ class HiddenStateCapture:
         try:
             done = writer.close()
             stats = {"capture_cpu_s": self._eagle3_capture_cpu, "writer_cpu_s": writer.cpu_seconds,
+                     "pin_s": self._eagle3_stager.alloc_seconds, "stager_wait_s": self._eagle3_stager.wait_seconds,
                      "steps": self._eagle3_steps, "max_samples_per_step": self._eagle3_max_reqs,
                      "continued_chunks": self._eagle3_chunks}
             return json.dumps({"done": done, "error": None, "stats": stats})

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
 from eagle3.train.optim import can_fold, fold_clip  # noqa: E402
+from eagle3.train.source import HiddenStateSource  # noqa: E402
 from eagle3.train.target_head import TargetHead, model_inputs  # noqa: E402
 from eagle3.train.ttt import TTTModel  # noqa: E402
 
@@ -97,46 +98,59 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
 
 
-def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
-    """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
-    shape (``a.loop_samples`` rows, default 64, of ``a.seq`` tokens cycling over 4 distinct samples;
-    no disk I/O) and a random target head. Seeded: every process builds the same inputs. ``fp8``:
-    the items as an fp8 store read raw gives them (float8 values + float32 scales; the loop
-    dequantises on the device)."""
-    from eagle3.train.loop import TrainInputs
-    from eagle3.train.source import HiddenStateSource
+class MemoryStore(HiddenStateSource):
+    """``n`` samples cycling over a few ``items`` held in memory (no disk I/O)."""
 
-    cfg = make_config(a)
-    n = getattr(a, "loop_samples", 64)  # bench/train_dist.py's arguments have no --loop-samples
-    gen = torch.Generator().manual_seed(0)
-    head, tensors = make_head(cfg, "cpu", dtype, gen)
-    items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", dtype, gen).items()
-              if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
-    prompt = round((1 - getattr(a, "loop_trainable", 1.0)) * a.seq)
-    for it in items:
-        it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
-        it["loss_mask"] = it["loss_mask"].bool()
-        it["loss_mask"][:prompt] = False  # --loop-trainable: a prompt without loss first
+    def __init__(self, items: list, n: int, layer_ids):
+        self.items, self.lengths, self.layer_ids = items, np.full(n, len(items[0]["input_ids"])), tuple(layer_ids)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return dict(self.items[i % len(self.items)], sample_index=i)
+
+
+def random_items(a, dtype, fp8: bool = False, trainable: float = 1.0, k: int = 4) -> list:
+    """``k`` random samples of ``a.seq`` tokens as a store's items, the first ``1 - trainable`` of
+    each a prompt without loss; ``fp8``: as an fp8 store read raw gives them (float8 values + float32
+    scales; the loop dequantises on the device). Seeded: every process builds the same."""
+    from eagle3.fp8 import quantize
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = round((1 - trainable) * a.seq)
+    items = []
+    for _ in range(k):
+        it = {"input_ids": torch.randint(0, a.vocab, (a.seq,), generator=gen),
+              "loss_mask": torch.arange(a.seq) >= prompt,
+              "aux_hidden_states": torch.randn(a.seq, a.n_aux, a.hidden, generator=gen).to(dtype),
+              "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).mul_(2).to(dtype)}
         if fp8:
-            from eagle3.fp8 import quantize
-
             it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"])
             it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"])
+        items.append(it)
+    return items
 
-    class Store(HiddenStateSource):
-        lengths = np.full(n, a.seq)
-        layer_ids = tuple(cfg.aux_layer_ids)
 
-        def __len__(self):
-            return n
+def train_inputs(a, store, dtype=torch.bfloat16):
+    """TrainInputs for eagle3.train.loop.train over ``store``: a draft of the bench shape (its aux
+    layers the store's) and a random target head, seeded: every process builds the same."""
+    from eagle3.train.loop import TrainInputs
 
-        def __getitem__(self, i):
-            return items[i % 4]
-
+    cfg = make_config(a)
+    cfg.aux_layer_ids = list(store.layer_ids)
+    head, tensors = make_head(cfg, "cpu", dtype, torch.Generator().manual_seed(0))
     kept = head.kept_ids
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return TrainInputs(Store(), None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
+    return TrainInputs(store, None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+
+
+def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
+    """TrainInputs over an in-memory store of ``a.loop_samples`` rows (default 64) cycling over 4
+    random samples of the bench shape."""
+    items = random_items(a, dtype, fp8, getattr(a, "loop_trainable", 1.0))
+    # bench/train_dist.py's arguments have no --loop-samples
+    return train_inputs(a, MemoryStore(items, getattr(a, "loop_samples", 64), range(a.n_aux)), dtype)
 
 
 def loop_config(a, compile_mode: str, **overrides) -> TrainConfig:

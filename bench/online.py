@@ -11,7 +11,6 @@ eagle3.online's.
                                                  # trainer on cuda:1, shards through --dir
     python bench/online.py --layout split --producers 2 --trainers 6   # one 8-GPU host: two producers
                                                  # (GPUs 0-1), a torchrun trainer of six processes (2-7)
-    bash bench/online_sweep.sh 8                 # every split of 8 GPUs, one table row each
     python bench/online.py --layout split --same-gpu --producer vllm   # one GPU: a vLLM producer
                                                  # process (stage=produce's code) and the trainer share it
     python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs

@@ -10,7 +10,7 @@ options: ``+muon`` (train.optimizer=muon), ``+fp8`` (the store's items in fp8), 
     python bench/train.py --check --loop auto                # the GPU kernels against CPU float32 first
     python bench/train.py --loop auto,auto+f8mm --loop-samples 8 --loop-steps 60 --loop-trace 3
         # several epochs of 8 samples; 3 steps traced (GPU busy and idle, host time in and between
-        # steps; bench/trace_kernels.py sums the trace by kernel)
+        # steps; the chrome trace to $OUT)
 
 The helpers (shape, random draft, head and batch, one step) are shared with bench/train_dist.py,
 bench/online.py and bench/peers/peer_step.py. Measurements: docs/benchmarks.md lists the results files.

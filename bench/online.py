@@ -46,7 +46,6 @@ Needs no hydra (the config is a namespace with TrainConfig's fields, as bench/tr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -60,22 +59,13 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import train as BT  # noqa: E402  (bench/train.py: the draft, the in-memory store, the loop config)
 
 from eagle3.launch import launch  # noqa: E402
-
-
-def _bench_train():
-    """bench/train.py as a module: its draft config, target head and loop config helpers."""
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BT = _bench_train()
 
 SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
                 draft_vocab=32000, n_aux=3, ttt=7, seq=2048, batch=1, layers=32)

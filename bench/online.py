@@ -11,7 +11,6 @@ eagle3.online's.
                                                  # trainer on cuda:1, shards through --dir
     python bench/online.py --layout split --producers 2 --trainers 6   # one 8-GPU host: two producers
                                                  # (GPUs 0-1), a torchrun trainer of six processes (2-7)
-    bash bench/online_sweep.sh 8                 # every split of 8 GPUs, one table row each
     python bench/online.py --layout split --same-gpu --producer vllm   # one GPU: a vLLM producer
                                                  # process (stage=produce's code) and the trainer share it
     python bench/online.py --tiny                # a tiny shape, on CPU too: checks the script runs
@@ -47,7 +46,6 @@ Needs no hydra (the config is a namespace with TrainConfig's fields, as bench/tr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -61,23 +59,13 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import train as BT  # noqa: E402  (bench/train.py: the draft, the in-memory store, the loop config)
 
 from eagle3.launch import launch  # noqa: E402
-from eagle3.train.source import HiddenStateSource  # noqa: E402
-
-
-def _bench_train():
-    """bench/train.py as a module: its draft config, target head and loop config helpers."""
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BT = _bench_train()
 
 SHAPE_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
                 draft_vocab=32000, n_aux=3, ttt=7, seq=2048, batch=1, layers=32)
@@ -140,33 +128,6 @@ def samples(a):
     return Samples(ids, [[0] * 8 + [1] * (a.seq - 8) for _ in ids])
 
 
-def draft_inputs(a, store):
-    """TrainInputs over ``store`` with a draft of the bench shape and a random target head."""
-    from eagle3.train.loop import TrainInputs
-
-    cfg = BT.make_config(a)
-    cfg.aux_layer_ids = list(store.layer_ids)
-    gen = torch.Generator().manual_seed(0)
-    head, tensors = BT.make_head(cfg, "cpu", torch.float32 if a.device == "cpu" else torch.bfloat16, gen)
-    kept = head.kept_ids
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return TrainInputs(store, None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
-
-
-class MemoryStore(HiddenStateSource):
-    """``n`` samples cycling over a few items computed once (the train-only rate: no producer)."""
-
-    def __init__(self, items: list, n: int, layout):
-        self.items, self.lengths, self.layer_ids = items, np.full(n, len(items[0]["input_ids"])), layout.layer_ids
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __getitem__(self, i):
-        return dict(self.items[i % len(self.items)], sample_index=i)
-
-
 def tcfg(a):
     return BT.loop_config(a, "auto", max_steps=a.steps, num_workers=0, log_every=a.log_every, packing=False,
                           mixed_precision="no" if a.device == "cpu" else "auto")
@@ -181,7 +142,8 @@ def run_train(a, store, name: str, out_dir: Path | None = None) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(out_dir or tmp)
         t0 = time.time()
-        train(tcfg(a), draft_inputs(a, store), out, progress=False)
+        train(tcfg(a), BT.train_inputs(a, store, torch.float32 if a.device == "cpu" else torch.bfloat16), out,
+              progress=False)
         wall = time.time() - t0
         if launch().rank:
             return None
@@ -222,7 +184,7 @@ def colocated(a) -> dict:
     layout, smp = layout_of(a), samples(a)
     ext = extractor(a, device)
     f = forward_rate(ext, smp, a.forward_reps)
-    t = run_train(a, MemoryStore(memory_items(ext, smp, layout), a.samples, layout), "train only")
+    t = run_train(a, BT.MemoryStore(memory_items(ext, smp, layout), a.samples, layout.layer_ids), "train only")
     online = run_train(a, OnlineHiddenStates("train", smp, layout, ColocatedSource(ext, layout, None, 0)),
                        "online (colocated)")
     ideal = 1 / (1 / f + 1 / t["tokens_per_s"])
@@ -303,21 +265,11 @@ def role_trainer(a) -> None:
 
     layout, smp = layout_of(a), samples(a)
     # train-only: in-memory states of the layout's shape (random: the rate does not depend on them)
-    gen = torch.Generator().manual_seed(1)
-    dt = torch.float32 if a.device == "cpu" else torch.bfloat16
-    items = [{"input_ids": torch.as_tensor(smp.input_ids[i]), "loss_mask": torch.as_tensor(smp.loss_mask[i]).bool(),
-              "aux_hidden_states": torch.randn(a.seq, layout.n_aux, a.hidden, generator=gen).to(dt),
-              "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).to(dt)} for i in range(4)]
-    if layout.is_fp8:  # the train-only items as an fp8 store gives them: e4m3 values and their scales
-        from eagle3.fp8 import quantize
-
-        for it in items:
-            it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"].float())
-            it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"].float())
+    items = BT.random_items(a, torch.float32 if a.device == "cpu" else torch.bfloat16, fp8=layout.is_fp8)
     # a trainer of several processes (torchrun): each rank its own rank-<r>/ in the directory
     rank, world = launch().rank, launch().world_size
     shared = (lambda kind: Path(a.dir).parent / f"{Path(a.dir).name}.{kind}") if world > 1 else (lambda kind: None)
-    t = run_train(a, MemoryStore(items, a.samples, layout), "train only", shared("train-only"))
+    t = run_train(a, BT.MemoryStore(items, a.samples, layout.layer_ids), "train only", shared("train-only"))
     ocfg = SimpleNamespace(window_bytes=a.window_bytes, cache_bytes=0, timeout_s=600.0, poll_s=0.005)
     exchange = Path(a.dir)
     if a.transport == "mooncake":

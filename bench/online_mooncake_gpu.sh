@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The Mooncake transport on one GPU machine, in one call: the loopback transfer of one 8B-shaped sample
-# (bench/mooncake_transfer.py) and online training with a GPU vLLM producer process beside the trainer
-# (bench/online.py --layout split --same-gpu --producer vllm), through Mooncake and through the /dev/shm
-# directory, bf16 and fp8 states, one after the other (each run starts its own engine and master).
+# The Mooncake transport on one GPU machine, in one call: online training with a GPU vLLM producer
+# process beside the trainer (bench/online.py --layout split --same-gpu --producer vllm), through
+# Mooncake and through the /dev/shm directory, bf16 and fp8 states, one after the other (each run
+# starts its own engine and master).
 #
 # Setup it expects (the GPU machine has no network; machines.md): GPU vLLM's archive parts in /tmp/v
 # (bash ../shared/gpu/prepare_vllm.sh .gpu, one part per earlier call), the dependency wheels in WHEELS
@@ -11,7 +11,7 @@
 # libraries link (.gpu/mooncake/*.deb, used only when the machine lacks libibverbs).
 #
 #   OUT=... bash bench/online_mooncake_gpu.sh [RUN_SECONDS]     # RUN_SECONDS: each online run's limit (170)
-#   RUNS="mooncake auto,dir auto" TRANSFER=0 bash bench/online_mooncake_gpu.sh   # some runs, no transfer table
+#   RUNS="mooncake auto,dir auto" bash bench/online_mooncake_gpu.sh   # some of the runs
 #   (WINDOW: train.online.window_bytes, default 256 MiB; STEPS: optimizer steps, default 24)
 set -uo pipefail
 LIMIT=${1:-170}
@@ -34,7 +34,6 @@ export PYTHONPATH=$SITE:$PWD VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMP
 echo "setup $(( $(date +%s) - t0 )) s"; nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import mooncake.store, vllm, torch; print('mooncake ok; vllm', vllm.__version__, 'torch', torch.__version__)" \
     || exit 1
-[[ ${TRANSFER:-1} == 1 ]] && timeout 120 python3 bench/mooncake_transfer.py --reps 20 --out "$OUT/mooncake_transfer_h200.json" 2>&1 | tail -40
 # steady state: a window of 4 samples (256 MiB of bf16 states) that the producer cannot fill ahead of the trainer
 IFS=, read -ra RUNS <<< "${RUNS:-mooncake auto,dir auto,mooncake fp8,dir fp8}"
 for run in "${RUNS[@]}"; do

@@ -1,27 +1,19 @@
-"""Benchmark of one EAGLE-3 training step (TTT forward + backward + clipping + AdamW).
+"""Benchmark of the EAGLE-3 train loop (eagle3.train.loop.train, what ``stage=train`` runs) on a GPU.
 
 Random inputs of a configurable shape; default a Llama-3.1-8B-shaped draft (H 4096, 32 heads,
-8 KV heads, MLP 14336, vocab 128256, draft vocab 32000, TTT 7, 2048 tokens, batch 1, bf16).
-What one step computes is exactly the train stage's step: the target head (full-vocab argmax
-mask + draft-vocab softmax, chunked), embeddings, the TTT model (eagle3.train.ttt.TTTModel)
-with its loss over the same positions, backward, grad-norm clipping and fused AdamW.
+8 KV heads, MLP 14336, vocab 128256, draft vocab 32000, TTT 7, 2048 tokens, batch 1, bf16), fed
+from an in-memory store (no disk I/O). One row per ``--loop`` run, each a train.compile value with
+options: ``+muon`` (train.optimizer=muon), ``+fp8`` (the store's items in fp8), ``+f8mm`` /
+``+f8mmw`` (train.fp8_matmul=on / bf16_wgrad).
 
-    python bench/train.py                      # all variants, default shape
-    python bench/train.py --check              # correctness vs CPU float32 first (small shape)
-    python bench/train.py --variants flex_compiled --seq 4096
-    python bench/train.py --variants flex_compiled --profile --sync-check --loop auto
-        # GPU time by kernel class and idle gaps; host-device syncs of a step; the train loop itself
-    python bench/train.py --variants flex_compiled,flex_compiled+torchclip,flex_compiled+eagerhead
-        # what folding the clip into AdamW and compiling the target head gain
-    python bench/train.py --variants flex_compiled,flex_compiled+fp8 --loop auto,auto+fp8
-        # the step fed from an fp8 store's values + scales (dequantised in the step) vs bf16
-    python bench/train.py --variants flex_compiled --loop auto,auto+muon,auto+muontorch
-        # the train loop with train.optimizer=muon (Muon on the 2-D weights + AdamW) vs AdamW;
-        # +muon: FastMuon (train.muon_impl=fast), +muontorch: torch.optim.Muon
-    python bench/train.py --variants '' --loop auto,auto+nocache --loop-samples 8 --loop-steps 30
-        # several epochs of 8 samples: the target head's in_vocab cache (train.target_cache) on / off
+    python bench/train.py --loop auto,auto+muon              # AdamW and Muon
+    python bench/train.py --check --loop auto                # the GPU kernels against CPU float32 first
+    python bench/train.py --loop auto,auto+f8mm --loop-samples 8 --loop-steps 60 --loop-trace 3
+        # several epochs of 8 samples; 3 steps traced (GPU busy and idle, host time in and between
+        # steps; the chrome trace to $OUT)
 
-Measurements and what made the difference: bench/results/train_h200_202611.md.
+The helpers (shape, random draft, head and batch, one step) are shared with bench/train_dist.py,
+bench/online.py and bench/peers/peer_step.py. Measurements: docs/benchmarks.md lists the results files.
 
 Prints a table last; writes raw numbers to $OUT/bench_train.json when OUT is set. No hydra needed.
 """
@@ -43,39 +35,10 @@ import torch  # noqa: E402
 
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig  # noqa: E402
-from eagle3.train.metrics import peak_flops, ttt_flops_per_token  # noqa: E402
 from eagle3.train.optim import can_fold, fold_clip  # noqa: E402
+from eagle3.train.source import HiddenStateSource  # noqa: E402
 from eagle3.train.target_head import TargetHead, model_inputs  # noqa: E402
 from eagle3.train.ttt import TTTModel  # noqa: E402
-
-VARIANTS = {  # name: (attention backend, torch.compile of the whole unrolled TTT forward)
-    "sdpa_eager": ("sdpa", False),
-    "flex_eager": ("flex", False),  # flex_attention itself is always compiled on CUDA
-    # the diagonals inside one flex call over the keys of all steps (the former layout)
-    "stacked_compiled": ("flex_stacked", True),
-    # flex over the causal prefix alone + the diagonals merged by log-sum-exp (the train stage's)
-    "flex_compiled": ("flex", True),
-    "flex_cudagraphs": ("flex", "cudagraphs"),  # compiled + CUDA-graph replay (not used by the train loop)
-}
-# options appended to a variant name, for measuring what each part of the train loop's step gains:
-# "+torchclip": clip with torch.nn.utils.clip_grad_norm_ (a separate pass over the gradients)
-# instead of folding the clip into fused AdamW; "+eagerhead": the target head not compiled;
-# "+fp8": the batch as an fp8 store gives it (float8 e4m3 states + float32 scales per token and
-# layer, eagle3.fp8), dequantised inside the step by model_inputs as in the train stage
-OPTIONS = ("torchclip", "eagerhead", "fp8")
-
-
-def to_fp8(batch: dict, n_aux: int) -> dict:
-    """A batch of bf16 states -> the same states as an fp8 store's collated batch (values + scales)."""
-    from eagle3.fp8 import quantize
-
-    out = dict(batch)
-    B, T, _ = batch["aux_hidden_states"].shape
-    aux = batch["aux_hidden_states"].view(B, T, n_aux, -1)
-    av, as_ = quantize(aux)
-    lv, ls = quantize(batch["last_hidden_state"])
-    out.update(aux_hidden_states=av.view(B, T, -1), aux_scales=as_, last_hidden_state=lv, last_scales=ls)
-    return out
 
 
 def make_config(a, vocab=None, draft_vocab=None) -> Eagle3DraftConfig:
@@ -113,121 +76,21 @@ def make_batch(cfg, B, T, device, dtype, gen, docs=1) -> dict:
     }
 
 
-PHASES = ("target head", "forward", "backward", "clip", "adamw")
-
-
-def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float, fold: bool = True,
-               marks: list | None = None):
-    """One step as the train loop runs it. ``fold``: clipping folded into fused AdamW's kernel
-    (eagle3/train/optim.py, what the loop does on one GPU) or torch's clip_grad_norm_.
-    ``marks``: CUDA events appended at the phase boundaries (PHASES), which time each phase on
-    the GPU without a host sync."""
-    def mark():
-        if marks is not None:
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
-    mark()
+def train_step(model, head, batch, opt, compute_dtype, autocast: bool, clip: float):
+    """One step as the train loop runs it on one GPU: clipping folded into fused AdamW's kernel where
+    it can be (eagle3/train/optim.py), else torch's clip_grad_norm_."""
     inputs = model_inputs(head, batch, compute_dtype)
-    mark()
     with torch.autocast(batch["loss_mask"].device.type, dtype=torch.bfloat16, enabled=autocast):
         loss, stats = model(**inputs)
-    mark()
     loss.backward()
-    mark()
-    if opt is not None and fold and can_fold(opt):
+    if opt is not None and can_fold(opt):
         gnorm = fold_clip(opt, model.parameters(), clip)
     else:
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    mark()
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    mark()
     return loss.detach(), stats, gnorm
-
-
-def run_variant(a, name, device) -> dict:
-    base, *opts = name.split("+")
-    if base not in VARIANTS or not set(opts) <= set(OPTIONS):
-        raise ValueError(f"unknown variant {name!r}: one of {sorted(VARIANTS)}, with options from "
-                         + ", ".join(f"'+{o}'" for o in OPTIONS))
-    attention, compile_ = VARIANTS[base]
-    fold = "torchclip" not in opts
-    torch.cuda.empty_cache()
-    gen = torch.Generator(device=device).manual_seed(0)
-    cfg = make_config(a)
-    draft = Eagle3Draft(cfg).to(device)  # fp32 master weights
-    head, _ = make_head(cfg, device, torch.bfloat16, gen)
-    head.compile = bool(compile_) and "eagerhead" not in opts  # as the train loop sets it
-    draft.set_vocab_mapping(head.kept_ids - torch.arange(cfg.draft_vocab_size, device=device),
-                            torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(0, head.kept_ids, True))
-    model = TTTModel(draft, num_steps=a.ttt, decay=0.8, attention=attention, compile=compile_)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95),
-                            weight_decay=0.0, fused=True)
-    batches = [make_batch(cfg, a.batch, a.seq, device, torch.bfloat16, gen) for _ in range(2)]
-    if "fp8" in opts:
-        batches = [to_fp8(b, cfg.num_aux_hidden_states) for b in batches]
-    t0 = time.time()
-    for i in range(a.warmup):
-        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
-    torch.cuda.synchronize()
-    warm_s = time.time() - t0
-    torch.cuda.reset_peak_memory_stats()
-    # synced: each step timed alone (host waits for the GPU every step)
-    synced, losses = [], []
-    for i in range(a.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss, _, _ = train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
-        end.record()
-        end.synchronize()
-        synced.append(start.elapsed_time(end) / 1e3)
-        losses.append(float(loss))
-    # pipelined: as the train loop runs (no host sync between steps, so the host prepares the
-    # next step while the GPU works); mean step time of a block, median over blocks
-    blocks, host = [], []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        h0 = time.perf_counter()
-        for i in range(a.steps):
-            train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold)
-        # host time per step to issue the block (no sync inside). Once CUDA's launch queue is full the
-        # host waits on it, so where the GPU is slower this reads about (steps - queued) / steps of
-        # the GPU's time, not the host's own cost (--loop-trace measures that)
-        host.append((time.perf_counter() - h0) / a.steps)
-        end.record()
-        end.synchronize()
-        blocks.append(start.elapsed_time(end) / 1e3 / a.steps)
-    med = statistics.median(blocks)
-    # GPU time per phase: events at the phase boundaries of back-to-back steps (no host sync)
-    marks = []
-    for i in range(a.steps):
-        train_step(model, head, batches[i % 2], opt, torch.bfloat16, True, 0.5, fold, marks)
-    marks[-1].synchronize()
-    n = len(PHASES) + 1
-    phases = {p: statistics.median(marks[s * n + k].elapsed_time(marks[s * n + k + 1]) for s in range(a.steps))
-              for k, p in enumerate(PHASES)}
-    with torch.no_grad():
-        last = batches[0]["last_hidden_state"]
-        if "last_scales" in batches[0]:
-            from eagle3.fp8 import dequantize
-
-            last = dequantize(last, batches[0]["last_scales"])
-        in_vocab = float(head.targets(last, torch.bfloat16)[1].float().mean())
-    if a.profile:
-        profile_steps(model, head, batches[0], opt, fold)
-    syncs = sync_check(model, head, batches[0], opt, fold) if a.sync_check else None
-    tokens = a.batch * a.seq
-    flops = ttt_flops_per_token(cfg, a.seq, a.ttt, cfg.vocab_size) * tokens
-    peak = peak_flops(torch.cuda.get_device_name())
-    res = {"variant": name, "step_ms": med * 1e3, "step_ms_blocks": [t * 1e3 for t in blocks],
-           "step_ms_synced": statistics.median(synced) * 1e3, "host_ms": statistics.median(host) * 1e3,
-           "tokens_per_s": tokens / med, "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "tflops": flops / med / 1e12,
-           "mfu": flops / med / peak if peak else None, "phase_ms": phases, "warmup_s": warm_s, "in_vocab": in_vocab, "sync_sites": syncs, "losses": losses}
-    del model, draft, head, opt, batches
-    return res
 
 
 CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compiled", ("flex", True, False)),
@@ -235,46 +98,59 @@ CHECKS = [("gpu fp32 sdpa eager", ("sdpa", False, False)), ("gpu fp32 flex compi
           ("gpu bf16 sdpa eager", ("sdpa", False, True)), ("gpu bf16 flex compiled", ("flex", True, True))]
 
 
-def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
-    """TrainInputs for eagle3.train.loop.train: an in-memory store of random samples of the bench
-    shape (``a.loop_samples`` rows, default 64, of ``a.seq`` tokens cycling over 4 distinct samples;
-    no disk I/O) and a random target head. Seeded: every process builds the same inputs. ``fp8``:
-    the items as an fp8 store read raw gives them (float8 values + float32 scales; the loop
-    dequantises on the device)."""
-    from eagle3.train.loop import TrainInputs
-    from eagle3.train.source import HiddenStateSource
+class MemoryStore(HiddenStateSource):
+    """``n`` samples cycling over a few ``items`` held in memory (no disk I/O)."""
 
-    cfg = make_config(a)
-    n = getattr(a, "loop_samples", 64)  # bench/train_dist.py's arguments have no --loop-samples
-    gen = torch.Generator().manual_seed(0)
-    head, tensors = make_head(cfg, "cpu", dtype, gen)
-    items = [{k: v[0] for k, v in make_batch(cfg, 1, a.seq, "cpu", dtype, gen).items()
-              if k in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")} for _ in range(4)]
-    prompt = round((1 - getattr(a, "loop_trainable", 1.0)) * a.seq)
-    for it in items:
-        it["aux_hidden_states"] = it["aux_hidden_states"].view(a.seq, cfg.num_aux_hidden_states, cfg.hidden_size)
-        it["loss_mask"] = it["loss_mask"].bool()
-        it["loss_mask"][:prompt] = False  # --loop-trainable: a prompt without loss first
+    def __init__(self, items: list, n: int, layer_ids):
+        self.items, self.lengths, self.layer_ids = items, np.full(n, len(items[0]["input_ids"])), tuple(layer_ids)
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return dict(self.items[i % len(self.items)], sample_index=i)
+
+
+def random_items(a, dtype, fp8: bool = False, trainable: float = 1.0, k: int = 4) -> list:
+    """``k`` random samples of ``a.seq`` tokens as a store's items, the first ``1 - trainable`` of
+    each a prompt without loss; ``fp8``: as an fp8 store read raw gives them (float8 values + float32
+    scales; the loop dequantises on the device). Seeded: every process builds the same."""
+    from eagle3.fp8 import quantize
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = round((1 - trainable) * a.seq)
+    items = []
+    for _ in range(k):
+        it = {"input_ids": torch.randint(0, a.vocab, (a.seq,), generator=gen),
+              "loss_mask": torch.arange(a.seq) >= prompt,
+              "aux_hidden_states": torch.randn(a.seq, a.n_aux, a.hidden, generator=gen).to(dtype),
+              "last_hidden_state": torch.randn(a.seq, a.hidden, generator=gen).mul_(2).to(dtype)}
         if fp8:
-            from eagle3.fp8 import quantize
-
             it["aux_hidden_states"], it["aux_scales"] = quantize(it["aux_hidden_states"])
             it["last_hidden_state"], it["last_scales"] = quantize(it["last_hidden_state"])
+        items.append(it)
+    return items
 
-    class Store(HiddenStateSource):
-        lengths = np.full(n, a.seq)
-        layer_ids = tuple(cfg.aux_layer_ids)
 
-        def __len__(self):
-            return n
+def train_inputs(a, store, dtype=torch.bfloat16):
+    """TrainInputs for eagle3.train.loop.train over ``store``: a draft of the bench shape (its aux
+    layers the store's) and a random target head, seeded: every process builds the same."""
+    from eagle3.train.loop import TrainInputs
 
-        def __getitem__(self, i):
-            return items[i % 4]
-
+    cfg = make_config(a)
+    cfg.aux_layer_ids = list(store.layer_ids)
+    head, tensors = make_head(cfg, "cpu", dtype, torch.Generator().manual_seed(0))
     kept = head.kept_ids
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return TrainInputs(Store(), None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
+    return TrainInputs(store, None, tensors, cfg.rms_norm_eps, kept - torch.arange(cfg.draft_vocab_size), t2d, cfg)
+
+
+def loop_inputs(a, dtype=torch.bfloat16, fp8: bool = False):
+    """TrainInputs over an in-memory store of ``a.loop_samples`` rows (default 64) cycling over 4
+    random samples of the bench shape."""
+    items = random_items(a, dtype, fp8, getattr(a, "loop_trainable", 1.0))
+    # bench/train_dist.py's arguments have no --loop-samples
+    return train_inputs(a, MemoryStore(items, getattr(a, "loop_samples", 64), range(a.n_aux)), dtype)
 
 
 def loop_config(a, compile_mode: str, **overrides) -> TrainConfig:
@@ -302,24 +178,14 @@ def run_loop(a, device, compile_mode: str) -> dict:
 
     from eagle3.train.loop import train
 
-    # "auto+fp8": the store's items as fp8 values + scales; "auto+muon": train.optimizer=muon (FastMuon,
-    # train.muon_impl=fast); "auto+muontorch": the same with torch.optim.Muon (train.muon_impl=torch);
-    # "auto+nocache": train.target_cache=false (the head computes in_vocab on every pass);
-    # "+cadamw" / "+fadamw": train.adamw_impl=compiled / fused; "+allrows": train.loss_rows_only=false
-    # (the draft head on every position, not only on the loss rows); "+panels": train.muon_sym=panels
-    # (FastMuon's symmetric products as cuBLAS row panels, not the Triton tile triangle); "+unfused" /
-    # "+fused": train.head_loss (the draft head and its loss as torch code for Inductor / one op);
-    # "+synclog": the loop writes each logged window before its next step, waiting for the GPU (as it
-    # did before its logs were deferred: eagle3.train.loop.SYNC_LOGS); "+f8mm" / "+f8mmw":
-    # train.fp8_matmul=on / bf16_wgrad (the layer's and fc's matmuls in float8)
+    # "+fp8": the store's items as fp8 values + scales; "+muon": train.optimizer=muon; "+f8mm" /
+    # "+f8mmw": train.fp8_matmul=on / bf16_wgrad (the layer's and fc's matmuls in float8)
     mode, *opts = compile_mode.split("+")
+    unknown = set(opts) - {"fp8", "muon", "f8mm", "f8mmw"}
+    if unknown:
+        raise ValueError(f"unknown loop options {sorted(unknown)} in {compile_mode!r}: +fp8, +muon, +f8mm, +f8mmw")
     inputs = loop_inputs(a, fp8="fp8" in opts)
-    muon = "muon" in opts or "muontorch" in opts
-    impl = "compiled" if "cadamw" in opts else "fused" if "fadamw" in opts else "auto"
-    tcfg = loop_config(a, mode, optimizer="muon" if muon else "adamw", adamw_impl=impl, loss_rows_only="allrows" not in opts,
-                       muon_impl="torch" if "muontorch" in opts else "fast", target_cache="nocache" not in opts,
-                       muon_sym="panels" if "panels" in opts else "auto",
-                       head_loss=next((o for o in opts if o in ("fused", "unfused")), "auto"),
+    tcfg = loop_config(a, mode, optimizer="muon" if "muon" in opts else "adamw",
                        fp8_matmul="on" if "f8mm" in opts else "bf16_wgrad" if "f8mmw" in opts else "off")
     # what earlier runs in this process left allocated (compiled code holds on to their models) is not
     # this run's: the peak is counted from a reset, less that base
@@ -329,18 +195,12 @@ def run_loop(a, device, compile_mode: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) / 2**30
-    import eagle3.train.loop as L
-
-    L.SYNC_LOGS = "synclog" in opts
-    try:
-        with tempfile.TemporaryDirectory() as out, loop_trace(a, compile_mode) as traced, \
-                wall_clock(a.loop_steps) as clock:
-            t0 = time.time()
-            train(tcfg, inputs, Path(out), progress=False)
-            wall = time.time() - t0
-            recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    finally:
-        L.SYNC_LOGS = False
+    with tempfile.TemporaryDirectory() as out, loop_trace(a, compile_mode) as traced, \
+            wall_clock(a.loop_steps) as clock:
+        t0 = time.time()
+        train(tcfg, inputs, Path(out), progress=False)
+        wall = time.time() - t0
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     r = loop_summary(f"loop ({compile_mode})", recs, a.batch * a.seq, wall)
     r["peak_alloc_gib"] -= base
     r["base_alloc_gib"] = base
@@ -456,83 +316,6 @@ def trace_summary(trace: dict) -> dict:
             "host_between_steps_ms": (host - inside) / max(1, per - 1) / 1e3}
 
 
-def sync_check(model, head, batch, opt, fold):
-    """Run one step with CUDA sync debugging: every host<->device synchronisation (which stalls the
-    pipeline of queued GPU work) is printed with the Python stack that caused it."""
-    import traceback
-    import warnings
-
-    seen = []
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        stack = "".join(traceback.format_stack(limit=12)[:-1])
-        if stack not in seen:
-            seen.append(stack)
-            print(f"SYNC: {message}\n{stack}", flush=True)
-
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
-            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5, fold)
-            torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
-    print(f"sync check: {len(seen)} distinct synchronising call sites in one step", flush=True)
-    return len(seen)
-
-
-def profile_steps(model, head, batch, opt, fold):
-    """torch.profiler over two steps: GPU kernel time by class and the idle gaps between kernels
-    (host launch overhead shows up as gaps, not as kernel time)."""
-    import collections
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            train_step(model, head, batch, opt, torch.bfloat16, True, 0.5, fold)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(f"{tmp}/trace.json")
-        trace = json.load(open(f"{tmp}/trace.json"))
-    ev = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                key=lambda e: e["ts"])
-
-    def cls(name):
-        n = name.lower()
-        for c, keys in (("gemm", ("nvjet", "gemm", "cutlass")), ("flex attention", ("flex",)),
-                        ("adamw", ("adam", "fusedopti")), ("triton (compiled)", ("triton",))):
-            if any(k in n for k in keys):
-                return c
-        return "aten elementwise/copy"
-    by, top, count = collections.Counter(), collections.Counter(), collections.Counter()
-    for e in ev:
-        by[cls(e["name"])] += e["dur"] / 2e3
-        top[e["name"][:90]] += e["dur"] / 2e3
-        count[e["name"][:90]] += 1
-    gaps, end, big = 0.0, ev[0]["ts"] + ev[0]["dur"], []
-    for prev, e in zip(ev, ev[1:]):
-        gap = e["ts"] - end
-        if gap > 0:
-            gaps += gap
-            big.append((gap, prev["name"][:60], e["name"][:60]))
-        end = max(end, e["ts"] + e["dur"])
-    busy = sum(by.values())
-    print(f"profile (ms per step): kernels {busy:.1f}, idle gaps {gaps / 2e3:.1f}; " +
-          ", ".join(f"{c} {t:.1f}" for c, t in by.most_common()), flush=True)
-    print("profile top kernels (ms per step, launches per step):", flush=True)
-    for name, t in top.most_common(30):
-        print(f"  {t:7.2f} ms {count[name] / 2:6.0f}x  {name}", flush=True)
-    print("profile largest idle gaps (ms, kernel before -> after):", flush=True)
-    for gap, a, b in sorted(big, reverse=True)[:10]:
-        print(f"  {gap / 1e3:7.3f} ms  {a} -> {b}", flush=True)
-
-
 def correctness_check(device, checks=CHECKS) -> list:
     """Small shape: loss, stats and gradients of every GPU variant against CPU float32 (sdpa,
     eager: the path the CPU tests prove equal to the naive per-step reference)."""
@@ -594,14 +377,9 @@ def describe_shape(a) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--check", action="store_true", help="correctness vs CPU float32 before timing")
-    p.add_argument("--profile", action="store_true", help="torch.profiler summary of each variant")
-    p.add_argument("--sync-check", action="store_true", help="print host-device syncs of one step")
-    p.add_argument("--loop", default="", help="also run the train stage's loop with these train.compile values, "
-                                               "e.g. 'auto' or 'auto,false'")
+    p.add_argument("--check", action="store_true", help="the GPU kernels against CPU float32 before timing")
+    p.add_argument("--loop", default="auto", help="the loop runs, each a train.compile value with options, "
+                                                   "e.g. 'auto,auto+muon' or 'auto,false'")
     p.add_argument("--loop-steps", type=int, default=30)
     p.add_argument("--loop-trainable", type=float, default=1.0, metavar="F",
                    help="the share of each loop sample's tokens with loss (the rest a prompt before them); "
@@ -610,10 +388,10 @@ def main(argv=None):
                    help="profile N of each loop run's last steps: GPU busy and idle, host time in and between steps")
     p.add_argument("--loop-samples", type=int, default=64,
                    help="samples in the loop's store (one per step): fewer than --loop-steps makes epochs, and from "
-                        "the second the target head takes in_vocab from its cache (train.target_cache; +nocache: off)")
+                        "the second the target head takes in_vocab from its cache (train.target_cache)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/train.py times a GPU step; no CUDA device is visible")
+        sys.exit("bench/train.py times the train loop on a GPU; no CUDA device is visible")
     device = torch.device("cuda")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a)}
     if a.check:
@@ -621,15 +399,6 @@ def main(argv=None):
         for r in out["check"]:
             print(json.dumps(r), flush=True)
     out["results"] = []
-    for name in [v for v in a.variants.split(",") if v]:
-        try:
-            r = run_variant(a, name, device)
-        except torch.OutOfMemoryError as e:
-            r = {"variant": name, "error": f"OOM: {str(e)[:200]}"}
-        except Exception as e:  # report and go on: the table below is the point of the call
-            r = {"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        out["results"].append(r)
-        print(json.dumps(r), flush=True)
     for mode in [m for m in a.loop.split(",") if m]:
         try:
             r = run_loop(a, device, mode)
@@ -639,35 +408,19 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(out, indent=2))
-    print("\nstep ms / tokens/s: steps run back to back as in the train loop; synced ms: one step timed "
-          "alone\n(host and GPU serialised); host ms: host time per step to issue --steps steps (it includes waits on a full CUDA\n"
-          "launch queue, so below the step time it does not measure the host's cost: --loop-trace does). Peak memory: "
-          "torch.cuda.max_memory_allocated / _reserved.\nloop rows: eagle3.train.loop.train itself (Accelerate, "
-          "data loader, metrics) on in-memory random samples; its last column is the wall time incl. compilation;\n"
-          "their step ms is the median of the loop's own logged windows, their synced ms the steps from the 10th to the "
-          "last\non the host's clock (the device synchronised at both ends); their peak memory is the loop's own: less "
-          "what earlier runs\nin this process left allocated.")
+    print("\nloop rows: eagle3.train.loop.train itself (Accelerate, data loader, metrics) on in-memory random samples; "
+          "step ms\nand tokens/s: the median of the loop's own logged windows; synced ms: the steps from the 10th to "
+          "the last on the\nhost's clock (the device synchronised at both ends); alloc GiB: the loop's own peak, less "
+          "what earlier runs in this\nprocess left allocated; wall s: the whole run, compilation included.")
     print(f"{out['device']}, torch {out['torch']}: {describe_shape(a)} tokens, bf16")
-    print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'alloc GiB':>11}{'resv GiB':>10}"
-          f"{'synced ms':>11}{'host ms':>9}{'warm s':>8}")
+    print(f"{'variant':<24}{'step ms':>10}{'tokens/s':>11}{'MFU':>7}{'alloc GiB':>11}{'synced ms':>11}{'wall s':>8}")
     for r in out["results"]:
         if "error" in r:
             print(f"{r['variant']:<24} {r['error'][:80]}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        if r["variant"].startswith("loop"):
-            print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{'':>9}{mfu:>7}"
-                  f"{r['peak_alloc_gib']:>11.2f}{'':>10}{r.get('wall_step_ms', float('nan')):>11.1f}{'':>9}"
-                  f"{r['wall_s']:>8.0f}")
-            continue
-        print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{r['tflops']:>9.0f}{mfu:>7}"
-              f"{r['peak_alloc_gib']:>11.2f}{r['peak_reserved_gib']:>10.2f}{r['step_ms_synced']:>11.1f}"
-              f"{r.get('host_ms', float('nan')):>9.1f}{r['warmup_s']:>8.0f}")
-    print("GPU ms per phase (events at the phase boundaries, steps back to back):")
-    print(f"{'variant':<24}" + "".join(f"{p:>13}" for p in PHASES))
-    for r in out["results"]:
-        if "phase_ms" in r:
-            print(f"{r['variant']:<24}" + "".join(f"{r['phase_ms'][p]:>13.2f}" for p in PHASES))
+        print(f"{r['variant']:<24}{r['step_ms']:>10.1f}{r['tokens_per_s']:>11.0f}{mfu:>7}{r['peak_alloc_gib']:>11.2f}"
+              f"{r.get('wall_step_ms', float('nan')):>11.1f}{r['wall_s']:>8.0f}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ fewer threads when within 5%. Two kinds, because contention hurts them different
 (training, prefill-heavy extraction: large matmuls) and ``decode`` (vLLM engines and the offline
 evaluator: many small ops per token, each ending on a barrier). A probe costs about 0.1 s per
 candidate and is cached for the stage (:func:`new_stage` clears it), so a stage that starts three
-engines measures once. bench/threads.py prints what the probe picks and what each count gives on
-the real work, on an idle and on a loaded machine.
+engines measures once. What the probe picks against what each count gives on the real work, on an
+idle and on a loaded machine: bench/results/threads_cpu_202611.md.
 
 Why fewer threads can be faster: every op ends on an OpenMP barrier, and on a machine shared with
 other jobs a thread the scheduler has parked makes the others wait for a time slice. Measured on the

@@ -100,7 +100,7 @@ def sample_hasher():
     which a reader verifies for every sample as it reads it (eagle3.store). Not a cryptographic
     digest (the shards' sha256 trees are): a checksum against bytes that changed by accident, fast
     enough for the data loader's path (~16 GiB/s on one core, the GIL released while it hashes;
-    bench/sample_checksum.py)."""
+    bench/results/sample_checksum_cpu_202612.md)."""
     import xxhash
 
     return xxhash.xxh3_64()

@@ -169,8 +169,8 @@ def eagle3_rows(a, device, emit, work: Path) -> None:
     from eagle3.train.ttt import TTTModel
 
     cuda = device.type == "cuda"
-    variant = "flex_compiled" if cuda else "sdpa_eager"
-    attention, compile_ = bench_train.VARIANTS[variant]
+    # the train stage's attention and compilation: flex, compiled, on CUDA; sdpa, eager, on CPU
+    variant, attention, compile_ = ("flex_compiled", "flex", True) if cuda else ("sdpa_eager", "sdpa", False)
     a = argparse.Namespace(**vars(a), loop_steps=a.warmup + a.steps)  # loop_config's max_steps
     failed = {}
     arms = [(opt, f8) for f8 in (("off", "on") if getattr(a, "eagle3_fp8", False) else ("off",)) for opt in a.optimizers]

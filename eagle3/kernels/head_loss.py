@@ -39,7 +39,7 @@ from torch import Tensor
 CHOICES = ("auto", "fused", "unfused")
 CHUNK, WARPS = 4096, 8
 """The kernel's chunk of a row and the warps of its program (one row): the fastest of the forms
-bench/head_loss.py timed at the 8B shape (bench/results/head_loss_h200_202612.md)."""
+timed at the 8B shape (bench/results/head_loss_h200_202612.md)."""
 
 
 @functools.lru_cache(maxsize=None)

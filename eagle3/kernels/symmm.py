@@ -15,7 +15,7 @@ as rows (TMA tensor descriptors on Hopper), float32 accumulation, the scalars ap
 the epilogue (as cuBLAS's ``baddbmm``), the result rounded once to the inputs' dtype.
 :func:`supported` says whether a product can run here (CUDA, Triton importable, float16/bfloat16,
 m a multiple of the tile and at least :data:`MIN_ROWS`, k of the k-step); where not, callers use
-the panels. :data:`CONFIGS` are the kernel variants ``bench/optimizer.py --sym`` compares (all
+the panels. :data:`CONFIGS` are the kernel variants that were timed against each other (all
 compute bit-identical results); :func:`pick_config` the one used per shape.
 
 Its speed against cuBLAS: bench/results/muon_sym_h200_202612.md (history:
@@ -43,10 +43,11 @@ CONFIGS = {  # name: (loads, BLOCK_K, num_warps, num_stages, warp-specialised k-
     "ptr-k64w8s4": ("ptr", 64, 8, 4, False),
     "ptr-k64w4s3": ("ptr", 64, 4, 3, False),
 }
-"""The kernel variants ``bench/optimizer.py --sym`` compares. One tile and one k-step: each sums the
-same products in the same order, and their results are equal bit for bit (tests/gpu/test_symmm_gpu.py),
-so a variant changes the speed, not the result. (Larger tiles and a persistent kernel were tried and
-dropped: bench/results/muon_sym_h200_202612.md and step_levers_h200_202612.md.)"""
+"""The kernel variants timed in bench/results/muon_sym_h200_202612.md. One tile and one k-step: each
+sums the same products in the same order, and their results are equal bit for bit
+(tests/gpu/test_symmm_gpu.py), so a variant changes the speed, not the result. (Larger tiles and a
+persistent kernel were tried and dropped: bench/results/muon_sym_h200_202612.md and
+step_levers_h200_202612.md.)"""
 LONG_K_CONFIG, SQUARE_CONFIG = "tma-k64w8s3-ws", "tma-k64w8s4"
 
 

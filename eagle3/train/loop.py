@@ -44,8 +44,8 @@ log = logging.getLogger("eagle3.train")
 
 SYNC_LOGS = False
 """Write each logged window before the next step, waiting for the GPU (what the loop did before its
-logs were deferred; bench/train.py's ``+synclog`` compares the two). Not a setting: the default
-never waits."""
+logs were deferred: bench/results/loop_logs_h200_202612.md compares the two; tests/gpu/test_loop_gpu.py
+holds them equal). Not a setting: the default never waits."""
 
 
 @dataclass

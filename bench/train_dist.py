@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import train as bench  # noqa: E402  (bench/train.py: shapes, in-memory store, loop config)
+
 from eagle3.launch import launch as where  # noqa: E402  (this process in the launch)
 
 SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=688, vocab=4096, draft_vocab=1024,

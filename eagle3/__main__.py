@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from .compose import _compose, _insert, compose_config, rewrite_overrides  # noqa: F401 (compose_config: the public API)
 from .config import CONF_DIR
 
-
 # Hydra flags that print and exit: no job runs, no run directory is made. Help is passed on
 # unchecked (it must be instant); a printed config has its keys checked
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--version", "--shell-completion", "-sc"}

@@ -30,6 +30,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+
 @dataclass
 class PanelSpec:
     """One panel: ``kind`` line | bar | parallel; ``metrics`` the logged names it plots (for

@@ -1253,8 +1253,14 @@ def test_context_buckets_cover_what_the_target_can_hold_and_read_whole_groups():
     prompt lands in the bucket of its length; per-bucket figures from per-request records equal those
     from bucket-by-bucket group counters (the two ways verification counts)."""
     from eagle3.export.acceptance import AcceptanceStats
-    from eagle3.export.context_length import (bucket_indices, buckets, by_context_length, cells, summary_line,
-                                              target_max_length)
+    from eagle3.export.context_length import (
+        bucket_indices,
+        buckets,
+        by_context_length,
+        cells,
+        summary_line,
+        target_max_length,
+    )
 
     assert [b[0] for b in buckets([512, 2048, 8192])] == ["0-512", "512-2k", "2k-8k", "8k+"]
     assert [b[0] for b in buckets([512, 2048, 8192], 4096)] == ["0-512", "512-2k", "2k-8k"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
 from eagle3.kernels.head_loss import resolve
+from eagle3.model.draft import Eagle3Draft, Eagle3DraftConfig
 from eagle3.train.loss import soft_cross_entropy_rows
 from eagle3.train.ttt import TTTModel, head_rows
 

@@ -21,10 +21,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..model.draft import Eagle3Draft
 from ..kernels.fp8_matmul import linear, quantize_weight
-from .attention import TTTMask, resolve_backend, ttt_attention
 from ..kernels.head_loss import resolve as resolve_head_loss
+from ..model.draft import Eagle3Draft
+from .attention import TTTMask, resolve_backend, ttt_attention
 from .loss import soft_cross_entropy_rows
 
 # per-step statistics returned by the forward (summed over rows; reduce across ranks by sum)

@@ -46,6 +46,7 @@ settings ``{"settings": [...]}``, one entry each as above, rewritten after each 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -180,7 +181,14 @@ def main() -> None:
         sys.exit(f"unknown modes {bad}; choose from {MODES}")
 
     from eagle3.config import ExtractConfig
-    from eagle3.extract import Samples, extract_store, make_extractor, resolve_layer_ids, resolve_store_dtype
+    from eagle3.extract import (
+        EngineSpec,
+        Samples,
+        extract_store,
+        make_extractor,
+        resolve_layer_ids,
+        resolve_store_dtype,
+    )
     from eagle3.extract.vllm_backend import EXTENSION, engine_info, engine_kwargs
     from eagle3.store import StoreLayout
 
@@ -256,9 +264,9 @@ def main() -> None:
             store = (where or root) / f"{name}-{rep}".replace("/", "_")
             shutil.rmtree(store, ignore_errors=True)
             res = []
-            t = timed(lambda: res.append(extract_store(store, samples, layouts[dtype], backend=backend,
-                                                       target_path=target_dir, target_dtype=a.dtype, extract_cfg=ecfg,
-                                                       progress=False, extractor=extractor)))
+            engine = EngineSpec.for_splits(target_dir, layouts[dtype], a.dtype, dataclasses.replace(ecfg, backend=backend),
+                                           samples)
+            t = timed(lambda: res.append(extract_store(store, samples, engine, progress=False, extractor=extractor)))
             assert res[0].complete
             stored[name] = store_bytes(store) / n_tokens
             st = res[0].stats or {}
@@ -295,8 +303,8 @@ def main() -> None:
 
             eager = replace(ecfg, enforce_eager=True) if gpu else ecfg
             t0 = time.perf_counter()
-            base = make_extractor("vllm", target_dir, layout, a.dtype, eager, max_model_len, root, aux_setup="runtime",
-                                  **engine_extra)
+            base = make_extractor(EngineSpec(str(target_dir), layout, a.dtype, replace(eager, backend="vllm"), max_model_len,
+                                             {"aux_setup": "runtime", **engine_extra}), root)
             engines["runtime (eager)"] = dict(base.engine_info, build_s=round(time.perf_counter() - t0, 1))
             try:
                 plain_once(base.llm)  # warm-up
@@ -328,8 +336,8 @@ def main() -> None:
 
         if "load_time" in modes or "shm" in modes:
             t0 = time.perf_counter()
-            ex = make_extractor("vllm", target_dir, layout, a.dtype, ecfg, max_model_len, root, aux_setup="load_time",
-                                **engine_extra)
+            ex = make_extractor(EngineSpec(str(target_dir), layout, a.dtype, dataclasses.replace(ecfg, backend="vllm"),
+                                           max_model_len, {"aux_setup": "load_time", **engine_extra}), root)
             engines["load_time"] = dict(ex.engine_info, build_s=round(time.perf_counter() - t0, 1))
             try:
                 plain_once(ex.llm)
@@ -352,7 +360,8 @@ def main() -> None:
             kwargs = dict(engine_extra) if mode == "connector" else {}
             if mode == "hf" and a.dummy_8b:
                 kwargs = {"model": random_hf_model(target_dir, a.dtype)}
-            ex = make_extractor(backend, target_dir, layout, a.dtype, ecfg, max_model_len, root, **kwargs)
+            ex = make_extractor(EngineSpec(str(target_dir), layout, a.dtype, dataclasses.replace(ecfg, backend=backend),
+                                           max_model_len, kwargs), root)
             if getattr(ex, "engine_info", None):
                 engines[mode] = ex.engine_info
             try:

@@ -199,14 +199,15 @@ def identity(layout, backend: str = "hf") -> dict:
 def vllm_extractor(a, layout, work_dir: Path):
     """The vllm backend (as stage=produce builds it) on a config-only target of the bench shape."""
     from eagle3.config import ExtractConfig
-    from eagle3.extract import make_extractor
+    from eagle3.extract import EngineSpec, make_extractor
 
     target = work_dir.parent / f"{work_dir.name}.target"
     target_config(a).save_pretrained(target)
     ecfg = ExtractConfig(backend="vllm", samples_per_shard=1, kv_cache_gb=a.producer_kv_gb,
                          gpu_memory_utilization=a.producer_memory)
-    return make_extractor("vllm", target, layout, "bfloat16", ecfg, -(-(a.seq + 1) // 16) * 16, work_dir,
-                          load_format="dummy", skip_tokenizer_init=True)
+    engine = EngineSpec(str(target), layout, "bfloat16", ecfg, -(-(a.seq + 1) // 16) * 16,
+                        {"load_format": "dummy", "skip_tokenizer_init": True})
+    return make_extractor(engine, work_dir)
 
 
 def producer_rate(ext, smp, layout, scratch: Path, n: int) -> float:

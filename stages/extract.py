@@ -75,7 +75,7 @@ class Extract(Stage):
 
     def execute(self, job, inputs):
         """One process, or the part p of N of a scale-out: the last part to finish records the run."""
-        from eagle3.extract import extract_store
+        from eagle3.extract import EngineSpec, extract_store
         from eagle3.extract.checks import check_store
         from eagle3.extract.recording import extract_facts, record_outputs
         from eagle3.extract.reuse import extract_identity, fill_from_caches, reusable_caches
@@ -94,10 +94,8 @@ class Extract(Stage):
                     reused.update(samples=n, caches=[str(c) for c in caches])
                     print(f"extract: {n} of {len(splits['train'])} training samples taken from the online cache "
                           f"({', '.join(map(str, caches))}), the target not run for them")
-            return extract_store(job.out_dir, splits, layout, backend=extract_cfg.backend, target_path=target.path,
-                                 target_dtype=target_dtype, extract_cfg=extract_cfg, num_processes=num_processes,
-                                 process_index=process_index, progress=cfg.progress,
-                                 trust_remote_code=target.trust_remote_code)
+            return extract_store(job.out_dir, splits, EngineSpec.of(target, inputs.derived, extract_cfg),
+                                 num_processes=num_processes, process_index=process_index, progress=cfg.progress)
 
         regen = prep.facts.regen or {}
         greedy = bool(prep.facts.regenerated) and float(regen.get("temperature", 0.0)) == 0.0

@@ -404,7 +404,7 @@ def test_bfloat16_parity_passes_a_correct_store_and_catches_one_6_percent_off(tm
     although the fixed bfloat16 tolerance (0.1 of the largest value) would let it through."""
     from conftest import build_tiny_llama, perturb_store
 
-    from eagle3.extract import Samples, extract_store
+    from eagle3.extract import EngineSpec, Samples, extract_store
     from eagle3.extract.checks import parity_sample, parity_tolerance, uses_reference_parity
 
     target = build_tiny_llama(tmp_path / "t", tokenizer_vocab=259)
@@ -413,11 +413,11 @@ def test_bfloat16_parity_passes_a_correct_store_and_catches_one_6_percent_off(tm
     ids = [rng.integers(3, 250, n).tolist() for n in (40, 90, 7, 64, 120, 15)]
     splits = {"train": Samples(ids[:4]), "eval": Samples(ids[4:])}
     layout = StoreLayout(layer_ids=tuple(LAYER_IDS), last_layer_id=4, hidden_size=64, dtype="bfloat16")
-    extract_cfg = ExtractConfig(layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
-                         agreement_positions=0)
+    extract_cfg = ExtractConfig(backend="hf", layer_ids=LAYER_IDS, samples_per_shard=3, device="cpu", verify_samples=4,
+                                agreement_positions=0)
     store = tmp_path / "store"
-    assert extract_store(store, splits, layout, backend="hf", target_path=target, target_dtype="bfloat16",
-                         extract_cfg=extract_cfg, progress=False).complete
+    engine = EngineSpec.for_splits(target, layout, "bfloat16", extract_cfg, splits)
+    assert extract_store(store, splits, engine, progress=False).complete
     assert uses_reference_parity("bfloat16", "bfloat16", 0.0) and not uses_reference_parity("bfloat16", "fp8", 0.0)
     _, _, parity = check_store(store, list(splits), layout, target, cfg, "bfloat16", extract_cfg, greedy=False)
     assert parity["method"] == "float32 reference" and parity["max"] <= 1.0

@@ -21,7 +21,7 @@ import torch
 from conftest import build_tiny_llama, chat_records, write_jsonl
 
 from eagle3.config import ExtractConfig
-from eagle3.extract import Samples, extract_store
+from eagle3.extract import EngineSpec, Samples, extract_store
 from eagle3.hashing import sha256_tree_file
 from eagle3.store import StoreLayout, open_hidden_states
 
@@ -53,9 +53,10 @@ def layout():
 
 
 def _extract(store, samples, layout, target, backend, **kw):
-    extract_cfg = ExtractConfig(**{**ECFG, **kw.pop("extract_cfg", {})})
-    res = extract_store(store, samples, layout, backend=backend, target_path=target, target_dtype="float32",
-                        extract_cfg=extract_cfg, progress=False, **kw)
+    cfg = kw.pop("extract_cfg", {})
+    engine = EngineSpec.for_splits(target, layout, "float32", ExtractConfig(**{**ECFG, "backend": backend, **cfg}),
+                                   samples, **kw)
+    res = extract_store(store, samples, engine, progress=False)
     assert res.complete, res.missing
     return store
 
@@ -145,7 +146,7 @@ def test_tensor_parallel_2_matches_tp1(tmp_path, vllm_store, samples, layout, ta
 _RESUME_SCRIPT = """
 import json, sys, time
 from eagle3.config import ExtractConfig
-from eagle3.extract import Samples, extract_store
+from eagle3.extract import EngineSpec, Samples, extract_store
 from eagle3.store import StoreLayout
 import eagle3.extract.vllm_backend as vb
 
@@ -161,8 +162,9 @@ if a["slow"]:  # slow the engine down so that the test can kill it between shard
         return orig(self, plans, store_dir, progress)
     vb.VLLMExtractor.run = run
 samples = {s: Samples(*v) for s, v in a["samples"].items()}
-res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="vllm", target_path=a["target"],
-                    target_dtype="float32", extract_cfg=ExtractConfig(**a["extract_cfg"]), progress=False)
+engine = EngineSpec.for_splits(a["target"], StoreLayout(**a["layout"]), "float32",
+                               ExtractConfig(**a["extract_cfg"], backend="vllm"), samples)
+res = extract_store(a["store"], samples, engine, progress=False)
 print("COMPLETE" if res.complete else "INCOMPLETE")
 """
 
@@ -217,32 +219,38 @@ def test_resume_after_kill_is_byte_identical(tmp_path, vllm_store, samples, layo
 
 @pytest.mark.vllm
 def test_missing_vllm_names_the_extra(monkeypatch, layout, target, tmp_path):
-    from eagle3.extract import make_extractor
+    from eagle3.extract import EngineSpec, make_extractor
     from eagle3.vllm_engine import VLLMUnavailable
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(VLLMUnavailable, match=r'pip install -e "\.\[cpu\]"'):
-        make_extractor("vllm", target, layout, "float32", ExtractConfig(), 64, tmp_path)
+        make_extractor(EngineSpec(str(target), layout, "float32", ExtractConfig(), 64), tmp_path)
 
 
 # -- the backend interface -------------------------------------------------------------------------
 
 def test_backend_registry_and_protocol(layout, target, tmp_path):
     """Every registered backend resolves lazily to a class named like its key; an unknown name lists
-    the valid ones (in make_extractor and in the config); an HF extractor is an Extractor."""
-    from eagle3.extract import BACKENDS, Extractor, backend_class, make_extractor
+    the valid ones (in make_extractor and in the config); an HF extractor is an Extractor, built from
+    the one EngineSpec value whose extract_cfg names the backend."""
+    import types
+
+    from eagle3.extract import BACKENDS, EngineSpec, Extractor, backend_class, make_extractor
 
     assert set(BACKENDS) == {"vllm", "vllm_connector", "hf"}
     for name in BACKENDS:
         cls = backend_class(name)
         assert cls.name == name and callable(cls.run) and callable(cls.close)
     with pytest.raises(ValueError, match="'sglang' is not one of 'vllm', 'vllm_connector', 'hf'"):
-        make_extractor("sglang", target, layout, "float32", ExtractConfig(), 64, tmp_path)
+        make_extractor(EngineSpec(str(target), layout, "float32", types.SimpleNamespace(backend="sglang"), 64),
+                       tmp_path)
     with pytest.raises(ValueError, match="extract.backend='sglang'"):
         ExtractConfig(backend="sglang")
-    ex = make_extractor("hf", target, layout, "float32", ExtractConfig(device="cpu", batch_size=2), 64, tmp_path)
+    engine = EngineSpec(str(target), layout, "float32", ExtractConfig(backend="hf", device="cpu", batch_size=2), 64)
+    assert engine.backend == "hf"
+    ex = make_extractor(engine, tmp_path)
     try:
-        assert isinstance(ex, Extractor) and ex.last_stats is None
+        assert isinstance(ex, Extractor) and ex.name == "hf" and ex.last_stats is None
     finally:
         ex.close()
 
@@ -272,17 +280,17 @@ def test_hf_writes_the_bytes_of_the_plain_path(tmp_path, hf_store, samples, layo
             aux = torch.stack([self._captured[k][keep] for k in self.layout.layer_ids], dim=1)
             return aux, self._captured[self.layout.last_layer_id][keep]
 
-    extract_cfg = ExtractConfig(**ECFG)
+    extract_cfg = ExtractConfig(**ECFG, backend="hf")
     rng = random.Random(1)
     equal = {"eq": Samples([[rng.randrange(3, 380) for _ in range(40)] for _ in range(9)])}  # no padding
-    new = extract_store(tmp_path / "new", equal, layout, backend="hf", target_path=target, target_dtype="float32",
-                        extract_cfg=extract_cfg, progress=False)
+    new = extract_store(tmp_path / "new", equal, EngineSpec.for_splits(target, layout, "float32", extract_cfg, equal),
+                        progress=False)
     monkeypatch.setattr(hb, "ShardWriter", functools.partial(ShardWriter, stream_hash=False, early_writeback=False,
                                                              row_threads=1))
     for name, smp in (("old", samples), ("old-eq", equal)):
         ex = MaskGather(target, layout, "float32", extract_cfg)
-        res = extract_store(tmp_path / name, smp, layout, backend="hf", target_path=target, target_dtype="float32",
-                            extract_cfg=extract_cfg, progress=False, extractor=ex)
+        res = extract_store(tmp_path / name, smp, EngineSpec.for_splits(target, layout, "float32", extract_cfg, smp),
+                            progress=False, extractor=ex)
         ex.close()
         assert res.complete
     assert new.complete and _store_bytes(tmp_path / "old-eq") == _store_bytes(tmp_path / "new")
@@ -292,7 +300,7 @@ def test_hf_writes_the_bytes_of_the_plain_path(tmp_path, hf_store, samples, layo
 _HF_RESUME_SCRIPT = """
 import json, sys, time
 from eagle3.config import ExtractConfig
-from eagle3.extract import Samples, extract_store
+from eagle3.extract import EngineSpec, Samples, extract_store
 from eagle3.store import StoreLayout
 import eagle3.extract.hf_backend as hb
 
@@ -304,8 +312,9 @@ if a["slow"]:  # slow the forward passes down so that the test can kill the run 
         return orig(self, batch)
     hb.HFExtractor._forward = slow
 samples = {s: Samples(*v) for s, v in a["samples"].items()}
-res = extract_store(a["store"], samples, StoreLayout(**a["layout"]), backend="hf", target_path=a["target"],
-                    target_dtype="float32", extract_cfg=ExtractConfig(**a["extract_cfg"]), progress=False)
+engine = EngineSpec.for_splits(a["target"], StoreLayout(**a["layout"]), "float32",
+                               ExtractConfig(**a["extract_cfg"], backend="hf"), samples)
+res = extract_store(a["store"], samples, engine, progress=False)
 print("COMPLETE" if res.complete else "INCOMPLETE")
 """
 

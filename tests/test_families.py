@@ -28,7 +28,7 @@ import torch
 from conftest import build_tiny_family
 
 from eagle3.config import ExtractConfig
-from eagle3.extract import Samples, extract_store
+from eagle3.extract import EngineSpec, Samples, extract_store
 from eagle3.store import StoreLayout, open_hidden_states
 
 TOL = 1e-4
@@ -72,8 +72,8 @@ def samples():
 
 
 def _extract(store, samples, layout, target, backend):
-    res = extract_store(store, samples, layout, backend=backend, target_path=target, target_dtype="float32",
-                        extract_cfg=ExtractConfig(**ECFG), progress=False)
+    engine = EngineSpec.for_splits(target, layout, "float32", ExtractConfig(**ECFG, backend=backend), samples)
+    res = extract_store(store, samples, engine, progress=False)
     assert res.complete, res.missing
     return store
 

@@ -360,7 +360,7 @@ def stores(tiny_target, tmp_path_factory):
     import datasets
 
     from eagle3.config import ExtractConfig
-    from eagle3.extract import DatasetSamples, extract_store
+    from eagle3.extract import DatasetSamples, EngineSpec, extract_store
 
     rng = np.random.default_rng(0)
     splits = {}
@@ -372,8 +372,9 @@ def stores(tiny_target, tmp_path_factory):
     for dtype in ("float32", "fp8"):
         d = tmp_path_factory.mktemp(dtype)
         layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype=dtype)
-        res = extract_store(d, splits, layout, backend="hf", target_path=tiny_target, target_dtype="float32",
-                            extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+        engine = EngineSpec.for_splits(tiny_target, layout, "float32",
+                                       ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), splits)
+        res = extract_store(d, splits, engine, progress=False)
         assert res.complete
         out[dtype] = d
     return out

@@ -32,8 +32,8 @@ def _extract_derives(cfg, manifest, monkeypatch) -> tuple:
 
     seen = {}
 
-    def make_extractor(backend, target_path, layout, target_dtype, extract_cfg, max_model_len, *a, **kw):
-        seen.update(layout=layout, target_dtype=target_dtype, max_model_len=max_model_len)
+    def make_extractor(engine, work_dir):
+        seen.update(layout=engine.layout, target_dtype=engine.target_dtype, max_model_len=engine.max_model_len)
         raise _Stop
 
     monkeypatch.setattr(eagle3.extract, "make_extractor", make_extractor)

@@ -81,13 +81,13 @@ ECFG = ExtractConfig(backend="hf", device="cpu", samples_per_shard=4, batch_size
 def offline(target_dir, splits, layout, tmp_path_factory):
     """The reference: a store of the same samples (hf backend, one sample per forward) and the
     draft trained on it."""
-    from eagle3.extract import extract_store
+    from eagle3.extract import EngineSpec, extract_store
     from eagle3.store import open_hidden_states
     from eagle3.train.loop import train
 
     root = tmp_path_factory.mktemp("offline")
-    res = extract_store(root / "store", splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                        extract_cfg=ECFG, progress=False)
+    res = extract_store(root / "store", splits, EngineSpec.for_splits(target_dir, layout, "float32", ECFG, splits),
+                        progress=False)
     assert res.complete
     stores = (open_hidden_states(root / "store", "train", fp8="raw"), open_hidden_states(root / "store", "eval", fp8="raw"))
     train(TrainConfig(**TCFG), make_inputs(target_dir, *stores), root / "run", progress=False)
@@ -188,19 +188,20 @@ PRODUCER = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
 from eagle3.config import ExtractConfig
-from eagle3.extract.backend import make_extractor
+from eagle3.extract.backend import EngineSpec, make_extractor
 from eagle3.online import produce
 from test_online import identity, make_layout, make_splits
 d, backend, target, layer_ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 layout = make_layout(layer_ids)
 extract_cfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids, kv_cache_gb=0.25,
                      max_num_batched_tokens=256)
-ext = make_extractor(backend, target, layout, "float32", extract_cfg, 64, d)
+ext = make_extractor(EngineSpec(target, layout, "float32", extract_cfg, 64), d)
 if len(sys.argv) > 5:  # first a reference store of the same samples, with the same engine
     import dataclasses
-    from eagle3.extract import extract_store
-    extract_store(sys.argv[5], make_splits(), layout, backend=backend, target_path=target, target_dtype="float32",
-                  extract_cfg=dataclasses.replace(extract_cfg, samples_per_shard=1), extractor=ext, progress=False)
+    from eagle3.extract import EngineSpec, extract_store
+    splits = make_splits()
+    engine = EngineSpec.for_splits(target, layout, "float32", dataclasses.replace(extract_cfg, samples_per_shard=1), splits)
+    extract_store(sys.argv[5], splits, engine, extractor=ext, progress=False)
 print("producer ready", flush=True)
 part, parts = map(int, os.environ.get("PRODUCER_PART", "0/1").split("/"))
 stats = produce(d, make_splits(), layout, ext, identity(layout, backend), poll_s=0.02, progress=False, part=part,
@@ -675,14 +676,15 @@ def test_fp8_items_equal_the_fp8_store_computed_and_cached(target_dir, splits, t
     written to the cache and read back."""
     import dataclasses
 
-    from eagle3.extract import extract_store
+    from eagle3.extract import EngineSpec, extract_store
     from eagle3.extract.hf_backend import HFExtractor
     from eagle3.online import ColocatedSource, OnlineHiddenStates
     from eagle3.store import open_hidden_states
 
     layout = dataclasses.replace(make_layout(), dtype="fp8")
-    res = extract_store(tmp_path / "store", {"train": splits["train"]}, layout, backend="hf", target_path=target_dir,
-                        target_dtype="float32", extract_cfg=ECFG, progress=False)
+    train = {"train": splits["train"]}
+    res = extract_store(tmp_path / "store", train, EngineSpec.for_splits(target_dir, layout, "float32", ECFG, train),
+                        progress=False)
     assert res.complete
     ref = open_hidden_states(tmp_path / "store", "train", fp8="raw")
     src = ColocatedSource(HFExtractor(str(target_dir), layout, "float32", ECFG), layout, tmp_path / "cache", 60_000)

@@ -47,7 +47,7 @@ sys.path.insert(0, {tests!r})
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from pathlib import Path
 from eagle3.config import ExtractConfig, MooncakeConfig
-from eagle3.extract.backend import make_extractor
+from eagle3.extract.backend import EngineSpec, make_extractor
 from eagle3.online import produce
 from eagle3.online.mooncake_exchange import MooncakeProducerLink, secret_from_env
 from test_online import identity, make_layout, make_splits
@@ -58,7 +58,7 @@ if dtype != "float32":
     import dataclasses
     layout = dataclasses.replace(layout, dtype=dtype)
 extract_cfg = ExtractConfig(backend=backend, device="cpu", batch_size=1, layer_ids=layer_ids)
-ext = make_extractor(backend, target, layout, "float32", extract_cfg, 64, staging)
+ext = make_extractor(EngineSpec(target, layout, "float32", extract_cfg, 64), staging)
 part, parts = map(int, os.environ.get("PRODUCER_PART", "0/1").split("/"))
 link = MooncakeProducerLink(master, ns, Path(staging), MooncakeConfig(), layout, timeout_s=60, poll_s=0.02,
                             secret=secret_from_env())
@@ -328,13 +328,12 @@ def test_every_received_sample_is_checked_and_another_runs_refused(target_dir, s
     each by an error naming the key: one whose bytes changed on the way; a good message moved to another
     sample's key; one sealed for this key but sent for another namespace, plan, producer identity or
     layout; another prepared sample's shard under this sample's header."""
-    from eagle3.extract import extract_store
+    from eagle3.extract import EngineSpec, extract_store
     from eagle3.online import OnlineError
     from eagle3.online.mooncake_exchange import pack_sample, sample_key, unpack_sample
     from eagle3.store import open_hidden_states
 
-    extract_store(tmp_path / "ref", splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                  extract_cfg=ECFG, progress=False)
+    extract_store(tmp_path / "ref", splits, EngineSpec.for_splits(target_dir, layout, "float32", ECFG, splits), progress=False)
     ref = open_hidden_states(tmp_path / "ref", "train", fp8="raw")
     tlink, plink = links()
     src, train, ev = _source(tlink, layout, splits)
@@ -463,12 +462,11 @@ def test_fp8_travels_as_the_fp8_store_holds_it(target_dir, splits, links, tmp_pa
     scales and headers."""
     import dataclasses
 
-    from eagle3.extract import extract_store
+    from eagle3.extract import EngineSpec, extract_store
     from eagle3.store import open_hidden_states
 
     fp8 = dataclasses.replace(make_layout(), dtype="fp8")
-    extract_store(tmp_path / "ref", splits, fp8, backend="hf", target_path=target_dir, target_dtype="float32",
-                  extract_cfg=ECFG, progress=False)
+    extract_store(tmp_path / "ref", splits, EngineSpec.for_splits(target_dir, fp8, "float32", ECFG, splits), progress=False)
     ref = open_hidden_states(tmp_path / "ref", "train", fp8="raw")
     tlink, plink = links(ns="t-fp8", lay=fp8)
     src, train, ev = _source(tlink, fp8, splits)

@@ -377,15 +377,16 @@ def test_store_shards_take_the_umask(tmp_path):
     from conftest import build_tiny_llama
 
     from eagle3.config import ExtractConfig
-    from eagle3.extract import Samples, extract_store
+    from eagle3.extract import EngineSpec, Samples, extract_store
 
     target = build_tiny_llama(tmp_path / "t")
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=64, dtype="float32")
     old = os.umask(0o002)
     try:
-        res = extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7, 8], [9, 10]])}, layout, backend="hf",
-                            target_path=target, target_dtype="float32",
-                            extract_cfg=ExtractConfig(device="cpu", samples_per_shard=1), progress=False)
+        splits = {"train": Samples([[5, 6, 7, 8], [9, 10]])}
+        engine = EngineSpec.for_splits(target, layout, "float32",
+                                       ExtractConfig(backend="hf", device="cpu", samples_per_shard=1), splits)
+        res = extract_store(tmp_path / "store", splits, engine, progress=False)
     finally:
         os.umask(old)
     assert res.complete

@@ -327,7 +327,7 @@ def store_dir(target_dir, tmp_path_factory):
     """A real hidden-state store (the extract stage's hf backend) of a few token sequences."""
     import datasets
 
-    from eagle3.extract import DatasetSamples, extract_store
+    from eagle3.extract import DatasetSamples, EngineSpec, extract_store
     from eagle3.store import StoreLayout
 
     rng = np.random.default_rng(0)
@@ -338,8 +338,9 @@ def store_dir(target_dir, tmp_path_factory):
         splits[split] = DatasetSamples(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}))
     out = tmp_path_factory.mktemp("store")
     layout = StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=64, dtype="float32")
-    res = extract_store(out, splits, layout, backend="hf", target_path=target_dir, target_dtype="float32",
-                        extract_cfg=ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), progress=False)
+    engine = EngineSpec.for_splits(target_dir, layout, "float32",
+                                   ExtractConfig(backend="hf", device="cpu", samples_per_shard=4), splits)
+    res = extract_store(out, splits, engine, progress=False)
     assert res.complete
     return out
 

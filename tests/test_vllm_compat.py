@@ -159,7 +159,7 @@ def test_gpu_refusals_come_before_the_engine_through_the_stage(tmp_path, monkeyp
     import vllm
 
     import eagle3.vllm_engine as ve
-    from eagle3.extract import Samples, extract_store
+    from eagle3.extract import EngineSpec, Samples, extract_store
     from eagle3.store import StoreLayout
 
     target = build_tiny_llama(tmp_path / "llama")
@@ -168,8 +168,9 @@ def test_gpu_refusals_come_before_the_engine_through_the_stage(tmp_path, monkeyp
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     layout = StoreLayout(layer_ids=(1, 2), last_layer_id=4, hidden_size=64, dtype="bfloat16")
     with pytest.raises(ExtractError, match="aux_setup=runtime"):
-        extract_store(tmp_path / "store", {"train": Samples([[5, 6, 7]])}, layout, backend="vllm", target_path=target,
-                      target_dtype="bfloat16", extract_cfg=ExtractConfig(aux_setup="runtime"), progress=False)
+        splits = {"train": Samples([[5, 6, 7]])}
+        engine = EngineSpec.for_splits(target, layout, "bfloat16", ExtractConfig(backend="vllm", aux_setup="runtime"), splits)
+        extract_store(tmp_path / "store", splits, engine, progress=False)
 
 
 def test_eager_mla_on_gpu_vllm_0_25_is_refused(tmp_path, monkeypatch):

@@ -22,14 +22,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..store import ShardSpec, StoreLayout, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
-from .backend import BACKENDS, Extractor, Progress, backend_class, make_extractor
+from ..store import ShardSpec, completed_shard, finalize_store, is_assigned, missing_shards, shard_ranges
+from .backend import BACKENDS, EngineSpec, Extractor, Progress, backend_class, make_extractor
 from .layers import LayerIdError, default_layer_ids, resolve_layer_ids, resolve_store_dtype
-from .layout import max_model_len
 
 log = logging.getLogger("eagle3.extract")
 
-__all__ = ["Samples", "DatasetSamples", "prepared_samples", "extract_store", "make_extractor", "resolve_layer_ids",
+__all__ = ["Samples", "DatasetSamples", "prepared_samples", "extract_store", "EngineSpec", "make_extractor", "resolve_layer_ids",
            "default_layer_ids", "resolve_store_dtype", "LayerIdError", "ExtractResult", "Extractor", "Progress",
            "BACKENDS", "backend_class"]
 
@@ -94,18 +93,18 @@ class ExtractResult:
     stats: Optional[dict] = None  # backend's accounting (CPU seconds of capture / writer), if any
 
 
-def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str, target_path, target_dtype: str,
-                  extract_cfg, num_processes: int = 1, process_index: int = 0, progress: bool = True,
-                  extractor=None, **backend_kwargs) -> ExtractResult:
-    """Write the shards of ``splits`` ({name: Samples}) assigned to this process; finalize if all exist.
+def extract_store(store_dir, splits: dict, engine: EngineSpec, *, num_processes: int = 1, process_index: int = 0,
+                  progress: bool = True, extractor=None) -> ExtractResult:
+    """Write the shards of ``splits`` ({name: Samples}) assigned to this process, in the layout
+    ``engine.layout``; finalize if all exist.
 
-    ``extractor``: an already built backend to reuse (the benchmark does); else one is built when
-    there is work and closed afterwards."""
+    ``engine``: what builds the backend when there is work (closed afterwards); ``extractor``: an
+    already built one to reuse instead (the benchmark does)."""
     import time
 
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    sps = extract_cfg.samples_per_shard
+    layout, backend, sps = engine.layout, engine.backend, engine.extract_cfg.samples_per_shard
     todo: list[tuple] = []
     for split, samples in splits.items():
         ranges = shard_ranges(len(samples), sps)
@@ -132,9 +131,7 @@ def extract_store(store_dir, splits: dict, layout: StoreLayout, *, backend: str,
 
         own = extractor is None
         if own:
-            extractor = make_extractor(backend, target_path, layout, target_dtype, extract_cfg,
-                                       max_model_len(s.lengths for s in splits.values()),
-                                       store_dir, **backend_kwargs)
+            extractor = make_extractor(engine, store_dir)
         bar = Progress(total, f"extract ({backend})", progress)
         try:
             written = extractor.run(specs(), store_dir, bar)

@@ -44,7 +44,7 @@ class OnlineRun:
         self.layer_ids = layer_ids = list(derived.layout.layer_ids)
         refuse_known_bad(target.config, extract_cfg.backend, layer_ids, target_dtype=derived.target_dtype,
                          target_path=target.path)
-        self.target_dtype, self.layout, self.max_model_len = derived.target_dtype, derived.layout, derived.max_model_len
+        self.derived = derived  # the one layout value (layout, target dtype, max_model_len): engines are built from it
         # what the producer's numbers depend on: in the config hash, checked between the processes
         self.identity, extract = extract_identity(self.layout, self.target_dtype, extract_cfg)
         self.producer = {**self.identity, "placement": ocfg.producer, "extract": extract}
@@ -55,13 +55,16 @@ class OnlineRun:
         if "eval" in derived.splits and len(prepared["eval"]):
             self.splits["eval"] = prepared["eval"]
 
+    layout = property(lambda self: self.derived.layout)
+    target_dtype = property(lambda self: self.derived.target_dtype)
+    max_model_len = property(lambda self: self.derived.max_model_len)
+
     def extractor(self):
         """The producer's backend with the target loaded (``extract.*``); the hf backend on this
         process's GPU under torchrun / accelerate launch when ``extract.device=auto``."""
         import dataclasses
 
-        from ..extract.backend import make_extractor
-
+        from ..extract.backend import EngineSpec, make_extractor
         from ..launch import launch
 
         extract_cfg, local_rank = self.cfg.extract, launch().local_rank
@@ -70,8 +73,7 @@ class OnlineRun:
 
             if torch.cuda.is_available():
                 extract_cfg = dataclasses.replace(extract_cfg, device=f"cuda:{local_rank}")
-        return make_extractor(extract_cfg.backend, self.target.path, self.layout, self.target_dtype, extract_cfg,
-                              self.max_model_len, self.dir, trust_remote_code=self.target.trust_remote_code)
+        return make_extractor(EngineSpec.of(self.target, self.derived, extract_cfg), self.dir)
 
     def stores(self, world_size: int, rank: int = 0) -> tuple:
         """(train store, eval store or None) for the trainer: OnlineHiddenStates over this run's source."""

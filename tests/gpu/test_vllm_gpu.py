@@ -50,7 +50,7 @@ from conftest import (  # noqa: E402
 )
 
 from eagle3.config import ExtractConfig  # noqa: E402
-from eagle3.extract import Samples, extract_store, make_extractor  # noqa: E402
+from eagle3.extract import EngineSpec, Samples, extract_store, make_extractor  # noqa: E402
 from eagle3.extract.checks import (  # noqa: E402
     HiddenStateCheckError,
     check_store,
@@ -58,7 +58,6 @@ from eagle3.extract.checks import (  # noqa: E402
     parity_tolerance,
     token_errors,
 )
-from eagle3.extract.layout import max_model_len  # noqa: E402
 from eagle3.extract.vllm_backend import ExtractError  # noqa: E402
 from eagle3.store import StoreLayout, open_hidden_states  # noqa: E402
 from eagle3.vllm_compat import eager_mla_verdict, installed_version  # noqa: E402
@@ -130,8 +129,8 @@ def layout():
 @pytest.fixture(scope="module")
 def hf_store(target, splits, layout, tmp_path_factory):
     store = tmp_path_factory.mktemp("hf") / "store"
-    res = extract_store(store, splits, layout, backend="hf", target_path=target, target_dtype=DTYPE,
-                        extract_cfg=ExtractConfig(**ECFG), progress=False)
+    engine = EngineSpec.for_splits(target, layout, DTYPE, ExtractConfig(**ECFG, backend="hf"), splits)
+    res = extract_store(store, splits, engine, progress=False)
     assert res.complete
     return store
 
@@ -155,13 +154,13 @@ def store_vs_store(a: Path, b: Path, splits) -> dict:
 
 def _extract(mode, target, splits, layout, store, **extra):
     backend, settings = MODES[mode]
-    extract_cfg = ExtractConfig(**{**ECFG, **settings, **extra})
+    extract_cfg = ExtractConfig(**{**ECFG, **settings, **extra, "backend": backend})
     t0 = time.perf_counter()
-    ex = make_extractor(backend, target, layout, DTYPE, extract_cfg, max_model_len(s.lengths for s in splits.values()), store.parent)
+    engine = EngineSpec.for_splits(target, layout, DTYPE, extract_cfg, splits)
+    ex = make_extractor(engine, store.parent)
     start_s = time.perf_counter() - t0
     try:
-        res = extract_store(store, splits, layout, backend=backend, target_path=target, target_dtype=DTYPE,
-                            extract_cfg=extract_cfg, progress=False, extractor=ex)
+        res = extract_store(store, splits, engine, progress=False, extractor=ex)
     finally:
         info = getattr(ex, "engine_info", {})
         ex.close()

@@ -398,3 +398,14 @@ def muon64_step(params, bufs, lr, wd, momentum, nesterov, adjust_lr_fn):
             X = a * X + (b * A + c * A @ A) @ X
         X = X.T if u.shape[0] > u.shape[1] else X
         p.data.mul_(1 - lr * wd).add_(X, alpha=-torch.optim._muon._adjust_lr(lr, adjust_lr_fn, p.shape))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", default=False,
+                     help="run the collected tests in reverse order (checks that no test depends on another "
+                          "having run first: the suite must pass in file order and reversed)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()

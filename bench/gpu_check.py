@@ -20,8 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # one pytest process each, side by side on the GPU (the pipeline is the longest: ~8 engine starts)
-GROUPS = {"llama": "(llama and not pipeline) or async", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
-          "pipeline": "pipeline"}
+GROUPS = {"llama": "((llama and not pipeline) or async) and not quantized", "qwen3_moe": "qwen3_moe",
+          "deepseek_v3": "deepseek_v3", "pipeline": "pipeline", "quantized": "quantized"}
 
 
 def _g(x, nd=3):
@@ -39,8 +39,8 @@ def _engine(e: dict) -> str:
 def table(rows: list[dict]) -> str:
     head = ["check", "target", "mode", "ok", "engine", "steps / max per step / chunks", "shards", "parity (of allowed)",
             "error vs fp32 (mean/max)", "hf bf16 noise", "vs hf store", "6% off", "KV tokens (B/token)"]
-    out = []
-    for r in rows:
+    out, quantized = [], [r for r in rows if r.get("check") == "quantized"]
+    for r in (r for r in rows if r.get("check") != "quantized"):
         p = r.get("parity") or {}
         last = "last 4"
         err = (p.get("error") or {}).get(last)
@@ -72,9 +72,14 @@ def table(rows: list[dict]) -> str:
               f"prompt lookup {r.get('prompt_lookup_tokens_per_step')} tokens/step, per domain "
               f"{ {c: d.get('acceptance_length') for c, d in (r.get('by_domain') or {}).items()} } "
               f"(counted {r.get('domain_counting')})" for r in rows if r.get("check") == "pipeline" and r.get("ok")]
+    quant = [f"- quantized {r.get('family')} ({r.get('quantization')}), {r.get('mode')}, {r.get('engine_mode')}: "
+             f"{'ok' if r.get('ok') else 'NO'}; parity {_g((r.get('parity') or {}).get('max'))} of allowed, aux ids one "
+             f"lower {_g(min([v for k, v in (r.get('off_by_one') or {}).items() if k.startswith('aux')] or [float('nan')]))}"
+             f"{'; ' + r['note'][:160] if r.get('note') else ''}{'; refused: ' + r['refused'][:160] if r.get('refused') else ''}"
+             for r in quantized]
     info = rows[0] if rows else {}
     return "\n".join([f"GPU check: vLLM {info.get('vllm')}, torch {info.get('torch')}, {info.get('device')}; "
-                      "error columns: the last state (id 4), per-token relative error", *lines, *served, *errors])
+                      "error columns: the last state (id 4), per-token relative error", *lines, *served, *quant, *errors])
 
 
 def main() -> int:

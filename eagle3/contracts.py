@@ -148,7 +148,7 @@ def layer_probe_line(p: dict) -> str:
     s = p["scores"]
     z = "no spread" if p["z"] is None else f"{p['z']:.1f} s.e."
     verdict = (f"the chosen layers beat the default by {z} (>= {p['min_z']:g})" if not p["kept_default"]
-               else f"the default kept: the chosen layers {p['chosen']} beat it by {z} (< {p['min_z']:g})"
+               else f"the default kept: the chosen layers {p['chosen']} differ from it by {z} (< {p['min_z']:g})"
                if p["chosen"] != p["default"] else "the probe chose the default layers")
     return (f"layer probe: layer ids {p['layer_ids']} ({verdict}); held-out score chosen {s['chosen']:.4f}, default "
             f"{p['default']} {s['default']:.4f}, difference {p['difference']:+.4f} +- {p['se']:.4f}; "

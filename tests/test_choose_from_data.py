@@ -167,3 +167,29 @@ def test_probe_refuses_a_target_with_nothing_to_choose(tmp_path):
     cfg.stage = "extract"
     with pytest.raises(LayerProbeError, match="leave nothing to choose; set extract.layer_ids=\\[\\]"):
         run(cfg)
+
+
+def test_plan_shows_both_choices(compose, eight_layers, tmp_path, capsys):
+    """stage=plan: the vocabulary chosen on its sample of the data (then the prepare run's own choice),
+    the layers as chosen at extract time with the probe's estimated time, the store sized as the default's."""
+    from eagle3.manifest import Manifest
+    from eagle3.plan import make_plan, print_plan
+
+    data = write_jsonl(tmp_path / "c.jsonl", chat_records(24))
+    common = [f"target.path={eight_layers}", f"data.path={data}", f"workspace={tmp_path / 'ws'}", "experiment=p",
+              "logger=jsonl", "progress=false", "extract.backend=hf", "train.max_seq_len=64", "train.epochs=1",
+              "train.ttt_steps=1", "cpu_threads=1", "export.verify=false", "prepare.draft_vocab_size=auto",
+              "extract.layer_ids=auto"]
+    manifest = Manifest(tmp_path / "ws" / "p")
+    plan = make_plan(compose("stage=plan", *common), manifest)
+    capsys.readouterr()
+    print_plan(plan)
+    out = capsys.readouterr().out
+    assert plan["layer_ids"] == [2, 4, 5] and plan["layer_ids_auto"] and plan["layer_probe_s"] > 0
+    assert f"auto (chosen at extract time, probe ~{plan['layer_probe_s']:.0f} s" in out
+    estimated = plan["data"]["vocab_choice"]
+    assert estimated and plan["data"]["draft_vocab_size"] == estimated["chosen"]
+    assert f"draft vocabulary auto: {estimated['chosen']} (coverage {estimated['coverage']:.4f}" in out
+    run(compose("stage=prepare", *common))
+    counted = make_plan(compose("stage=plan", *common), manifest, probe=False)["data"]
+    assert counted["exact"] and counted["vocab_choice"] == manifest.current("prepare").facts.vocab_choice

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import build_tiny_llama, chat_records, write_jsonl
 from hydra.errors import ConfigCompositionException
 
-from conftest import build_tiny_llama, chat_records, write_jsonl
 from eagle3.config import Config, DataConfig, ExtractConfig, LoggerConfig, PrepareConfig, TargetConfig, TrainConfig
 from eagle3.data.vocab_choice import MULTIPLE, choose_draft_vocab_size
 from eagle3.manifest import Manifest

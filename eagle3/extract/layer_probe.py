@@ -115,8 +115,8 @@ def run_probe(target, prep, extract_cfg, target_dtype: str) -> dict:
 
     import torch
 
-    from ..data.vocab import load_vocab
     from ..artifacts import VOCAB_FILE
+    from ..data.vocab import load_vocab
     from ..store import StoreLayout
     from ..target_weights import read_target_head
     from .checks import head_argmax

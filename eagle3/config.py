@@ -191,13 +191,52 @@ class RegenerateConfig:
 
 
 @dataclass
+class VocabChoiceConfig:
+    """``prepare.vocab_choice.*``: the cost model of ``prepare.draft_vocab_size=auto``
+    (eagle3/data/vocab_choice.py). Hashed only when it differs from these defaults."""
+
+    draft_tokens: int = 3
+    """Draft forward passes per target step (vLLM's num_speculative_tokens): how many times each
+    draft token's lm_head is paid for per target forward."""
+
+    def __post_init__(self):
+        _check_positive("prepare.vocab_choice.draft_tokens", self.draft_tokens)
+
+
+def check_draft_vocab_size(value: Any) -> None:
+    """``prepare.draft_vocab_size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"prepare.draft_vocab_size must be a positive integer or 'auto', got {value!r}")
+
+
+def check_layer_ids(value: Any) -> None:
+    """``extract.layer_ids``: a list of distinct layer numbers >= 0 (empty: the default) or ``auto``."""
+    if value == "auto":
+        return
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"extract.layer_ids must be a list of layer numbers (e.g. [2,15,27]), [] for the default "
+                         f"(2, L//2, L-3) or 'auto' (chosen by a probe at extract time), got {value!r}")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise ValueError(f"extract.layer_ids must hold layer numbers (integers), got {list(value)}")
+    if any(int(i) < 0 for i in value):
+        raise ValueError(f"extract.layer_ids must be layer numbers >= 0, got {list(value)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"extract.layer_ids has duplicates: {list(value)}")
+
+
+@dataclass
 class PrepareConfig:
     """``prepare.*``: conversations -> token ids, loss mask, splits and the draft vocabulary."""
 
     max_length: int = 2048
     """Samples longer than this many tokens are cut (and counted)."""
-    draft_vocab_size: int = 32000
-    """Rows of the draft's lm_head: the most frequent target tokens among trainable tokens."""
+    draft_vocab_size: Any = 32000
+    """Rows of the draft's lm_head: the most frequent target tokens among trainable tokens. ``auto``:
+    chosen from the training split's token frequencies, a multiple of 64 at most the target's
+    vocabulary, maximising coverage / draft cost relative to the target (``prepare.vocab_choice``;
+    eagle3/data/vocab_choice.py); the choice and its evidence are the prepare run's ``vocab_choice``."""
     eval_fraction: float = 0.05
     """Share of samples held out (the eval split: extraction's agreement check, training's held-out
     metrics, export's prompts). A sample's split is a hash of its content, so it does not move when
@@ -215,12 +254,15 @@ class PrepareConfig:
     """Regeneration settings (only hashed when ``regenerate`` is true)."""
     num_proc: int = 1
     """Processes for tokenization."""
+    vocab_choice: VocabChoiceConfig = field(default_factory=VocabChoiceConfig)
+    """The cost model of ``draft_vocab_size=auto``."""
 
     NON_SEMANTIC = ("num_proc",)
+    HASH_OMIT_DEFAULTS = ("vocab_choice",)
 
     def __post_init__(self):
         _check_positive("prepare.max_length", self.max_length)
-        _check_positive("prepare.draft_vocab_size", self.draft_vocab_size)
+        check_draft_vocab_size(self.draft_vocab_size)
         _check_positive("prepare.eval_min", self.eval_min, allow_zero=True)
         _check_positive("prepare.num_proc", self.num_proc)
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -236,6 +278,25 @@ class PrepareConfig:
 
 
 @dataclass
+class LayerProbeConfig:
+    """``extract.layer_probe.*``: the linear probe of ``extract.layer_ids=auto``
+    (eagle3/extract/layer_probe.py). Hashed only when it differs from these defaults."""
+
+    samples: int = 64
+    """The first this many training samples of the prepared data are read."""
+    max_tokens: int = 16384
+    """At most this many of their tokens (the last sample read is cut)."""
+    min_z: float = 2.0
+    """The chosen layers replace the default (2, L//2, L-3) only when their held-out score beats the
+    default's by at least this many standard errors of the paired difference."""
+
+    def __post_init__(self):
+        _check_positive("extract.layer_probe.samples", self.samples)
+        _check_positive("extract.layer_probe.max_tokens", self.max_tokens)
+        _check_positive("extract.layer_probe.min_z", self.min_z, allow_zero=True)
+
+
+@dataclass
 class ExtractConfig:
     """``extract.*``: running the target over the prepared samples into the hidden-state store."""
 
@@ -243,10 +304,15 @@ class ExtractConfig:
     """vllm: in-process vLLM, aux states read between execute_model() and sample_tokens() |
     vllm_connector: vLLM's built-in extract_hidden_states method | hf: transformers (the reference,
     and the fallback where vLLM is not installed)."""
-    layer_ids: List[int] = field(default_factory=list)
+    layer_ids: Any = field(default_factory=list)
     """Aux layer ids in vLLM's convention (id k = the stream entering decoder layer k = HF
-    ``hidden_states[k]``). Empty = (2, L//2, L-3), made distinct for small L. The final pre-norm
+    ``hidden_states[k]``). Empty = (2, L//2, L-3), made distinct for small L. ``auto``: three
+    layers chosen by a linear probe with the transformers backend on the first training samples
+    (``extract.layer_probe``; eagle3/extract/layer_probe.py), the default kept unless they beat it
+    clearly; the choice and its evidence are the extract run's ``layer_probe``. The final pre-norm
     state (id L) is always stored beside them."""
+    layer_probe: LayerProbeConfig = field(default_factory=LayerProbeConfig)
+    """The probe of ``layer_ids=auto``."""
     store_dtype: str = "auto"
     """bfloat16 | float16 | float32 | fp8 | auto (float32 for float32 targets, else fp8 for hidden
     size >= 2048 (eagle3.extract.layers.FP8_MIN_HIDDEN), else bfloat16).
@@ -325,6 +391,7 @@ class ExtractConfig:
                     "enable_chunked_prefill", "kv_cache_gb", "gpu_memory_utilization", "aux_setup",
                     "enforce_eager", "async_scheduling", "batch_size", "device", "num_shards", "shard_index",
                     "agreement_positions", "min_agreement", "verify_samples", "parity_tolerance", "parity_factor")
+    HASH_OMIT_DEFAULTS = ("layer_probe",)
 
     def __post_init__(self):
         from .extract.backend import BACKENDS  # the registry: a new backend is valid once registered there
@@ -335,13 +402,10 @@ class ExtractConfig:
         _check_positive("extract.tensor_parallel_size", self.tensor_parallel_size)
         for name in ("max_num_batched_tokens", "max_num_seqs", "batch_size"):
             _check_positive(f"extract.{name}", getattr(self, name))
-        if any(int(i) < 0 for i in self.layer_ids):
-            raise ValueError(f"extract.layer_ids must be layer numbers >= 0, got {list(self.layer_ids)}")
+        check_layer_ids(self.layer_ids)
         _check_positive("extract.num_shards", self.num_shards)
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"extract.shard_index must be in [0, {self.num_shards}), got {self.shard_index}")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"extract.layer_ids has duplicates: {list(self.layer_ids)}")
         _check_positive("extract.agreement_positions", self.agreement_positions, allow_zero=True)
         if not 0.0 <= self.min_agreement <= 1.0:
             raise ValueError(f"extract.min_agreement must be in [0, 1], got {self.min_agreement}")
@@ -858,6 +922,12 @@ class Config:
         _check_choice("stage", self.stage, STAGES + ("all", "status", "eval", "produce", "plan"))
         _check_positive("cpu_threads", self.cpu_threads, allow_zero=True)
         check_experiment_name(self.name)
+        if self.extract.layer_ids == "auto" and (self.train.hidden_states == "online" or self.stage == "produce"):
+            raise ValueError("extract.layer_ids=auto is chosen by the extract stage's probe and recorded with its store, "
+                             "but train.hidden_states=online (and stage=produce) runs no extract stage: the trainer and "
+                             "its producers would have no recorded choice to agree on. Give the ids explicitly "
+                             "(extract.layer_ids=[a,b,c]; an offline `stage=extract extract.layer_ids=auto` prints the "
+                             "probe's choice), or leave extract.layer_ids=[] for the default (2, L//2, L-3)")
         m = self.train.model
         refusal = None if self.export.from_ else (
             eagle31_export_refusal(self.export.format, m.norm_before_fc, m.fc_norm, m.norm_output)

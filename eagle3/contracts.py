@@ -104,11 +104,21 @@ class PrepareFacts(Facts):
     # split -> {category: samples} when the source records carry a `category` (or `domain`) field
     # (the dataset then has a `category` column); None without categories or in runs before them
     categories: Optional[dict] = None
+    # prepare.draft_vocab_size=auto (eagle3.data.vocab_choice): {"chosen", "coverage", "score",
+    # "runner_up", "default" ({"size", "coverage", "score"} each), "candidates", "multiple",
+    # "cost_model"}; None when the size was given
+    vocab_choice: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)
         out.update({f"{prefix}/coverage_top_{n}": v for n, v in (self.coverage_curve or {}).items()})
+        if self.vocab_choice:
+            out[f"{prefix}/vocab_choice_score"] = self.vocab_choice["score"]
         return out
+
+    def vocab_choice_line(self) -> str:
+        """``prepare.draft_vocab_size=auto``'s choice and evidence in one line; empty when the size was given."""
+        return vocab_choice_line(self.vocab_choice) if self.vocab_choice else ""
 
     def coverage_line(self) -> str:
         """The coverage curve in one line for a person (prepare's end, stage=status, stage=plan)."""
@@ -117,6 +127,34 @@ class PrepareFacts(Facts):
         return ", ".join(f"{_size_label(int(n))}{'*' if int(n) == self.draft_vocab_size else ''} {v:.4f}"
                          for n, v in sorted(self.coverage_curve.items(), key=lambda kv: int(kv[0]))) + \
             " (* = prepare.draft_vocab_size)"
+
+
+def vocab_choice_line(choice: dict) -> str:
+    """A ``PrepareFacts.vocab_choice`` in one line for a person (prepare's end, stage=status, stage=plan)."""
+    c = choice["cost_model"]
+    ru = choice.get("runner_up")
+    d = choice["default"]
+    return (f"draft vocabulary auto: {choice['chosen']} (coverage {choice['coverage']:.4f}, score {choice['score']:.4f}) "
+            f"maximising coverage / (1 + {c['draft_tokens']} x (draft {c['draft_fixed_flops'] / 1e6:.1f} MFLOP + "
+            f"{c['lm_head_flops_per_row']} FLOP x V) / target {c['target_flops'] / 1e6:.1f} MFLOP per token) over "
+            f"{choice['candidates']} sizes"
+            + (f"; runner-up {ru['size']} (score {ru['score']:.4f})" if ru else "")
+            + f"; the default {d['size']}: coverage {d['coverage']:.4f}, score {d['score']:.4f}")
+
+
+def layer_probe_line(p: dict) -> str:
+    """An ``ExtractFacts.layer_probe`` in one line: the choice, its evidence and cost (extract's summary,
+    stage=status)."""
+    s = p["scores"]
+    z = "no spread" if p["z"] is None else f"{p['z']:.1f} s.e."
+    verdict = (f"the chosen layers beat the default by {z} (>= {p['min_z']:g})" if not p["kept_default"]
+               else f"the default kept: the chosen layers {p['chosen']} differ from it by {z} (< {p['min_z']:g})"
+               if p["chosen"] != p["default"] else "the probe chose the default layers")
+    return (f"layer probe: layer ids {p['layer_ids']} ({verdict}); held-out score chosen {s['chosen']:.4f}, default "
+            f"{p['default']} {s['default']:.4f}, difference {p['difference']:+.4f} +- {p['se']:.4f}; "
+            f"{p['samples']} samples, {p['tokens']} tokens, {p['positions']['test']} test positions, "
+            f"{p['seconds']['total']:.1f} s ({p['seconds']['forward']:.1f} s the target's forward)"
+            + (", reused from its cache" if p.get("reused") else ""))
 
 
 def _size_label(n: int) -> str:
@@ -149,6 +187,11 @@ class ExtractFacts(Facts):
     # training samples this process took from kept online caches instead of running the target:
     # {"samples": n, "caches": [directories]} (eagle3.extract.reuse.fill_from_caches); None when none
     reused: Optional[dict] = None
+    # extract.layer_ids=auto (eagle3.extract.layer_probe): {"layer_ids" (what was extracted), "chosen",
+    # "default", "kept_default", "scores" ({"chosen", "default"}: held-out weighted top-1), "difference",
+    # "se", "z", "min_z", "greedy", "samples", "tokens", "positions", "seconds", "reused", ...}; None
+    # when the ids were given
+    layer_probe: Optional[dict] = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
         out = super().metrics(prefix)

@@ -64,6 +64,8 @@ class DataCount:
     coverage_curve: Optional[dict] = None
     draft_vocab_size: int = 0
     tokenize_s: float = 0.0  # tokenizing everything (measured on the sample, scaled; recorded when counted)
+    vocab_choice: Optional[dict] = None  # prepare.draft_vocab_size=auto: the choice (recorded, or from the sample)
+    vocab_note: str = ""     # prepare.draft_vocab_size=auto without a choice yet: what the plan sized with
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ def _counted(rec) -> DataCount:
                      trainable_tokens=f.trainable_tokens, exact=True,
                      how=f"counted: prepare run {rec.config_hash[:12]} of this config", lengths=lengths,
                      coverage_curve=getattr(f, "coverage_curve", None), draft_vocab_size=f.draft_vocab_size,
-                     tokenize_s=float(stats.get("tokenize_seconds") or 0.0))
+                     tokenize_s=float(stats.get("tokenize_seconds") or 0.0), vocab_choice=f.vocab_choice)
 
 
 def _estimated(cfg, target, sample_size: int) -> DataCount:
@@ -116,7 +118,10 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
     sample = convs if n <= sample_size else rng.sample(convs, sample_size)
     tok = load_tokenizer(target, cfg.target.chat_template)
     max_len = cfg.prepare.max_length
-    curve = None
+    curve = choice = None
+    auto = cfg.prepare.draft_vocab_size == "auto"
+    # auto before any frequencies were counted (answers to regenerate): sized as the default would be
+    requested = (vocab_choice_default(target.vocab_size) if auto else cfg.prepare.draft_vocab_size)
     if cfg.prepare.regenerate:
         fill = REGEN_FILL * cfg.prepare.regen.max_tokens
         lengths, trainable = [], 0
@@ -142,7 +147,12 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
             from .data.dataset import token_frequencies
 
             freq = token_frequencies(rows, target.vocab_size, target.path)
-            curve = coverage_curve(freq, chosen=build_vocab_mapping(freq, cfg.prepare.draft_vocab_size).draft_vocab_size)
+            if auto:
+                from .data.vocab_choice import choose_for_target
+
+                choice = choose_for_target(freq, target.config, cfg.prepare.vocab_choice)
+                requested = choice["chosen"]
+            curve = coverage_curve(freq, chosen=build_vocab_mapping(freq, requested).draft_vocab_size)
             how += "; coverage from the sample's answers"
     scale = n / len(sample)
     total = int(round(n * kept))
@@ -151,7 +161,15 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
     return DataCount(samples={"train": total - n_eval, "eval": n_eval}, tokens=int(sum(lengths) * scale),
                      trainable_tokens=int(trainable * scale), exact=False, how=how, lengths=full_lengths,
                      coverage_curve=curve, tokenize_s=tokenize_s,
-                     draft_vocab_size=draft_vocab_size_for(cfg.prepare.draft_vocab_size, target.vocab_size))
+                     draft_vocab_size=draft_vocab_size_for(requested, target.vocab_size), vocab_choice=choice,
+                     vocab_note=(f"auto: chosen by prepare from the regenerated answers' frequencies; sized here as "
+                                 f"{draft_vocab_size_for(requested, target.vocab_size)}") if auto and choice is None else "")
+
+
+def vocab_choice_default(target_vocab: int) -> int:
+    from .data.vocab_choice import DEFAULT_SIZE
+
+    return min(DEFAULT_SIZE, int(target_vocab))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +401,9 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
 
     target = resolve(cfg.target, cfg.workspace)
     data = count_data(cfg, target, manifest)
-    derived = derive_store_layout(cfg.extract, target, cfg.target.dtype)  # the store extract writes
+    auto_layers = cfg.extract.layer_ids == "auto"  # chosen by extract's layer probe: sized with the default's count
+    derived = derive_store_layout(cfg.extract, target, cfg.target.dtype,  # the store extract writes
+                                  layer_ids=[] if auto_layers else None)
     L, H, layer_ids = derived.layout.last_layer_id, derived.layout.hidden_size, derived.layout.layer_ids
     split_tokens = data.tokens  # extract.splits: train and eval by default
     store = {}
@@ -395,7 +415,8 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     if cfg.train.hidden_states == "online" and cfg.train.online.producer == "external":
         check_online_window(cfg, data, derived.layout)  # before the probes: the trainer would refuse it
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum
-    plan = {"target": str(target.path), "target_quantization": target.quantization, "layer_ids": list(layer_ids), "hidden_size": H, "num_layers": L,
+    plan = {"target": str(target.path), "target_quantization": target.quantization, "layer_ids": list(layer_ids),
+            "layer_ids_auto": auto_layers, "hidden_size": H, "num_layers": L,
             "data": asdict(data) | {"lengths": None}, "store": store, "store_dtype": store_dtype,
             "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
@@ -418,6 +439,8 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
                                   "draft_vocab": data.draft_vocab_size},  # as prepare builds it (counted or capped)
                           lambda: probe_train(target, cfg.train, layer_ids, data.draft_vocab_size))
         plan["probes"] = {"prefill": pre, "decode": dec, "train": tr}
+        if auto_layers:
+            plan["layer_probe_s"] = layer_probe_seconds(cfg.extract.layer_probe, data.lengths, pre)
         regen_tps = offline_tps = None
         if cfg.prepare.regenerate and cfg.prepare.regen.backend == "vllm" and "start_s" in dec:
             # regeneration sends every conversation's next turn at once, in its own dtype: many requests decode
@@ -508,6 +531,14 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
     return plan
 
 
+def layer_probe_seconds(probe_cfg, train_lengths, prefill: dict) -> float:
+    """``extract.layer_ids=auto``: the layer probe's time, estimated as a model load and the
+    transformers forward over its tokens (the first ``samples`` training samples, at most
+    ``max_tokens``) at the prefill probe's rate; the ridge fits (seconds) are not counted."""
+    tokens = min(probe_cfg.max_tokens, sum(int(n) for n in list(train_lengths)[:probe_cfg.samples]))
+    return prefill["load_s"] + tokens / prefill["tokens_per_s"]
+
+
 def export_engines(export_cfg) -> tuple[int, int]:
     """(vLLM engine starts, generation runs) of the export's verification: a run each for plain
     decoding, every k and prompt lookup; two starts with export.shared_engines (plain decoding and
@@ -596,8 +627,19 @@ def print_plan(plan: dict) -> None:
             for n, v in sorted(d["coverage_curve"].items(), key=lambda kv: int(kv[0]))), mark + " (* = chosen)")
     else:
         t.add_row("draft vocabulary coverage", "known after prepare (answers are regenerated)", "")
+    if d.get("vocab_choice"):
+        from .contracts import vocab_choice_line
+
+        t.add_row("draft vocabulary size", vocab_choice_line(d["vocab_choice"]), mark)
+    elif d.get("vocab_note"):
+        t.add_row("draft vocabulary size", d["vocab_note"], "")
     console.print(t)
-    t = Table(title=f"the store: layers {plan['layer_ids']} + {plan['num_layers']}, hidden {plan['hidden_size']}")
+    layers = plan["layer_ids"]
+    if plan.get("layer_ids_auto"):
+        secs = plan.get("layer_probe_s")
+        layers = (f"auto (chosen at extract time, probe ~{secs:.0f} s; sized as the default {layers})"
+                  if secs is not None else f"auto (chosen at extract time; sized as the default {layers})")
+    t = Table(title=f"the store: layers {layers} + {plan['num_layers']}, hidden {plan['hidden_size']}")
     for col in ("store dtype", "bytes / token", "store size", ""):
         t.add_column(col)
     for dt, s in plan["store"].items():

@@ -48,8 +48,14 @@ def _facts_line(stage: str, facts) -> str:
                   f"bytes_per_token={layout.bytes_per_token}"]
     if stage == "extract":
         parts.append(facts.checks_line())
+    if stage == "extract" and getattr(facts, "layer_probe", None):
+        from .contracts import layer_probe_line
+
+        parts.append(layer_probe_line(facts.layer_probe))
     if stage == "prepare" and getattr(facts, "coverage_curve", None):
         parts.append(f"coverage by draft vocabulary size: {facts.coverage_line()}")
+    if stage == "prepare" and getattr(facts, "vocab_choice", None):
+        parts.append(facts.vocab_choice_line())
     if stage == "prepare" and getattr(facts, "categories", None):
         parts.append("categories (eval split): " + ", ".join(
             f"{c} {n}" for c, n in (facts.categories.get("eval") or {}).items()))

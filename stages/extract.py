@@ -45,11 +45,17 @@ class Extract(Stage):
         upstream = manifest.consume_upstream("extract", target.identity())
         prep = upstream["prepare"]
         check_tokenizer(prep, target)
-        splits, derived = prepared_splits(prep, cfg.extract, target, cfg.target.dtype)
+        probe = None
+        if cfg.extract.layer_ids == "auto":  # chosen by the layer probe (cached per target, data and settings)
+            from eagle3.extract.layer_probe import choose_layer_ids
+
+            probe = choose_layer_ids(manifest.exp_dir, target, prep, cfg.extract, target.run_dtype(cfg.target.dtype))
+        splits, derived = prepared_splits(prep, cfg.extract, target, cfg.target.dtype,
+                                          layer_ids=probe["layer_ids"] if probe else None)
         refuse_known_bad(target.config, cfg.extract.backend, tuple(derived.layout.layer_ids),
                          target_dtype=derived.target_dtype, target_path=target.path)  # before any engine or job exists
         return Inputs(cfg=cfg, manifest=manifest, target=target, upstream=upstream, prep=prep, splits=splits,
-                      derived=derived)
+                      derived=derived, layer_probe=probe)
 
     def identity(self, inputs) -> dict:
         from eagle3.hashing import semantic_dict
@@ -105,7 +111,7 @@ class Extract(Stage):
                                  extract_cfg, greedy=greedy, prepare_run=prep.config_hash,
                                  trust_remote_code=target.trust_remote_code)
             record_outputs(job, splits)
-            job.facts = extract_facts(inputs.derived, extract_cfg, splits, checks, reused)
+            job.facts = extract_facts(inputs.derived, extract_cfg, splits, checks, reused, inputs.layer_probe)
 
         return job.run_parts(extract, record, part=extract_cfg.shard_index, parts=extract_cfg.num_shards)
 

@@ -45,6 +45,8 @@ class Prepare(Stage):
             job.add_output(path)
         job.log({f"prepare/{k}": v for k, v in prepared.stats.items() if isinstance(v, (int, float))})
         print(f"prepare: draft vocabulary coverage of trainable tokens: {prepared.facts.coverage_line()}")
+        if prepared.facts.vocab_choice:  # prepare.draft_vocab_size=auto
+            print(f"prepare: {prepared.facts.vocab_choice_line()}")
         return prepared.facts
 
 

@@ -86,15 +86,20 @@ def build_dataset(cfg, target, tokenizer, out: Path) -> Prepared:
                         f"{cfg.prepare.eval_min} are held out when more samples than that exist). Add "
                         f"conversations (drops: {dict(drops)}).")
     freq = token_frequencies(train_rows, target.vocab_size, target.path)
-    mapping = build_vocab_mapping(freq, cfg.prepare.draft_vocab_size)
-    if cfg.prepare.draft_vocab_size > target.vocab_size:
+    requested, vocab_choice = cfg.prepare.draft_vocab_size, None
+    if requested == "auto":  # chosen from these frequencies (eagle3.data.vocab_choice)
+        from .vocab_choice import choose_for_target
+
+        vocab_choice = choose_for_target(freq, target.config, cfg.prepare.vocab_choice)
+        requested = vocab_choice["chosen"]
+    mapping = build_vocab_mapping(freq, requested)
+    if requested > target.vocab_size:
         log.warning("prepare.draft_vocab_size=%d is larger than the target's vocabulary (%d ids): the draft predicts "
                     "the whole vocabulary (identity mapping, lm_head of %d rows); set prepare.draft_vocab_size=%d or "
-                    "less to silence this", cfg.prepare.draft_vocab_size, target.vocab_size, target.vocab_size,
-                    target.vocab_size)
+                    "less to silence this", requested, target.vocab_size, target.vocab_size, target.vocab_size)
     curve = coverage_curve(freq, chosen=mapping.draft_vocab_size)
     by_category = {split: category_counts(r) for split, r in (("train", train_rows), ("eval", eval_rows))}
-    if mapping.num_seen < min(cfg.prepare.draft_vocab_size, target.vocab_size):
+    if mapping.num_seen < min(requested, target.vocab_size):
         log.warning("only %d distinct tokens were seen in training targets; the draft vocabulary (%d) is "
                     "padded with unseen ids", mapping.num_seen, mapping.draft_vocab_size)
 
@@ -108,7 +113,8 @@ def build_dataset(cfg, target, tokenizer, out: Path) -> Prepared:
         tokens=sum(len(r["input_ids"]) for r in rows), trainable_tokens=sum(sum(r["loss_mask"]) for r in rows),
         dropped=dict(drops), bad_records=report.bad_records, regenerated=bool(cfg.prepare.regenerate),
         regen=semantic_dict(cfg.prepare.regen) if cfg.prepare.regenerate else None,
-        coverage_curve=curve, categories=by_category if any(by_category.values()) else None)
+        coverage_curve=curve, categories=by_category if any(by_category.values()) else None,
+        vocab_choice=vocab_choice)
     stats = prepare_stats(facts, records_read=report.records,
                           conversations_read=len(conversations) + drops["no_trainable_tokens"],
                           truncated=truncated, bad_record_examples=report.bad_examples, regeneration=regen_stats,
@@ -133,7 +139,8 @@ def prepare_stats(facts, *, records_read: int, conversations_read: int, truncate
             "dropped": dict(facts.dropped), "bad_records": facts.bad_records,
             "bad_record_examples": bad_record_examples, "regeneration": regeneration,
             "draft_vocab_size": facts.draft_vocab_size, "distinct_trainable_tokens": distinct_trainable_tokens,
-            "coverage": coverage, "coverage_curve": facts.coverage_curve, "categories": facts.categories,
+            "coverage": coverage, "coverage_curve": facts.coverage_curve, "vocab_choice": facts.vocab_choice,
+            "categories": facts.categories,
             "tokenize_seconds": round(tokenize_seconds, 3),
             "tokens_per_second": round(facts.tokens / tokenize_seconds) if tokenize_seconds > 0 else None,
             "seconds": round(seconds, 3)}

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..manifest import ManifestError
 from ..store import StoreLayout
-from .layers import resolve_layer_ids, resolve_store_dtype
+from .layers import LayerIdError, resolve_layer_ids, resolve_store_dtype
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,24 @@ def check_tokenizer(prep, target) -> None:
 
 def derive_store_layout(extract_cfg, target, target_dtype: str = "auto",
                         split_lengths: Optional[Mapping[str, np.ndarray]] = None,
-                        also: Sequence[str] = ()) -> ExtractLayout:
+                        also: Sequence[str] = (), layer_ids: Optional[Sequence[int]] = None) -> ExtractLayout:
     """The layout ``extract_cfg`` (``extract.*``) gives for ``target`` (eagle3.target.TargetInfo) run in
     ``target_dtype`` (``target.dtype``; ``auto`` = the checkpoint's).
 
     ``split_lengths``: {split: sample lengths} of the prepared dataset. Given, the splits read
     (``extract.splits``, then ``also``: what the caller reads beyond them) must all be there and
     their samples must fit the target's context (``max_position_embeddings``); ``max_model_len`` is
-    sized for them. Not given (a plan from estimated data), neither is checked."""
+    sized for them. Not given (a plan from estimated data), neither is checked.
+
+    ``layer_ids``: the aux ids ``extract.layer_ids=auto`` resolved to (the extract stage's layer
+    probe, eagle3.extract.layer_probe); ``auto`` itself names no layers and is refused here."""
     L, H = target.num_hidden_layers, target.hidden_size
-    layer_ids = resolve_layer_ids(extract_cfg.layer_ids, L)
+    requested = extract_cfg.layer_ids if layer_ids is None else list(layer_ids)
+    if requested == "auto":
+        raise LayerIdError("extract.layer_ids=auto names no layers until the extract stage's layer probe chose them "
+                           "(eagle3.extract.layer_probe); only `stage=extract` (and stage=all) runs it. Give the ids "
+                           "explicitly here (extract.layer_ids=[a,b,c]) or [] for the default (2, L//2, L-3)")
+    layer_ids = resolve_layer_ids(requested, L)
     run_dtype = target.run_dtype(target_dtype)
     layout = StoreLayout(layer_ids=layer_ids, last_layer_id=L, hidden_size=H,
                          dtype=resolve_store_dtype(extract_cfg.store_dtype, run_dtype, H), target_hash=target.hash)

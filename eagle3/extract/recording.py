@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 
-def prepared_splits(prep, extract_cfg, target, target_dtype: str) -> tuple:
+def prepared_splits(prep, extract_cfg, target, target_dtype: str, layer_ids=None) -> tuple:
     """(the splits to extract {name: DatasetSamples}, their ExtractLayout) of the prepare run
     ``prep``: refuses a split extract.splits names that is not there, a sample longer than the
     target's context (eagle3.extract.layout.derive_store_layout)."""
@@ -14,7 +14,8 @@ def prepared_splits(prep, extract_cfg, target, target_dtype: str) -> tuple:
     from .layout import derive_store_layout
 
     prepared = prepared_samples(prep)
-    derived = derive_store_layout(extract_cfg, target, target_dtype, {s: v.lengths for s, v in prepared.items()})
+    derived = derive_store_layout(extract_cfg, target, target_dtype, {s: v.lengths for s, v in prepared.items()},
+                                  layer_ids=layer_ids)
     return {s: prepared[s] for s in derived.splits}, derived
 
 
@@ -47,7 +48,7 @@ def discard_damaged(job) -> None:
           f"{', '.join(shards[:5])}{' ...' if len(shards) > 5 else ''}")
 
 
-def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict):
+def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict, layer_probe=None):
     """:class:`eagle3.contracts.ExtractFacts` of a complete store; ``checks`` = (agreement, threshold,
     parity) of eagle3.extract.checks.check_store."""
     from ..contracts import ExtractFacts
@@ -58,7 +59,7 @@ def extract_facts(derived, extract_cfg, splits, checks: tuple, reused: dict):
                         num_samples={s: len(v) for s, v in splits.items()},
                         num_tokens={s: int(v.lengths.sum()) for s, v in splits.items()},
                         agreement=agreement, agreement_threshold=threshold, parity=parity,
-                        reused=dict(reused) or None)
+                        reused=dict(reused) or None, layer_probe=layer_probe)
 
 
 def print_summary(rec, layout, splits) -> None:
@@ -73,3 +74,7 @@ def print_summary(rec, layout, splits) -> None:
           f"at {out_dir} (a data set of N tokens needs about N x {layout.bytes_per_token} B: "
           f"{fmt_size(1e9 * layout.bytes_per_token)} per billion tokens)")
     print(f"extract: {rec.facts.checks_line()}")
+    if rec.facts.layer_probe:  # extract.layer_ids=auto
+        from ..contracts import layer_probe_line
+
+        print(f"extract: {layer_probe_line(rec.facts.layer_probe)}")

@@ -30,14 +30,16 @@ def extracted(tiny_llama_dir, tmp_path_factory):
 
 def test_train_sweep_shares_upstream_and_ranks_the_jobs(extracted):
     tmp, common = extracted
+    manifest_path = tmp / "ws" / "sw" / "manifest.json"
+    before = set(json.loads(manifest_path.read_text())["stages"].get("train", {}).get("runs", {}))
     out = _cli("-m", "stage=train", "extract.backend=hf", "train.max_steps=2", "train.eval_every=2",
                "train.warmup_steps=1", "train.ttt_steps=2", "train.lr=1e-3,3e-3", *common)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
-    manifest = json.loads((tmp / "ws" / "sw" / "manifest.json").read_text())
-    stages = manifest["stages"]
+    stages = json.loads(manifest_path.read_text())["stages"]
     assert len(stages["prepare"]["runs"]) == 1 and len(stages["extract"]["runs"]) == 1  # computed once
-    train_runs = stages["train"]["runs"]
+    # only this sweep's runs (the module's other tests may have trained in the same experiment first)
+    train_runs = {h: r for h, r in stages["train"]["runs"].items() if h not in before}
     assert len(train_runs) == 2 and all(r["status"] == "complete" for r in train_runs.values())
     assert len({r["out_dir"] for r in train_runs.values()}) == 2  # kept apart by config hash
     assert "2 jobs, 0 failed" in " ".join(text.split()) and "train.lr" in text

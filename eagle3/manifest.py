@@ -280,11 +280,15 @@ class Manifest:
         return rec.status
 
     def stale_reason(self, rec: StageRecord) -> Optional[str]:
-        """Why a run's inputs are no longer the current upstream runs (None if they are)."""
+        """Why a run's inputs are no longer what it was made from (None if they are). An upstream stage
+        read as its current run (prepare) must still be at the run this one used; one read by config
+        (``SELECTED_BY_CONFIG``: extract, train) must still hold that run, complete, with the outputs it
+        read, whichever of its runs is current (two extract runs' drafts are both valid)."""
         for up, up_hash in rec.data.get("upstream", {}).items():
-            cur = self.current(up)
+            cur = self.record(up, up_hash) if up in SELECTED_BY_CONFIG else self.current(up)
             if cur is None:
-                return f"its input stage '{up}' has no run any more"
+                return (f"its input {up} run {up_hash[:12]} is no longer recorded" if up in SELECTED_BY_CONFIG
+                        else f"its input stage '{up}' has no run any more")
             if cur.config_hash != up_hash:
                 return (f"'{up}' was re-run with another config (now {cur.config_hash[:12]}, "
                         f"this {rec.stage} run used {up_hash[:12]})")
@@ -298,12 +302,19 @@ class Manifest:
                 return f"'{up}' is stale: {reason}"
         return None
 
-    def _run_of_config(self, stage: str, by: str, rec: Optional[StageRecord], wanted: dict) -> Optional[StageRecord]:
-        """The run of ``stage`` whose recorded config section is ``wanted``: the current one if it
-        matches, else the latest complete, not stale run that does; where none does, the current run
-        with a warning that names the differences (what a stage read before runs were picked by config)."""
+    def _run_of_config(self, stage: str, by: str, rec: Optional[StageRecord], wanted: dict,
+                       lineage: Optional[dict] = None) -> Optional[StageRecord]:
+        """The run of ``stage`` whose recorded config section is ``wanted`` and whose recorded upstream
+        runs are those of ``lineage`` ({stage: config hash} of the runs this reader took already): the
+        current one if it matches, else the latest complete, not stale run that does; where none does,
+        the current run with a warning that names the differences (what a stage read before runs were
+        picked by config). The lineage tells apart runs of one section made from other upstream runs
+        (two drafts of the same train.* on two aux-layer choices: export must ship the one trained on
+        the extract run this config names)."""
         def matches(r: StageRecord) -> bool:
-            return (r.data.get("config") or {}).get(stage) == wanted
+            ups = r.data.get("upstream") or {}
+            return (r.data.get("config") or {}).get(stage) == wanted and all(
+                ups.get(name, chash) == chash for name, chash in (lineage or {}).items())
 
         if rec is None or matches(rec):
             return rec
@@ -364,11 +375,12 @@ class Manifest:
                 f"last run {last['config_hash'][:12]} {what}. {rerun}")
 
     def consume(self, stage: str, by: str, target_hash: Optional[str | dict] = None,
-                wanted: Optional[dict] = None) -> StageRecord:
+                wanted: Optional[dict] = None, lineage: Optional[dict] = None) -> StageRecord:
         """The current run of ``stage`` for use as input by stage ``by``, or a clear error. ``wanted``:
-        the config section that names the run (``SELECTED_BY_CONFIG``); the run of that config is
-        taken instead of the current one where they differ (the current one, with a warning, where the
-        manifest has none). A run pinned by this process is taken as is. ``target_hash``: the
+        the config section that names the run (``SELECTED_BY_CONFIG``); the run of that config (and of
+        the upstream runs in ``lineage``, {stage: config hash}) is taken instead of the current one where
+        they differ (the current one, with a warning, where the manifest has none). A run pinned by
+        this process is taken as is. ``target_hash``: the
         target's identity hash, or its identity (``TargetInfo.identity()``: a refusal then names the
         files that differ)."""
         current_target = target_hash if isinstance(target_hash, dict) else {"hash": target_hash}
@@ -380,7 +392,7 @@ class Manifest:
                 self._wait_for(running, by)
                 rec = self.current(stage)
         if wanted is not None and stage not in self.pins:
-            rec = self._run_of_config(stage, by, rec, wanted)
+            rec = self._run_of_config(stage, by, rec, wanted, lineage)
         if rec is None:
             raise ManifestError(self._never_completed(stage, by))
         if rec.status != "complete":
@@ -412,10 +424,15 @@ class Manifest:
         """The current runs of every stage ``stage`` reads (``eagle3.contracts.UPSTREAM``), each checked
         by :meth:`consume`; ``only`` narrows them (export of a draft trained elsewhere needs prepare's
         prompts at most). ``cfg``: the composed config; the runs of ``SELECTED_BY_CONFIG`` stages are
-        then those of its sections (``extract``, ``train``), not merely the current ones."""
+        then those of its sections (``extract``, ``train``), not merely the current ones, and made from
+        the runs taken before them (``UPSTREAM`` lists them in pipeline order)."""
         names = UPSTREAM[stage] if only is None else tuple(n for n in UPSTREAM[stage] if n in only)
-        return {name: self.consume(name, by=stage, target_hash=target_hash,
-                                   wanted=config_section(cfg, name) if cfg is not None else None) for name in names}
+        taken: dict[str, StageRecord] = {}
+        for name in names:
+            taken[name] = self.consume(name, by=stage, target_hash=target_hash,
+                                       wanted=config_section(cfg, name) if cfg is not None else None,
+                                       lineage={n: r.config_hash for n, r in taken.items()} if cfg is not None else None)
+        return taken
 
     # -- running a stage --------------------------------------------------------------------
     def start(self, stage: str, config: dict, target: dict, inputs: Optional[dict] = None,

@@ -157,6 +157,23 @@ def test_prepare_extract_train_with_both_auto(tmp_path, eight_layers, capsys):
     train = Manifest(exp).current("train").facts
     assert train.layer_ids == probe["layer_ids"] and train.draft_vocab_size == vc["chosen"]
 
+    # the default layers' arm beside it (same prepare, same train.*), trained last; each arm's export
+    # ships the draft of its own extract run, not merely the latest draft
+    arms = {"probe": cfg, "default": _cfg(tmp_path, eight_layers, "extract")}
+    arms["default"].extract.layer_ids = [2, 4, 5]
+    for stage in ("extract", "train"):
+        arms["default"].stage = stage
+        run(arms["default"])
+    for name, arm_cfg in arms.items():
+        arm_cfg.stage = "export"
+        arm_cfg.export.verify = False
+        run(arm_cfg)
+        m = Manifest(exp)
+        export, train_run = m.current("export"), m.record("train", m.current("export").data["upstream"]["train"])
+        assert export.data["upstream"]["extract"] == train_run.data["upstream"]["extract"]
+        assert m.record("extract", export.data["upstream"]["extract"]).data["config"]["extract"]["layer_ids"] == \
+            ("auto" if name == "probe" else [2, 4, 5])
+
 
 def test_probe_refuses_a_target_with_nothing_to_choose(tmp_path):
     """Three decoder layers hold exactly the three aux layers: auto is refused, naming what to set."""

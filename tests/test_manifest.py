@@ -245,12 +245,26 @@ def test_a_stale_run_of_the_config_is_not_taken(tmp_path):
     prep = m.consume("prepare", by="extract")
     _run(m, "extract", {"extract": {"dtype": "bf16"}}, inputs={"prepare": prep})
     _run(m, "train", {"train": {"seed": 0}}, inputs={"prepare": prep, "extract": m.consume("extract", by="train")})
+    bf16 = m.current("extract")
     _run(m, "extract", {"extract": {"dtype": "fp8"}}, inputs={"prepare": prep})  # current extract changes
     ext = Manifest(m.exp_dir).consume("extract", by="train")
     _run(m, "train", {"train": {"seed": 1}}, inputs={"prepare": prep, "extract": ext})
     current = Manifest(m.exp_dir).consume("train", by="export")
-    # seed 0's run was trained on the old store: not taken (the current run is, with a warning)
-    assert Manifest(m.exp_dir).consume("train", by="export", wanted={"seed": 0}).config_hash == current.config_hash
+    on = {"fp8": {"prepare": prep.config_hash, "extract": ext.config_hash},
+          "bf16": {"prepare": prep.config_hash, "extract": bf16.config_hash}}
+    # seed 0's run was trained on the bf16 store: not taken for a config that names the fp8 one (the
+    # current run is, with a warning) ...
+    assert Manifest(m.exp_dir).consume("train", by="export", wanted={"seed": 0},
+                                       lineage=on["fp8"]).config_hash == current.config_hash
+    # ... and taken for one that names the bf16 store, which is still there as it was read
+    seed0 = Manifest(m.exp_dir).consume("train", by="export", wanted={"seed": 0}, lineage=on["bf16"])
+    assert seed0.config_hash != current.config_hash and seed0.data["upstream"]["extract"] == bf16.config_hash
+    # once that store's shards are written again (other bytes), the run trained on it is stale
+    (bf16.out_dir / "out.bin").unlink()
+    _, ran = _run(m, "extract", {"extract": {"dtype": "bf16"}}, inputs={"prepare": prep}, payload=b"yy")
+    assert ran  # written again, other bytes
+    assert Manifest(m.exp_dir).consume("train", by="export", wanted={"seed": 0},
+                                       lineage=on["bf16"]).config_hash == current.config_hash
 
 
 def test_config_section_is_what_the_train_and_extract_runs_record():
@@ -262,6 +276,31 @@ def test_config_section_is_what_the_train_and_extract_runs_record():
     assert config_section(cfg, "train") == json.loads(json.dumps(semantic_dict(cfg.train)))
     assert config_section(cfg, "train")["seed"] == 3 and config_section(cfg, "extract")["store_dtype"] == "fp8"
     assert config_section(cfg, "prepare") is None  # read as the current run
+
+
+def test_one_train_config_on_two_extract_runs_export_reads_the_draft_of_its_own_lineage(tmp_path):
+    """The default layers and extract.layer_ids=auto arms side by side: one prepare, two extract runs,
+    the same train.* on each. `stage=export` with either arm's overrides ships the draft trained on that
+    arm's extract run (the train section alone matches both; the latest one used to be taken)."""
+    from eagle3.__main__ import compose_config
+    from eagle3.manifest import config_section
+
+    m = Manifest(tmp_path / "exp")
+    _run(m, "prepare", {"a": 1})
+    prep = m.consume("prepare", by="extract")
+    cfgs = {name: compose_config([f"extract.layer_ids={ids}"]) for name, ids in (("a", "[1,2,3]"), ("b", "auto"))}
+    trains = {}
+    for name, cfg in cfgs.items():
+        ext, _ = _run(m, "extract", {"extract": config_section(cfg, "extract")}, inputs={"prepare": prep})
+        ext_rec = m.consume("extract", by="train", wanted=config_section(cfg, "extract"))
+        assert ext_rec.config_hash == ext.config_hash
+        trains[name], _ = _run(m, "train", {"train": config_section(cfg, "train")},
+                               inputs={"prepare": prep, "extract": ext_rec})
+    assert trains["a"].config_hash != trains["b"].config_hash  # same section, other upstream
+    for name in ("a", "b"):  # b ran last: its draft is the current one; a must still get its own
+        got = Manifest(m.exp_dir).consume_upstream("export", TARGET["hash"], cfg=cfgs[name])
+        assert got["train"].config_hash == trains[name].config_hash
+        assert got["train"].data["upstream"]["extract"] == got["extract"].config_hash
 
 
 def _hold_extract(exp_dir, started, seconds, complete):

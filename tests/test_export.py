@@ -735,6 +735,11 @@ def test_import_rejects_drafts_that_do_not_fit(target, kept, tmp_path):
         import_draft(src, {**target.config, "vocab_size": target.vocab + 1})
     with pytest.raises(ImportDraftError, match="no config.json"):
         import_draft(tmp_path, target.config)
+    run_dir = tmp_path / "train_run"  # an eagle3 train run's directory: told how to export it instead
+    run_dir.mkdir()
+    (run_dir / "draft_config.json").write_text("{}")
+    with pytest.raises(ImportDraftError, match=r"eagle3 train run's directory.*stage=export.*overrides"):
+        import_draft(run_dir, target.config)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -150,6 +150,14 @@ def import_draft(path, target_config: dict, convention: str = "auto", marker: Op
     if convention not in CONVENTIONS:
         raise ImportDraftError(f"layer id convention {convention!r} is not one of {CONVENTIONS}")
     if not (path / "config.json").is_file():
+        from ..artifacts import DRAFT_CONFIG_FILE
+
+        if (path / DRAFT_CONFIG_FILE).is_file():  # an eagle3 train run's own directory
+            raise ImportDraftError(
+                f"export.from={str(path)!r} is an eagle3 train run's directory (its {DRAFT_CONFIG_FILE}, no config.json): "
+                f"export it in its own experiment with the overrides it was trained with (`python -m eagle3 "
+                f"stage=export` + that run's extract.*/train.* overrides; `stage=status` lists the runs), or pass an "
+                f"exported draft (an export run's model/ directory) or a speculators / SGLang checkpoint")
         raise ImportDraftError(f"export.from={str(path)!r} has no config.json: not a draft checkpoint directory")
     config = json.loads((path / "config.json").read_text())
     if marker is None:

@@ -671,7 +671,9 @@ class StageJob:
             self._run.log(metrics, step=step)
 
     def _announce_stale_downstream(self, data: dict, previous: Optional[str]) -> None:
-        if not previous or previous == self.config_hash:
+        """A new current prepare run makes what was made from the previous one stale; a new extract or
+        train run of another config does not (runs made from the previous one stay valid for theirs)."""
+        if not previous or previous == self.config_hash or self.stage in SELECTED_BY_CONFIG:
             return
         stale = [d for d in downstream(self.stage) if data["stages"].get(d, {}).get("current")]
         if stale:

@@ -66,13 +66,15 @@ def test_deleted_output_makes_rerun(tmp_path):
     assert ran
 
 
-def test_downstream_refuses_stale_upstream(tmp_path):
+def test_downstream_refuses_stale_upstream(tmp_path, caplog):
     m = Manifest(tmp_path / "exp")
     _run(m, "prepare", {"a": 1})
     prep = m.consume("prepare", by="extract", target_hash=TARGET["hash"])
     _run(m, "extract", {"b": 1}, inputs={"prepare": prep})
     assert m.consume("extract", by="train").status == "complete"
-    _run(m, "prepare", {"a": 2})  # upstream changes
+    with caplog.at_level("WARNING", logger="eagle3.manifest"):
+        _run(m, "prepare", {"a": 2})  # upstream changes
+    assert "stage prepare now has a new output" in caplog.text and "extract are stale" in caplog.text
     fresh = Manifest(m.exp_dir)
     with pytest.raises(ManifestError, match="stale.*'prepare' was re-run"):
         fresh.consume("extract", by="train")
@@ -278,7 +280,7 @@ def test_config_section_is_what_the_train_and_extract_runs_record():
     assert config_section(cfg, "prepare") is None  # read as the current run
 
 
-def test_one_train_config_on_two_extract_runs_export_reads_the_draft_of_its_own_lineage(tmp_path):
+def test_one_train_config_on_two_extract_runs_export_reads_the_draft_of_its_own_lineage(tmp_path, caplog):
     """The default layers and extract.layer_ids=auto arms side by side: one prepare, two extract runs,
     the same train.* on each. `stage=export` with either arm's overrides ships the draft trained on that
     arm's extract run (the train section alone matches both; the latest one used to be taken)."""
@@ -291,7 +293,9 @@ def test_one_train_config_on_two_extract_runs_export_reads_the_draft_of_its_own_
     cfgs = {name: compose_config([f"extract.layer_ids={ids}"]) for name, ids in (("a", "[1,2,3]"), ("b", "auto"))}
     trains = {}
     for name, cfg in cfgs.items():
-        ext, _ = _run(m, "extract", {"extract": config_section(cfg, "extract")}, inputs={"prepare": prep})
+        with caplog.at_level("WARNING", logger="eagle3.manifest"):
+            ext, _ = _run(m, "extract", {"extract": config_section(cfg, "extract")}, inputs={"prepare": prep})
+        assert "stale" not in caplog.text  # arm a's draft stays valid beside arm b's store
         ext_rec = m.consume("extract", by="train", wanted=config_section(cfg, "extract"))
         assert ext_rec.config_hash == ext.config_hash
         trains[name], _ = _run(m, "train", {"train": config_section(cfg, "train")},

@@ -402,6 +402,10 @@ def _ddp_worker(rank: int, world: int, port: int, impl: str, out: str) -> None:
         half = BATCH // world
         _train(model, opt, _ddp_data(), slice(rank * half, (rank + 1) * half))
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, f"{out}.{rank}")
+        # teardown in order: both ranks done with every collective, DDP's reducer (which holds the group)
+        # released, then the group destroyed (once, a rank aborted in gloo's teardown without this)
+        dist.barrier()
+        del model, opt
     finally:
         dist.destroy_process_group()
 

@@ -311,15 +311,10 @@ class Manifest:
         picked by config). The lineage tells apart runs of one section made from other upstream runs
         (two drafts of the same train.* on two aux-layer choices: export must ship the one trained on
         the extract run this config names)."""
-        def matches(r: StageRecord) -> bool:
-            ups = r.data.get("upstream") or {}
-            return (r.data.get("config") or {}).get(stage) == wanted and all(
-                ups.get(name, chash) == chash for name, chash in (lineage or {}).items())
-
-        if rec is None or matches(rec):
+        if rec is None or _recorded(rec, wanted, lineage):
             return rec
         runs = [StageRecord(stage, d, self.exp_dir) for d in self.read()["stages"][stage].get("runs", {}).values()]
-        found = [r for r in runs if r.status == "complete" and matches(r) and self.stale_reason(r) is None]
+        found = [r for r in runs if r.status == "complete" and _recorded(r, wanted, lineage) and self.stale_reason(r) is None]
         if found:
             pick = max(found, key=lambda r: r.data.get("ended") or "")
             if (stage, pick.config_hash) in self._told:
@@ -337,12 +332,12 @@ class Manifest:
                         stage, stage)
         return rec
 
-    def in_progress(self, stage: str, wanted: Optional[dict] = None) -> Optional[StageRecord]:
+    def in_progress(self, stage: str, wanted: Optional[dict] = None, lineage: Optional[dict] = None) -> Optional[StageRecord]:
         """A run of ``stage`` another process is computing now (recorded as running, its run lock
-        held), of the config section ``wanted`` when given."""
+        held), of the config section ``wanted`` (and the upstream runs ``lineage``) when given."""
         for data in self.read()["stages"].get(stage, {}).get("runs", {}).values():
             rec = StageRecord(stage, data, self.exp_dir)
-            if rec.status == "running" and (wanted is None or _recorded(rec, wanted)) and _run_lock_held(rec):
+            if rec.status == "running" and (wanted is None or _recorded(rec, wanted, lineage)) and _run_lock_held(rec):
                 return rec
         return None
 
@@ -386,8 +381,8 @@ class Manifest:
         current_target = target_hash if isinstance(target_hash, dict) else {"hash": target_hash}
         target_hash = current_target.get("hash")
         rec = self.current(stage)
-        if stage not in self.pins and (rec is None or (wanted is not None and not _recorded(rec, wanted))):
-            running = self.in_progress(stage, wanted)
+        if stage not in self.pins and (rec is None or (wanted is not None and not _recorded(rec, wanted, lineage))):
+            running = self.in_progress(stage, wanted, lineage)
             if running is not None:  # the run this stage would read, being computed now
                 self._wait_for(running, by)
                 rec = self.current(stage)
@@ -727,9 +722,12 @@ class StageJob:
         return False
 
 
-def _recorded(rec: StageRecord, wanted: dict) -> bool:
-    """Whether ``rec`` was run with the config section ``wanted`` (``config_section``)."""
-    return (rec.data.get("config") or {}).get(rec.stage) == wanted
+def _recorded(rec: StageRecord, wanted: dict, lineage: Optional[dict] = None) -> bool:
+    """Whether ``rec`` was run with the config section ``wanted`` (``config_section``) and, where it
+    recorded them, from the upstream runs of ``lineage`` ({stage: config hash})."""
+    ups = rec.data.get("upstream") or {}
+    return (rec.data.get("config") or {}).get(rec.stage) == wanted and all(
+        ups.get(name, chash) == chash for name, chash in (lineage or {}).items())
 
 
 def _run_lock_held(rec: StageRecord) -> bool:

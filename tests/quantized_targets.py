@@ -178,6 +178,17 @@ def build_target(kind: str, root: Path) -> Path:
     raise ValueError(kind)
 
 
+def target_cache(tmp_path_factory):
+    """``get(kind)``: the tiny quantized target ``kind``, built once per fixture's scope."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = build_target(kind, tmp_path_factory.mktemp(kind))
+        return cache[kind]
+    return get
+
+
 def target_layout(target: Path):
     """The store layout the quantized tests extract: aux 1-3 + the last of 4 layers, bf16."""
     from eagle3.store import StoreLayout

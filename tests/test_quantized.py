@@ -21,7 +21,7 @@ import sys
 
 import pytest
 from conftest import chat_records, child_env, write_jsonl
-from quantized_targets import build_target, dequantized_fp8_block, target_layout
+from quantized_targets import dequantized_fp8_block, target_cache, target_layout
 
 from eagle3.artifacts import EXPORT_MARKER
 from eagle3.config import ExtractConfig
@@ -34,13 +34,7 @@ ECFG = dict(samples_per_shard=3, max_num_batched_tokens=32, max_num_seqs=4, kv_c
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            cache[kind] = build_target(kind, tmp_path_factory.mktemp(kind))
-        return cache[kind]
-    return get
+    return target_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ if not torch.cuda.is_available() and not ON_CPU:
 pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quantized_targets import CASES, build_target, check_case  # noqa: E402
+from quantized_targets import CASES, check_case, target_cache  # noqa: E402
 from test_vllm_gpu import record  # noqa: E402
 
 from eagle3.extract import Samples  # noqa: E402
@@ -35,13 +35,7 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            cache[kind] = build_target(kind, tmp_path_factory.mktemp(kind))
-        return cache[kind]
-    return get
+    return target_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

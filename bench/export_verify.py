@@ -1,20 +1,27 @@
-"""Export verification, one engine per k against shared engines (export.shared_engines), timed.
+"""Export verification timed in its three designs: one engine per k, two shared engines, one engine.
 
     python3 bench/export_verify.py                            # the embedded default (SmolLM2, CPU)
     python3 bench/export_verify.py debug=fast                 # any eagle3 overrides
     python3 bench/export_verify.py --tiny-llama 4 debug=fast  # a random 4-layer Llama target, built here
                                                               # (bf16 on a GPU, float32 on CPU)
     # split over two calls (a GPU machine's 10-minute limit): the second adds the first's rows
-    python3 bench/export_verify.py --arms true --out $OUT ...
-    python3 bench/export_verify.py --arms false --against $OUT/results_shared_true.json --out $OUT ...
+    python3 bench/export_verify.py --arms one --out $OUT ...
+    python3 bench/export_verify.py --arms per_k --against $OUT/results_one.json --out $OUT ...
 
 Runs prepare, extract and train of the composed config where they are not complete yet (a workspace
 reuses them: ``workspace=DIR``), then the export's verification of the trained draft (what the export
-stage spends its time on: eagle3.export.pipeline.verify) alternately with
-``export.shared_engines=false`` (before: plain, each k of eval_ks and prompt lookup, one vLLM engine
-start each) and ``true`` (after: two starts), ``--repeats`` times each, and prints a table: wall
-time, engine starts, the figures, and whether the two arms' figures are identical. Raw results go to
-``--out`` (default ``$OUT`` or workspace/bench_export_verify) as results.json.
+stage spends its time on: eagle3.export.pipeline.verify) in each arm, ``--repeats`` times, alternated:
+
+- ``per_k``: ``export.shared_engines=false export.prompt_lookup=served``: plain decoding, each k of
+  eval_ks and prompt lookup, one vLLM engine start each (seven for k = 1..5);
+- ``two``: ``export.shared_engines=true export.prompt_lookup=served``: the draft's engine (plain
+  decoding at 0 draft tokens, then every k) and prompt lookup's;
+- ``one``: the defaults, the draft's engine alone, prompt lookup replayed on the greedy path.
+
+The table gives wall time, engine starts, the figures, and whether every arm's figures are identical.
+The offline evaluator runs on vLLM's greedy path in every arm; the code before that change (its own
+greedy decoding in transformers, before the engines) is another commit's: time it with that commit's
+copy of this script. Raw results go to ``--out`` (default ``$OUT`` or workspace/bench_export_verify).
 """
 from __future__ import annotations
 
@@ -29,6 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+ARMS = {"per_k": ["export.shared_engines=false", "export.prompt_lookup=served"],
+        "two": ["export.shared_engines=true", "export.prompt_lookup=served"],
+        "one": ["export.shared_engines=true", "export.prompt_lookup=replay"]}
 FIGURES = ("acceptance_by_k", "tokens_per_step_by_k", "acceptance_per_position_by_k", "ngram", "vllm",
            "offline", "lossless", "near_ties", "hf_greedy_equals_vllm_greedy", "by_domain")
 
@@ -51,8 +61,8 @@ def build_tiny_llama(out: Path, layers: int) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each arm, alternated (default 1)")
-    ap.add_argument("--arms", default="false,true",
-                    help="export.shared_engines of each arm, in order (default false,true; one arm alone splits a "
+    ap.add_argument("--arms", default="per_k,one",
+                    help=f"the arms, in order, of {sorted(ARMS)} (default per_k,one; one arm alone splits a "
                          "measurement over calls: results.json gets a suffix per arm)")
     ap.add_argument("--against", default="",
                     help="an earlier call's results*.json: its rows join the table and the identity check")
@@ -84,18 +94,20 @@ def main() -> int:
         stage_s[stage] = time.perf_counter() - t0
 
     rows = []
-    arms = [a.strip().lower() == "true" for a in args.arms.split(",")] * args.repeats
+    arms = [a.strip() for a in args.arms.split(",")]
+    if unknown := [a for a in arms if a not in ARMS]:
+        ap.error(f"--arms: unknown {unknown}; the arms are {sorted(ARMS)}")
+    arms = arms * args.repeats
     _timed_engine_starts()
-    for shared in arms:
-        cfg = compose_config(["stage=export", f"export.shared_engines={str(shared).lower()}", *overrides])
+    for arm in arms:
+        cfg = compose_config(["stage=export", *ARMS[arm], *overrides])
         load_before = _load()
         t, f = time_verification(cfg)
-        rows.append({"shared_engines": shared, **t, "figures": {k: f.get(k) for k in FIGURES},
-                     "load": f"{load_before}-{_load()}"})
-        print(f"export verification, shared_engines={shared}: {t['seconds']:.1f} s, {t['engine_starts']} engine "
+        rows.append({"arm": arm, **t, "figures": {k: f.get(k) for k in FIGURES}, "load": f"{load_before}-{_load()}"})
+        print(f"export verification, {arm} ({' '.join(ARMS[arm])}): {t['seconds']:.1f} s, {t['engine_starts']} engine "
               f"starts {t['engine_start_seconds']:.1f} s (load {rows[-1]['load']})", flush=True)
     result = {"overrides": overrides, "stages_s": stage_s, "rows": rows, "versions": _versions()}
-    name = "results.json" if len(set(arms)) > 1 else f"results_shared_{str(arms[0]).lower()}.json"
+    name = "results.json" if len(set(arms)) > 1 else f"results_{arms[0]}.json"
     (out / name).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if args.against:
         rows = json.loads(Path(args.against).read_text())["rows"] + rows
@@ -183,21 +195,23 @@ def table(rows) -> str:
     def fmt(d):
         return " ".join(f"{float(v):.3f}" for _, v in sorted(d.items(), key=lambda kv: int(kv[0])))
 
-    lines = ["| shared_engines | engine starts | their wall s | verification wall s | its CPU s | load (1 min, "
+    lines = ["| arm | engine starts | their wall s | verification wall s | its CPU s | load (1 min, "
              "before-after) | acceptance k=1..5 | tokens/step k=1..5 | prompt lookup tokens/step | lossless |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         f = r["figures"]
-        lines.append(f"| {r['shared_engines']} | {r['engine_starts']} | {r['engine_start_seconds']:.1f} | "
+        lines.append(f"| {r['arm']} | {r['engine_starts']} | {r['engine_start_seconds']:.1f} | "
                      f"{r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['load']} | "
                      f"{fmt(f['acceptance_by_k'])} | {fmt(f['tokens_per_step_by_k'])} | "
                      f"{f['ngram']['tokens_per_step']:.3f} | {f['lossless']} |")
-    before = [r["seconds"] for r in rows if not r["shared_engines"]]
-    after = [r["seconds"] for r in rows if r["shared_engines"]]
-    if before and after:
-        b, a = min(before), min(after)
-        lines.append(f"\nfastest of each: {b:.1f} s -> {a:.1f} s ({a / b:.2f} of before); figures identical in "
-                     f"every run: {'yes' if _same(rows) else 'NO'}")
+    fastest = {}
+    for r in rows:
+        fastest[r["arm"]] = min(fastest.get(r["arm"], r["seconds"]), r["seconds"])
+    if "per_k" in fastest and len(fastest) > 1:
+        b = fastest["per_k"]
+        lines.append("\nfastest of each: " + ", ".join(f"{arm} {s:.1f} s ({s / b:.2f} of per_k)" for arm, s in
+                                                       fastest.items()) +
+                     f"; figures identical in every run: {'yes' if _same(rows) else 'NO'}")
     return "\n".join(lines)
 
 

@@ -168,8 +168,10 @@ class RegenerateConfig:
     """vLLM on GPU: the share of the device's memory the engine may take (free memory must cover it)."""
     dtype: str = "auto"
     """auto (the dtype extraction and verification run the target in: ``target.dtype``, else the
-    checkpoint's) | bfloat16 | float16 | float32. (vLLM's own "auto" would run a float32 checkpoint
-    in bfloat16 on a CPU.)"""
+    checkpoint's) | bfloat16 | float16 | float32 | native (bfloat16 on a GPU and on a CPU with
+    AVX512-BF16/AMX, else as auto: on other CPUs bf16 runs several times slower than float32; the
+    prepare run's stats record the dtype used). (vLLM's own "auto" would run a float32 checkpoint in
+    bfloat16 on a CPU.)"""
     backend: str = "vllm"
     """vllm (batched serving engine) | hf (transformers generate, batched with left padding: for a
     machine without vLLM, e.g. a GPU box where only torch is installed)."""
@@ -186,7 +188,7 @@ class RegenerateConfig:
         _check_positive("prepare.regen.kv_cache_gb", self.kv_cache_gb)
         _check_range("prepare.regen.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         _check_choice("prepare.regen.backend", self.backend, ("vllm", "hf"))
-        _check_choice("prepare.regen.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        _check_choice("prepare.regen.dtype", self.dtype, ("auto", "bfloat16", "float16", "float32", "native"))
         _check_positive("prepare.regen.hf_batch_size", self.hf_batch_size)
 
 
@@ -635,7 +637,9 @@ class TrainConfig:
 
     # -- kernels and precision: how the step runs (speed only but for mixed_precision and fp8_matmul) ----------
     mixed_precision: str = "auto"
-    """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py)."""
+    """auto (bf16 on GPU, no on CPU) | no | bf16 (on CPU fast only with AVX512-BF16/AMX: eagle3/cpu.py) |
+    native (bf16 on GPU and on a CPU with AVX512-BF16/AMX, no on other CPUs, where bf16 matmuls run
+    several times slower than float32; the train run's facts record what it resolved to)."""
     fp8_matmul: str = "off"
     """The draft layer's and fc's matmuls in float8 (eagle3/kernels/fp8_matmul.py: e4m3 operands with a
     power-of-two scale per row, float32 accumulation, bf16 out; the float32 weights and the
@@ -714,7 +718,7 @@ class TrainConfig:
         _check_positive("train.grad_accum", self.grad_accum)
         _check_positive("train.epochs", self.epochs)
         _check_positive("train.max_steps", self.max_steps, allow_zero=True)
-        _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16"))
+        _check_choice("train.mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "native"))
         _check_choice("train.attention", self.attention, ("auto", "flex", "flex_stacked", "sdpa"))
         self.compile = str(self.compile).lower()  # train.compile=true arrives as a bool from the command line
         _check_choice("train.compile", self.compile, ("auto", "true", "false"))
@@ -792,12 +796,16 @@ class ExportConfig:
     gpu_memory_utilization: float = 0.9
     """vLLM on GPU: the share of the device's memory each verification engine may take."""
     shared_engines: bool = True
-    """Verification in two vLLM engine starts: one without a draft model that decodes plainly (the
-    lossless reference, 0 draft tokens) and then runs prompt lookup, and one of the draft that runs
-    each k of eval_ks in turn, every k a real run at k (vLLM's dynamic speculative decoding, the
-    number of draft tokens set per request: eagle3/export/speculation_length.py). false: one engine
-    per k and one for plain decoding (seven starts for k = 1..5), as before; the same figures on CPU
-    (tests/test_export.py)."""
+    """Verification in one engine of the draft: it decodes plainly at 0 draft tokens (the lossless
+    reference, and the greedy path the offline evaluator replays on), then runs each k of eval_ks in
+    turn, every k a real run at k (vLLM's dynamic speculative decoding, the number of draft tokens set
+    per request: eagle3/export/speculation_length.py). false: one engine per k and one for plain
+    decoding (six starts for k = 1..5); the same figures on CPU (tests/test_export.py)."""
+    prompt_lookup: str = "auto"
+    """The prompt lookup (ngram) baseline: replay (greedy runs replayed on the plain greedy path with
+    vLLM's own ngram proposer, eagle3/export/lookup_replay.py: no engine start) | served (an engine of
+    its own) | auto (replay, served when eval_temperatures holds a temperature above 0). The same
+    figures either way (tests/test_export.py)."""
     from_layer_convention: str = "auto"
     """How to read layer ids of an export.from draft: auto (vLLM's top-level field or speculators
     layout: vLLM ids; ids only in eagle_config, as SpecForge writes them: SGLang ids, +1) | vllm | sglang."""
@@ -822,13 +830,18 @@ class ExportConfig:
     a GPU); 0 = by the served dtype: 0.05 for float32, 0.5 for bfloat16/float16."""
 
     NON_SEMANTIC = ("overwrite", "out_dir", "kv_cache_gb", "gpu_memory_utilization", "device", "prompts", "extra_prompts",
-                    "tie_margin", "shared_engines")
+                    "tie_margin", "shared_engines", "prompt_lookup")
     HASH_OMIT_DEFAULTS = ("context_buckets",)
 
     def __post_init__(self):
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))
         _check_choice("export.from_layer_convention", self.from_layer_convention, ("auto", "vllm", "sglang"))
         _check_choice("export.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("export.prompt_lookup", self.prompt_lookup, ("auto", "replay", "served"))
+        if self.prompt_lookup == "replay" and any(float(t) > 0 for t in self.eval_temperatures):
+            raise ValueError(f"export.prompt_lookup=replay replays greedy decoding only, and export.eval_temperatures="
+                             f"{list(self.eval_temperatures)} asks for sampled runs: set export.prompt_lookup=served "
+                             "or auto (which serves prompt lookup in an engine when a temperature is above 0)")
         _check_positive("export.num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("export.eval_prompts", self.eval_prompts)
         _check_positive("export.eval_max_tokens", self.eval_max_tokens)

@@ -279,6 +279,8 @@ class TrainFacts(Facts):
     # an online run with a cache (train.online.cache_bytes > 0): the directory that keeps it, which a
     # later extract run of the same states reads instead of running the target
     cache_dir: Optional[str] = None
+    # what train.mixed_precision resolved to on the machine that trained: "bf16" | "no" (None: recorded before)
+    mixed_precision: Optional[str] = None
 
     @property
     def final(self) -> Optional[StepMetrics]:

@@ -53,6 +53,26 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_is_fast(on_gpu: bool) -> bool:
+    """Whether bfloat16 is the fast precision here: on a GPU, or on a CPU that multiplies it natively
+    (what ``train.mixed_precision=native`` and ``prepare.regen.dtype=native`` pick bf16 by)."""
+    return on_gpu or native_bf16()
+
+
+def resolve_precision(setting: str, on_gpu: bool) -> str:
+    """train.mixed_precision as Accelerate takes it: ``auto`` = bf16 on a GPU, else no; ``native`` = bf16
+    where bf16 is fast (a GPU, a CPU with AVX512-BF16/AMX: bf16_is_fast), else no."""
+    if setting == "auto":
+        return "bf16" if on_gpu else "no"
+    if setting == "native":
+        mp = "bf16" if bf16_is_fast(on_gpu) else "no"
+        if mp == "no":
+            log.info("train.mixed_precision=native: this CPU has no native bfloat16 (AVX512-BF16/AMX), so the draft "
+                     "trains in float32")
+        return mp
+    return setting
+
+
 def warn_if_slow_bf16(mixed_precision: str) -> None:
     if mixed_precision == "bf16" and not native_bf16():
         log.warning("train.mixed_precision=bf16 on a CPU without native bfloat16 (no AVX512-BF16/AMX): every "

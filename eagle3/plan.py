@@ -48,7 +48,7 @@ H200 = {
     "decode_tokens_per_s": 1.33e6 / 224, "decode_params": 135e6,
 }
 STORE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 
 
 @dataclass
@@ -66,6 +66,7 @@ class DataCount:
     tokenize_s: float = 0.0  # tokenizing everything (measured on the sample, scaled; recorded when counted)
     vocab_choice: Optional[dict] = None  # prepare.draft_vocab_size=auto: the choice (recorded, or from the sample)
     vocab_note: str = ""     # prepare.draft_vocab_size=auto without a choice yet: what the plan sized with
+    dataset_dir: str = ""    # the prepared dataset, when counted (the export's held-out prompts are read from it)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def count_data(cfg, target, manifest, sample_size: int = 256) -> DataCount:
 
 
 def _counted(rec) -> DataCount:
-    from .artifacts import STATS_FILE
+    from .artifacts import DATASET_DIR, STATS_FILE
     from .extract import prepared_samples
 
     f = rec.facts
@@ -94,7 +95,8 @@ def _counted(rec) -> DataCount:
                      trainable_tokens=f.trainable_tokens, exact=True,
                      how=f"counted: prepare run {rec.config_hash[:12]} of this config", lengths=lengths,
                      coverage_curve=getattr(f, "coverage_curve", None), draft_vocab_size=f.draft_vocab_size,
-                     tokenize_s=float(stats.get("tokenize_seconds") or 0.0), vocab_choice=f.vocab_choice)
+                     tokenize_s=float(stats.get("tokenize_seconds") or 0.0), vocab_choice=f.vocab_choice,
+                     dataset_dir=str(rec.path(DATASET_DIR)))
 
 
 def _estimated(cfg, target, sample_size: int) -> DataCount:
@@ -164,6 +166,30 @@ def _estimated(cfg, target, sample_size: int) -> DataCount:
                      draft_vocab_size=draft_vocab_size_for(requested, target.vocab_size), vocab_choice=choice,
                      vocab_note=(f"auto: chosen by prepare from the regenerated answers' frequencies; sized here as "
                                  f"{draft_vocab_size_for(requested, target.vocab_size)}") if auto and choice is None else "")
+
+
+def export_prompt_lengths(cfg, target, data: DataCount) -> tuple[list, str]:
+    """(token count of each prompt the export's verification serves, how they were had): export.prompts'
+    file or the counted eval split's prompts, tokenized as verification reads them, else the eval split's
+    share estimated from the data count; then export.extra_prompts' documents, tokenized."""
+    from .export.prompts import eval_prompts, extra_prompts_path, file_prompts
+
+    x, trust = cfg.export, target.trust_remote_code
+    if x.prompts:
+        lengths, how = [len(q) for q in file_prompts(x.prompts, x.eval_prompts, target.path,
+                                                     trust_remote_code=trust)], "export.prompts, tokenized"
+    elif data.dataset_dir:
+        lengths, how = [len(q) for q in eval_prompts(data.dataset_dir, x.eval_prompts)], "the eval split's, counted"
+    else:
+        n = min(x.eval_prompts, data.samples.get("eval", 0))
+        total = max(1, sum(data.samples.values()))
+        lengths = [int((data.tokens - data.trainable_tokens) / total)] * n  # a sample's tokens outside the answers
+        how = "the eval split's, estimated"
+    if x.extra_prompts:
+        extra = [len(q) for q in file_prompts(extra_prompts_path(x.extra_prompts), None, target.path,
+                                              trust_remote_code=trust, key="export.extra_prompts")]
+        lengths, how = lengths + extra, how + f" and {len(extra)} of export.extra_prompts"
+    return lengths, how
 
 
 def vocab_choice_default(target_vocab: int) -> int:
@@ -246,7 +272,7 @@ def probe_decode(target_path, dtype: str, batch: int = 8, new_tokens: int = 16, 
 
 def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_len: int = 64,
                new_tokens: int = 32, trust_remote_code: bool = False, prefill_prompts: int = 16,
-               prefill_len: int = 256) -> dict:
+               prefill_len: int = 256, work: str = "decode") -> dict:
     """A vLLM engine of the target (what regeneration, vLLM extraction and verification run): its start,
     prefill (``prefill_prompts`` x ``prefill_len`` tokens, one token out: extraction's batches) and
     batched greedy decoding of ``prompts`` requests, tokens per second."""
@@ -259,7 +285,7 @@ def probe_vllm(target_path, dtype: str, vocab: int, prompts: int = 32, prompt_le
     max_len = max(prompt_len + new_tokens, prefill_len + 1) + 16
     t0 = time.perf_counter()
     llm = build_llm(str(target_path), max_model_len=max_len, kv_cache_gb=0.25, dtype=dtype,
-                    disable_log_stats=False, trust_remote_code=trust_remote_code)
+                    disable_log_stats=False, trust_remote_code=trust_remote_code, work=work)
     start_s = time.perf_counter() - t0
     try:
         ids = torch.randint(100, vocab - 100, (prompts, prompt_len), generator=g).tolist()
@@ -300,8 +326,10 @@ def probe_train(target, tcfg, layer_ids, draft_vocab_size: int, steps: int = 5) 
 
     t_setup = time.perf_counter()
     cfg = Eagle3DraftConfig.from_target(target.config, layer_ids, draft_vocab_size, tcfg.model)
-    mp = tcfg.mixed_precision
-    dtype = torch.bfloat16 if (mp == "bf16" or (mp == "auto" and torch.cuda.is_available())) else torch.float32
+    from .cpu import resolve_precision
+
+    mp = resolve_precision(tcfg.mixed_precision, torch.cuda.is_available())
+    dtype = torch.bfloat16 if mp == "bf16" else torch.float32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_t = read_target_head(target.path, target.config)
     V, H = cfg.vocab_size, cfg.hidden_size
@@ -421,7 +449,10 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
             "store_layout": derived.layout.to_json(), "target_dtype": run_dtype,
             "train_steps": steps, "rows_per_step": rows_per_step, "probes": {}, "times": {}, "assumptions": []}
     engines, runs = export_engines(cfg.export)
-    export_tokens = cfg.export.eval_prompts * cfg.export.eval_max_tokens * len(cfg.export.eval_temperatures)
+    export_lengths, export_how = export_prompt_lengths(cfg, target, data) if cfg.export.verify else ([], "")
+    plan["export_prompts"] = {"num": len(export_lengths), "tokens": sum(export_lengths), "how": export_how}
+    export_tokens = len(export_lengths) * cfg.export.eval_max_tokens * len(cfg.export.eval_temperatures)
+    export_prompts = (len(export_lengths), sum(export_lengths))
     regen_tokens = data.trainable_tokens if cfg.prepare.regenerate else 0
     cache = Path(cfg.workspace).expanduser().resolve() / "plan_cache.json"
     if probe:
@@ -441,29 +472,30 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         plan["probes"] = {"prefill": pre, "decode": dec, "train": tr}
         if auto_layers:
             plan["layer_probe_s"] = layer_probe_seconds(cfg.extract.layer_probe, data.lengths, pre)
-        regen_tps = offline_tps = None
+        regen_tps = regen_prefill_tps = None
         if cfg.prepare.regenerate and cfg.prepare.regen.backend == "vllm" and "start_s" in dec:
             # regeneration sends every conversation's next turn at once, in its own dtype: many requests decode
             # together (the 32-request probe ran at a third of the embedded default's regeneration rate)
-            regen_dtype = run_dtype if cfg.prepare.regen.dtype == "auto" else cfg.prepare.regen.dtype
+            regen_dtype = cfg.prepare.regen.dtype
+            if regen_dtype == "native":
+                from .cpu import bf16_is_fast
+
+                regen_dtype = "bfloat16" if bf16_is_fast(_on_gpu()) else "auto"
+            regen_dtype = run_dtype if regen_dtype == "auto" else regen_dtype
             rg = cached_probe(cache, {**key, "dtype": regen_dtype, "probe": "vllm_regen"},
                               lambda: probe_vllm(target.path, regen_dtype, target.vocab_size, prompts=128, prompt_len=32,
                                                  new_tokens=16, prefill_prompts=4, prefill_len=64,
-                                                 trust_remote_code=trust))
+                                                 trust_remote_code=trust, work="batch"))
             plan["probes"]["regenerate"] = rg
-            regen_tps = rg["tokens_per_s"]
-        if cfg.export.verify:  # the offline evaluator: transformers' batched greedy decoding (8 rows)
-            hf = cached_probe(cache, {**key, "probe": "decode"},
-                              lambda: probe_decode(target.path, run_dtype, trust_remote_code=trust))
-            plan["probes"]["offline evaluator"] = hf
-            offline_tps = hf["tokens_per_s"]
+            regen_tps, regen_prefill_tps = rg["tokens_per_s"], rg.get("prefill_tokens_per_s")
         prefill_tps = (dec["prefill_tokens_per_s"] if cfg.extract.backend.startswith("vllm") and "start_s" in dec
                        else pre["tokens_per_s"])
         here = stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens,
                            runs=runs, prefill_tps=prefill_tps, decode_tps=dec["tokens_per_s"], hf_prefill_tps=pre["tokens_per_s"],
                            step_s=tr["seconds_per_micro_batch"], load_s=pre["load_s"], setup_s=tr["setup_s"],
                            engine_s=dec.get("start_s", ENGINE_START_S["gpu" if _on_gpu() else "cpu"]),
-                           restart_s=dec.get("restart_s"), regen_tps=regen_tps, offline_tps=offline_tps)
+                           restart_s=dec.get("restart_s"), regen_tps=regen_tps, regen_prefill_tps=regen_prefill_tps,
+                           export_prompts=export_prompts)
         plan["times"]["here"] = here
         # an H200, from the published throughputs scaled by the work per token
         from .model.draft import Eagle3DraftConfig
@@ -479,7 +511,7 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
                            decode_tps=H200["decode_tokens_per_s"] / scale_params,
                            hf_prefill_tps=H200["extract_tokens_per_s"] / scale_params,
                            step_s=cfg.train.max_seq_len * cfg.train.batch_size / train_tps, load_s=GPU_LOAD_S,
-                           setup_s=GPU_LOAD_S, engine_s=ENGINE_START_S["gpu"])
+                           setup_s=GPU_LOAD_S, engine_s=ENGINE_START_S["gpu"], export_prompts=export_prompts)
         plan["times"]["h200"] = h200
         plan["h200_train_tokens_per_s"] = train_tps
     # online training keeps at most the window ahead of the trainer plus the cache (train.online.*),
@@ -509,9 +541,10 @@ def make_plan(cfg, manifest, probe: bool = True) -> dict:
         if cfg.prepare.regenerate else "answers as in the sources (no regeneration)",
         f"a vLLM engine start: measured here by the probe, the process's first (vLLM imported) and a later one "
         f"(else {ENGINE_START_S['cpu']:.0f} s); {ENGINE_START_S['gpu']:.0f} s on an H200 (seven starts of a debug "
-        "run's export there); the stages run in one process (python -m eagle3); export: two engine starts "
-        "(export.shared_engines) and one run of export.eval_prompts x eval_max_tokens each for plain decoding, "
-        "each k and prompt lookup, the offline evaluator at transformers' probed decoding rate; model loads: "
+        "run's export there); the stages run in one process (python -m eagle3); export: one engine start "
+        "(export.shared_engines; one more when prompt lookup is served, export.prompt_lookup) and one run of "
+        "export.eval_prompts x eval_max_tokens each for plain decoding, each k and prompt lookup served, the "
+        "offline evaluator as transformers' forward over the prompts and their greedy paths; model loads: "
         f"measured here, {GPU_LOAD_S:.0f} s on the H200 host",
         "extraction (extract.backend=vllm*) timed as vLLM's prefill of the probe engine (the capture of the "
         "hidden states and the store writes not included); extract.backend=hf as the transformers forward with every "
@@ -541,12 +574,16 @@ def layer_probe_seconds(probe_cfg, train_lengths, prefill: dict) -> float:
 
 def export_engines(export_cfg) -> tuple[int, int]:
     """(vLLM engine starts, generation runs) of the export's verification: a run each for plain
-    decoding, every k and prompt lookup; two starts with export.shared_engines (plain decoding and
-    prompt lookup in one, every k in the other), else one per run."""
+    decoding, every k and prompt lookup unless it is replayed (export.prompt_lookup); one start with
+    export.shared_engines (plain decoding and every k in the draft's engine) and one more for prompt
+    lookup served, else one per run."""
     if not export_cfg.verify:
         return 0, 0
-    runs = 2 + len({export_cfg.num_speculative_tokens, *map(int, export_cfg.eval_ks)})
-    return (2 if export_cfg.shared_engines else runs), runs
+    from .export.verify import lookup_mode
+
+    served = lookup_mode(export_cfg.prompt_lookup, export_cfg.eval_temperatures) == "served"
+    runs = 1 + served + len({export_cfg.num_speculative_tokens, *map(int, export_cfg.eval_ks)})
+    return (1 + served if export_cfg.shared_engines else runs), runs
 
 
 def _on_gpu() -> bool:
@@ -557,11 +594,14 @@ def _on_gpu() -> bool:
 
 def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_tokens, regen_tokens, *,
                 prefill_tps, decode_tps, hf_prefill_tps, step_s, load_s, setup_s, engine_s, runs=None,
-                restart_s=None, regen_tps=None, offline_tps=None) -> dict:
+                restart_s=None, regen_tps=None, regen_prefill_tps=None, export_prompts=None) -> dict:
     """Seconds per stage from throughputs and fixed costs (both stated in the plan). ``engine_s``: the
     first vLLM engine start of the process (vLLM's import included), ``restart_s`` each later one (the
-    stages of `python -m eagle3` run in one process). ``regen_tps``: regeneration's decoding rate (else
-    ``decode_tps``); ``offline_tps``: the offline evaluator's (transformers; else ``decode_tps``)."""
+    stages of `python -m eagle3` run in one process). ``regen_tps`` / ``regen_prefill_tps``:
+    regeneration's decoding and prefill rates (else ``decode_tps`` / ``prefill_tps``); the offline
+    evaluator runs at ``hf_prefill_tps`` (transformers' forward). ``export_prompts``: (prompts, their
+    tokens) the export serves, each prefilled in every run (default: export.eval_prompts of the data's
+    mean length)."""
     started = []
 
     def start() -> float:
@@ -569,8 +609,10 @@ def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_t
         return engine_s if len(started) == 1 or restart_s is None else restart_s
 
     vllm_regen = cfg.prepare.regen.backend == "vllm"
-    prepare = data.tokenize_s + (((start() if vllm_regen else load_s) + regen_tokens / (regen_tps or decode_tps))
-                                 if cfg.prepare.regenerate else 0.0)
+    # regeneration: every answer decoded, every prompt (the tokens outside the answers) prefilled
+    regen_prefill = max(0, data.tokens - data.trainable_tokens) / (regen_prefill_tps or prefill_tps)
+    prepare = data.tokenize_s + (((start() if vllm_regen else load_s) + regen_tokens / (regen_tps or decode_tps)
+                                  + regen_prefill) if cfg.prepare.regenerate else 0.0)
     mean_len = split_tokens / max(1, sum(data.samples.values()))
     e = cfg.extract
     extract = (start() if e.backend.startswith("vllm") else load_s) + split_tokens / prefill_tps
@@ -579,11 +621,17 @@ def stage_times(cfg, data, split_tokens, steps, rows_per_step, engines, export_t
     eval_tokens = data.samples.get("eval", 0) * mean_len
     train = setup_s + steps * rows_per_step * step_s + evals * eval_tokens * step_s / cfg.train.max_seq_len / 3
     export = 0.0
-    if engines:  # each engine start; each run (plain, each k, prompt lookup) generates export_tokens;
-        # the offline evaluator replays with transformers
+    if engines:  # each engine start; each run (plain, each k, prompt lookup served) prefills every prompt and
+        # generates export_tokens; the offline evaluator: the target in transformers over every prompt and its
+        # greedy path (one teacher-forced forward each, at the prefill rate), the draft replayed on it
         runs = engines if runs is None else runs
-        export = sum(start() for _ in range(engines)) + runs * export_tokens / decode_tps + load_s \
-            + export_tokens / (offline_tps or decode_tps)
+        x = cfg.export
+        n, prompt_tokens = export_prompts or (x.eval_prompts, x.eval_prompts * mean_len)
+        path = x.eval_max_tokens + max([x.num_speculative_tokens, *x.eval_ks]) + 1
+        temps = len(x.eval_temperatures)
+        export = sum(start() for _ in range(engines)) \
+            + runs * (temps * prompt_tokens / prefill_tps + export_tokens / decode_tps) \
+            + load_s + (prompt_tokens + n * path) / hf_prefill_tps
     return {"prepare": prepare, "extract": extract, "train": train, "export": export}
 
 

@@ -21,9 +21,10 @@ from .manifest import Manifest
 log = logging.getLogger("eagle3")
 
 
-# the kind of CPU work that dominates each stage (eagle3.cpu.threads_for): regeneration, export's
-# verification and the offline evaluator decode; extraction and training run large matmuls
-STAGE_WORK = {"prepare": "decode", "extract": "batch", "produce": "batch", "train": "batch", "export": "decode",
+# the kind of CPU work that dominates each stage (eagle3.cpu.threads_for): export's verification and the
+# offline evaluator decode a few prompts at a time; regeneration (every conversation's turn at once),
+# extraction and training run large matmuls
+STAGE_WORK = {"prepare": "batch", "extract": "batch", "produce": "batch", "train": "batch", "export": "decode",
               "eval": "decode"}
 
 

@@ -59,7 +59,7 @@ class Train(Stage):
             job.add_output(job.out_dir / name)
         return TrainFacts(steps=result.steps, ttt_steps=tcfg.ttt_steps, layer_ids=list(source.layer_ids),
                           draft_vocab_size=inputs.train.draft_config.draft_vocab_size, train=result.train,
-                          eval=result.eval, **source.facts())
+                          eval=result.eval, mixed_precision=result.mixed_precision, **source.facts())
 
     def report(self, record, inputs) -> None:
         from eagle3.train_inputs import result_line

@@ -73,7 +73,8 @@ def test_runner_sets_each_stage_threads(monkeypatch, compose, tmp_path, caplog):
     torch._C.set_num_threads(1)
     with caplog.at_level(logging.INFO, logger="eagle3"):
         run(compose("stage=prepare", f"workspace={tmp_path}", "progress=false"))
-    probe = [r.getMessage() for r in caplog.records if "cpu threads for decode work" in r.getMessage()]
+    # prepare regenerates every conversation's turn at once: large matmuls, probed as batch work
+    probe = [r.getMessage() for r in caplog.records if "cpu threads for batch work" in r.getMessage()]
     assert len(probe) == 1 and f"work: {seen[0]} (probe" in probe[0], probe
     assert torch.get_num_threads() == 1
     caplog.clear()
@@ -81,3 +82,26 @@ def test_runner_sets_each_stage_threads(monkeypatch, compose, tmp_path, caplog):
         run(compose("stage=prepare", f"workspace={tmp_path}", "progress=false", "cpu_threads=2"))
     assert seen[-1] == 2 and not [r for r in caplog.records if "probe" in r.getMessage()]
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_native_precision_is_bf16_only_where_bf16_is_fast(monkeypatch, native, caplog):
+    """train.mixed_precision=native (and prepare.regen.dtype=native, by the same test): bf16 on a GPU and
+    on a CPU that multiplies bf16 natively, float32 (``no``) on other CPUs, said in the log; ``auto``
+    stays bf16 on a GPU and float32 on every CPU, and an explicit choice is kept. (The CPU's flags are
+    set by the test: no machine here has both kinds.)"""
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+    with caplog.at_level(logging.INFO, logger="eagle3"):
+        assert cpu.resolve_precision("native", on_gpu=False) == ("bf16" if native else "no")
+    assert ("no native bfloat16" in caplog.text) is not native
+    assert cpu.resolve_precision("native", on_gpu=True) == "bf16"
+    assert cpu.resolve_precision("auto", on_gpu=False) == "no" and cpu.resolve_precision("auto", on_gpu=True) == "bf16"
+    assert cpu.resolve_precision("bf16", on_gpu=False) == "bf16" and cpu.resolve_precision("no", on_gpu=True) == "no"
+    assert cpu.bf16_is_fast(on_gpu=False) is native and cpu.bf16_is_fast(on_gpu=True)
+
+
+def test_this_machine_reads_its_bf16_support_from_torch_and_the_cpu_flags():
+    """native_bf16 says what the CPU's flags say (AVX512-BF16 or AMX), on this machine for real."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    assert cpu.native_bf16() is ("avx512_bf16" in flags or "amx_bf16" in flags)

@@ -90,6 +90,15 @@ def test_manifest_records_what_the_default_does(default_run):
     assert ext.facts.agreement["train"]["rate"] >= default.extract.min_agreement
     assert ext.facts.parity["max"] <= ext.facts.parity["tolerance"] == 1e-3
 
+    # native precision (the preset's regen.dtype and train.mixed_precision): bf16 only where this CPU multiplies it
+    from eagle3.artifacts import STATS_FILE
+    from eagle3.cpu import native_bf16
+
+    assert default.prepare.regen.dtype == "native" and default.train.mixed_precision == "native"
+    assert json.loads(prep.path(STATS_FILE).read_text())["regeneration"]["dtype"] == (
+        "bfloat16" if native_bf16() else "float32")
+    assert tr.facts.mixed_precision == ("bf16" if native_bf16() else "no")
+
     S = default.train.ttt_steps
     assert tr.facts.steps == 12 and tr.facts.ttt_steps == S
     for name, values in (("eval loss", tr.facts.eval.loss_per_step), ("eval acc", tr.facts.eval.acc_per_step),

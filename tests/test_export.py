@@ -1586,12 +1586,71 @@ def test_a_full_disk_in_the_workspace_names_the_directory_and_the_sizes(experime
     assert rec.status == "failed" and names == [], names
 
 
+def test_offline_evaluator_on_a_given_path_says_where_transformers_would_decode_otherwise(target, kept, prompts, stops):
+    """The offline evaluator replaying on a greedy path it is given (vLLM's, in verification) runs no
+    decoding of its own, gives the figures of the path it computed itself, and reports per prompt whether
+    transformers' greedy decoding gives the checked output: a path with one token changed is caught."""
+    from eagle3.export.lookup_replay import reference_outputs
+    from eagle3.export.offline_eval import offline_acceptance
+
+    ckpt = checkpoint(perfect_draft(target, kept))
+    own = offline(target, ckpt, prompts, stops)
+    paths = [list(c) for c in own.continuations]
+    given = offline_acceptance(target.path, ckpt, prompts, K, MAX_TOKENS, stops, dtype="float32", device="cpu",
+                               continuations=paths, check_outputs=reference_outputs(paths, MAX_TOKENS, stops))
+    assert same_stats(given, own) and given.hf_agrees == [True] * len(prompts)
+    bad = [list(p) for p in paths]
+    j = 5
+    bad[1][j] = next(t for t in target.image if t != bad[1][j])  # not the target's greedy token there
+    given = offline_acceptance(target.path, ckpt, prompts, K, MAX_TOKENS, stops, dtype="float32", device="cpu",
+                               continuations=bad, check_outputs=reference_outputs(bad, MAX_TOKENS, stops))
+    assert given.hf_agrees == [i != 1 for i in range(len(prompts))]
+    assert given.acceptance_length < own.acceptance_length  # the perfect draft follows the target, not the changed path
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("which", ["lookup", "random"])
+def test_prompt_lookup_replayed_with_vllms_proposer_counts_what_an_engine_serving_it_counts(which, target, prompts,
+                                                                                           stops, tmp_path):
+    """eagle3.export.lookup_replay on vLLM's plain greedy path (decoded past stop tokens) against prompt
+    lookup served in vLLM, on the lookup target (cycles: long matches) and on a random one (loops and
+    partial matches), with the target's stop tokens and with a stop token that cuts an output midway:
+    the same outputs, drafts, accepted tokens per position, target steps, and the same figures per request."""
+    from conftest import build_tiny_llama
+
+    from eagle3.export.lookup_replay import reference_outputs, replay_prompt_lookup
+    from eagle3.export.vllm_eval import run_vllm
+
+    path = target.path if which == "lookup" else build_tiny_llama(tmp_path / "t", num_layers=2, seed=5)
+    run = dict(dtype="float32", max_model_len=256, kv_cache_gb=0.25)
+    greedy = run_vllm(path, prompts, MAX_TOKENS + K + 1, (), **run)  # plain, past any stop token
+    assert all(len(o) == MAX_TOKENS + K + 1 for o in greedy.outputs)
+    cut = greedy.outputs[0][MAX_TOKENS // 2]
+    for stop_set in (stops, sorted({*stops, cut})):
+        served = run_vllm(path, prompts, MAX_TOKENS, stop_set, **run,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                                              "prompt_lookup_max": 4})
+        replay = replay_prompt_lookup(prompts, greedy.outputs, K, MAX_TOKENS, stop_set, min_n=2, max_n=4,
+                                      max_model_len=256)
+        assert replay.outputs == served.outputs == reference_outputs(greedy.outputs, MAX_TOKENS, stop_set)
+        assert same_stats(replay, served) and replay.num_draft_tokens == served.num_draft_tokens
+        assert replay.per_request == served.per_request
+        if cut in stop_set:
+            assert len(replay.outputs[0]) < MAX_TOKENS  # the stop token cut the first output
+        else:
+            assert replay.num_drafts > 0
+        if which == "random" and cut not in stop_set:  # not every proposal of the random target is taken whole
+            assert replay.num_accepted < replay.num_draft_tokens
+
+
 @pytest.mark.vllm
 def test_shared_engines_give_the_figures_of_one_engine_per_k(target, kept, prompts, stops, plain, tmp_path):
-    """export.shared_engines: plain decoding and prompt lookup in one engine (0 draft tokens, then k),
-    every k of the draft in another (vLLM's dynamic speculative decoding, k set per request), against
-    one engine per k and one for plain decoding: on an imperfect draft, whose acceptance differs from
-    k to k, every greedy figure is the same, per k, per position, per domain and prompt lookup's."""
+    """export.shared_engines with prompt lookup replayed (the defaults): one engine start, the draft's,
+    decoding plainly at 0 draft tokens and then at every k (vLLM's dynamic speculative decoding, k set
+    per request), against one engine per k, one for plain decoding and one serving prompt lookup: on an
+    imperfect draft, whose acceptance differs from k to k, every greedy figure is the same, per k, per
+    position, per domain and prompt lookup's. The shared engine's served prompt lookup (plain decoding
+    and ngram in one engine) gives them too."""
     from eagle3.export.formats import write_format
     from eagle3.export.verify import verify_export
 
@@ -1607,16 +1666,35 @@ def test_shared_engines_give_the_figures_of_one_engine_per_k(target, kept, promp
     kw = dict(target_path=target.path, target_config=target.config, target_dtype="float32", reference=ckpt,
               prompts=prompts, k=K, eval_ks=[1, 2, 3, 4, 5], max_tokens=MAX_TOKENS, stop_ids=stops,
               kv_cache_gb=0.25, device="cpu", static_check=False, categories=cats)
-    shared = verify_export(tmp_path / "m", shared_engines=True, **kw)
-    apart = verify_export(tmp_path / "m", shared_engines=False, **kw)
+    from eagle3.export import vllm_eval
+
+    starts = []
+    real_open = vllm_eval.open_engine
+
+    def counted_open(*a, **kw_):
+        starts.append(kw_.get("speculative_config"))
+        return real_open(*a, **kw_)
+
+    vllm_eval.open_engine = counted_open
+    try:  # the default: one engine start, prompt lookup replayed; before: one engine per k, prompt lookup served
+        shared = verify_export(tmp_path / "m", shared_engines=True, **kw)
+        n_shared = len(starts)
+        apart = verify_export(tmp_path / "m", shared_engines=False, prompt_lookup="served", **kw)
+    finally:
+        vllm_eval.open_engine = real_open
+    assert n_shared == 1 and len(starts) == 1 + 2 + 5, starts  # shared; then plain, ngram and k = 1..5
     by_k = shared.acceptance_by_k
     assert len(set(by_k.values())) > 1 and all(1 < v < int(kk) + 1 for kk, v in by_k.items())  # imperfect at each k
     for name in ("acceptance_by_k", "tokens_per_step_by_k", "acceptance_per_position_by_k", "vllm", "ngram",
                  "offline", "by_domain", "by_context_length", "lookup_summary", "hf_greedy_equals_vllm_greedy",
                  "near_ties"):
         assert getattr(shared, name) == getattr(apart, name), name
-    assert shared.ngram["num_drafts"] > 0  # prompt lookup did draft in the shared engine
-    # the reference: prompt lookup's engine at 0 draft tokens decodes as an engine without speculation
+    assert shared.ngram["num_drafts"] > 0  # prompt lookup did draft
+    assert shared.hf_greedy_equals_vllm_greedy == f"{len(prompts)}/{len(prompts)}"  # no near-tie in this target
+    served = verify_export(tmp_path / "m", shared_engines=True, prompt_lookup="served", **kw)
+    for name in ("ngram", "by_domain", "by_context_length", "lookup_summary", "acceptance_by_k"):
+        assert getattr(served, name) == getattr(shared, name), name
+    # an engine of variable k at 0 draft tokens decodes as an engine without speculation
     from eagle3.export.vllm_eval import measure, open_engine
     from eagle3.vllm_engine import shutdown_llm
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from conftest import chat_records, write_jsonl
 
 from eagle3.manifest import Manifest
@@ -137,21 +139,38 @@ def test_plan_refuses_an_online_window_below_one_micro_batch(compose, tmp_path):
 
 
 def test_plan_prices_the_export_by_engine_starts_and_runs(compose, tiny_llama_dir, tmp_path):
-    """The export's verification: a generation run each for plain decoding, every k and prompt lookup;
-    two engine starts with export.shared_engines, one per run without; the process's first start
-    (vLLM's import) at its own price, each later one at the restart price."""
+    """The export's verification: a generation run each for plain decoding, every k and prompt lookup
+    unless it is replayed (export.prompt_lookup); one engine start with export.shared_engines (two with
+    prompt lookup served), one per run without; the process's first start (vLLM's import) at its own
+    price, each later one at the restart price; the offline evaluator as transformers' forward over the
+    prompts and their greedy paths."""
     from eagle3.plan import DataCount, export_engines, stage_times
 
-    shared = _small_plan_config(compose, tiny_llama_dir, tmp_path, "export.verify=true", "prepare.regenerate=false")
-    apart = _small_plan_config(compose, tiny_llama_dir, tmp_path, "export.verify=true", "prepare.regenerate=false",
-                               "export.shared_engines=false")
-    assert export_engines(shared.export) == (2, 7) and export_engines(apart.export) == (7, 7)
+    base = ("export.verify=true", "prepare.regenerate=false")
+    shared = _small_plan_config(compose, tiny_llama_dir, tmp_path, *base)
+    served = _small_plan_config(compose, tiny_llama_dir, tmp_path, *base, "export.prompt_lookup=served")
+    apart = _small_plan_config(compose, tiny_llama_dir, tmp_path, *base, "export.shared_engines=false")
+    apart_served = _small_plan_config(compose, tiny_llama_dir, tmp_path, *base, "export.shared_engines=false",
+                                      "export.prompt_lookup=served")
+    sampled = _small_plan_config(compose, tiny_llama_dir, tmp_path, *base, "export.eval_temperatures=[0,0.7]")
+    assert export_engines(shared.export) == (1, 6) and export_engines(served.export) == (2, 7)
+    assert export_engines(apart.export) == (6, 6) and export_engines(apart_served.export) == (7, 7)
+    assert export_engines(sampled.export) == (2, 7)  # auto serves prompt lookup for a sampled run
     assert export_engines(_small_plan_config(compose, tiny_llama_dir, tmp_path).export) == (0, 0)  # verify=false
     data = DataCount(samples={"train": 10, "eval": 0}, tokens=1000, trainable_tokens=500, exact=True, how="test")
     rates = dict(prefill_tps=100.0, decode_tps=10.0, hf_prefill_tps=100.0, step_s=1.0, load_s=2.0, setup_s=1.0,
-                 engine_s=20.0, restart_s=5.0, offline_tps=4.0)
-    for cfg in (shared, apart):
+                 engine_s=20.0, restart_s=5.0)
+    for cfg in (shared, served, apart, apart_served):
         engines, runs = export_engines(cfg.export)
         t = stage_times(cfg, data, 1000, 0, 1, engines, 100, 0, runs=runs, **rates)
-        # extract (backend=hf) starts no engine: the export's first start is the process's first
-        assert t["export"] == 20.0 + (engines - 1) * 5.0 + runs * 100 / 10.0 + 2.0 + 100 / 4.0
+        x = cfg.export
+        n, prompt_tokens = x.eval_prompts, x.eval_prompts * 100  # the data's mean length: 1000 / 10
+        offline = (prompt_tokens + n * (x.eval_max_tokens + max(x.eval_ks) + 1)) / 100.0
+        # extract (backend=hf) starts no engine: the export's first start is the process's first; every run
+        # prefills the prompts and generates 100 tokens
+        assert t["export"] == pytest.approx(20.0 + (engines - 1) * 5.0 + runs * (prompt_tokens / 100.0 + 100 / 10.0)
+                                            + 2.0 + offline)
+        # the prompts the export serves, counted (and the extra documents)
+        t2 = stage_times(cfg, data, 1000, 0, 1, engines, 100, 0, runs=runs, export_prompts=(3, 600), **rates)
+        assert t2["export"] == pytest.approx(20.0 + (engines - 1) * 5.0 + runs * (600 / 100.0 + 100 / 10.0) + 2.0
+                                             + (600 + 3 * (x.eval_max_tokens + max(x.eval_ks) + 1)) / 100.0)

@@ -151,6 +151,15 @@ def regenerate_answers(cfg, target, tokenizer, conversations, drops, kept=None):
     from .regenerate import regenerate
 
     dtype = cfg.prepare.regen.dtype
+    if dtype == "native":
+        import torch
+
+        from ..cpu import bf16_is_fast
+
+        dtype = "bfloat16" if bf16_is_fast(torch.cuda.is_available()) else "auto"
+        if dtype == "auto":
+            log.info("prepare.regen.dtype=native: this CPU has no native bfloat16 (AVX512-BF16/AMX), so the target "
+                     "regenerates in the dtype it runs in")
     if dtype == "auto":
         dtype = target.run_dtype(cfg.target.dtype)
     key, gb = "prepare.regen.kv_cache_gb", cfg.prepare.regen.kv_cache_gb

@@ -26,6 +26,8 @@ class AcceptanceStats:
     outputs: list = field(default_factory=list)  # generated token ids per prompt
     # the target's greedy continuations the offline evaluator replayed on (reusable across k)
     continuations: list = field(default_factory=list, repr=False)
+    # offline evaluator with check_outputs: per prompt, whether transformers' greedy decoding gives that output
+    hf_agrees: list = field(default_factory=list, repr=False)
     # vLLM only, per prompt: {"tokens", "steps"} and, for a speculative engine with per-request
     # metrics, {"drafts", "accepted", "accepted_per_pos"} (vLLM's RequestSpecDecodeMetrics)
     per_request: list = field(default_factory=list, repr=False)

@@ -72,12 +72,13 @@ class HFTarget:
         return self.model.get_input_embeddings().weight
 
     @torch.inference_mode()
-    def forward(self, ids: list, cache, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(greedy next tokens [T] (only the last with all_logits=False), aux [T, n_aux*H]) for ``ids``
-        appended to ``cache``."""
+    def forward(self, ids: list, cache, all_logits: bool = True, keep: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy next tokens [T] (only the last ``keep`` with all_logits=False), aux [T, n_aux*H]) for
+        ``ids`` appended to ``cache``."""
         self._captured.clear()
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        out = self.model(input_ids=x, past_key_values=cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else max(1, int(keep)))
         aux = torch.cat([self._captured[k][0] for k in self.layer_ids], dim=-1)
         return out.logits[0].float().argmax(-1), aux
 
@@ -282,10 +283,16 @@ def greedy_continuations(target: HFTarget, prompts: list, num_tokens: int, batch
 def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int, max_tokens: int,
                        stop_ids, dtype: str = "float32", device: str = "auto", progress: bool = False,
                        target: Optional[HFTarget] = None, method: str = "replay",
-                       continuations: Optional[list] = None, trust_remote_code: bool = False) -> AcceptanceStats:
+                       continuations: Optional[list] = None, trust_remote_code: bool = False,
+                       check_outputs: Optional[list] = None) -> AcceptanceStats:
     """Acceptance of ``ckpt`` on ``prompts`` (token id lists) with chain drafts of ``k`` tokens.
 
-    ``continuations``: greedy continuations from an earlier call (replay mode) to reuse across k.
+    ``continuations``: greedy continuations to replay on (replay mode), from an earlier call to reuse
+    across k, or vLLM's plain greedy decoding (export verification: then no transformers decoding runs).
+    ``check_outputs``: greedy outputs of another engine (vLLM's plain decoding, each a prefix of its
+    continuation): ``stats.hf_agrees[i]`` says whether the target in transformers, teacher-forced on the
+    continuation, picks every one of prompt i's tokens itself, i.e. whether its own greedy decoding
+    would have produced the same output.
     """
     from tqdm.auto import tqdm
     from transformers import DynamicCache
@@ -314,8 +321,15 @@ def offline_acceptance(target_path, ckpt: DraftCheckpoint, prompts: list, k: int
                 out = speculative_generate(target, draft, list(p), k, max_tokens, stops, stats)
             else:
                 seq = list(p) + list(continuations[i])
-                _, aux = target.forward(seq, DynamicCache(), all_logits=False)
+                ref = None if check_outputs is None else [int(t) for t in check_outputs[i]]
+                # logits for the positions that predict the reference's tokens (the last len(seq) - len(p) + 1)
+                greedy, aux = target.forward(seq, DynamicCache(), all_logits=False,
+                                             keep=1 if ref is None else len(seq) - len(p) + 1)
                 out = replay_on_greedy_path(draft, aux, seq, len(p), k, max_tokens, stops, stats)
+                if ref is not None:
+                    if list(continuations[i][: len(ref)]) != ref:
+                        raise ValueError(f"prompt {i}: the output to check is not a prefix of its continuation")
+                    stats.hf_agrees.append(greedy[: len(ref)].tolist() == ref)
             stats.outputs.append(out)
             stats.generated_tokens += len(out)
             # this prompt's own counts (AcceptanceStats.subset: per domain, per context length)

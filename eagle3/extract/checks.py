@@ -172,8 +172,11 @@ def refuse_known_bad(config: dict, backend: str, layer_ids=(), setting: str = "e
             text = config.get("text_config", config)
             dtype = target_dtype or str(text.get("torch_dtype") or text.get("dtype") or "float32").replace("torch.", "")
             names = weight_names(target_path) if target_path is not None else ()
+            from ..vllm_compat import cpu_has_op
+
             bad += vllm_cpu_refusals(config, dtype, amx=bool(torch.cpu._is_amx_tile_supported()),
-                                     weight_names=names, setting=setting, backend=backend)
+                                     weight_names=names, setting=setting, backend=backend,
+                                     wna16_op=cpu_has_op("cpu_gemm_wna16"))
     if bad:
         raise KnownBadCombination("refused before loading the target: " + " | ".join(bad))
     text = config.get("text_config", config)

@@ -837,11 +837,9 @@ class ExportConfig:
         _check_choice("export.format", self.format, ("vllm", "speculators", "sglang"))
         _check_choice("export.from_layer_convention", self.from_layer_convention, ("auto", "vllm", "sglang"))
         _check_choice("export.device", self.device, ("auto", "cpu", "cuda"))
-        _check_choice("export.prompt_lookup", self.prompt_lookup, ("auto", "replay", "served"))
-        if self.prompt_lookup == "replay" and any(float(t) > 0 for t in self.eval_temperatures):
-            raise ValueError(f"export.prompt_lookup=replay replays greedy decoding only, and export.eval_temperatures="
-                             f"{list(self.eval_temperatures)} asks for sampled runs: set export.prompt_lookup=served "
-                             "or auto (which serves prompt lookup in an engine when a temperature is above 0)")
+        from .export.lookup_replay import lookup_mode
+
+        lookup_mode(self.prompt_lookup, self.eval_temperatures)  # refuses replay of sampled runs
         _check_positive("export.num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("export.eval_prompts", self.eval_prompts)
         _check_positive("export.eval_max_tokens", self.eval_max_tokens)

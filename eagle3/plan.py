@@ -582,7 +582,7 @@ def export_engines(export_cfg) -> tuple[int, int]:
     lookup served, else one per run."""
     if not export_cfg.verify:
         return 0, 0
-    from .export.verify import lookup_mode
+    from .export.lookup_replay import lookup_mode
 
     served = lookup_mode(export_cfg.prompt_lookup, export_cfg.eval_temperatures) == "served"
     runs = 1 + served + len({export_cfg.num_speculative_tokens, *map(int, export_cfg.eval_ks)})

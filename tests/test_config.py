@@ -311,3 +311,17 @@ def test_the_schemas_import_without_hydra_or_omegaconf():
     from omegaconf import MISSING
 
     assert out.stdout.strip() == MISSING
+
+
+def test_prompt_lookup_replay_of_sampled_runs_is_refused(compose):
+    """export.prompt_lookup=replay replays greedy runs only: with a sampled temperature it is refused at
+    composition, naming the settings to use; auto serves prompt lookup then, a bad value is named."""
+    from eagle3.export.lookup_replay import lookup_mode
+
+    with pytest.raises(Exception, match="export.prompt_lookup=served"):
+        compose("export.prompt_lookup=replay", "export.eval_temperatures=[0,0.7]")
+    cfg = compose("export.eval_temperatures=[0,0.7]")
+    assert lookup_mode(cfg.export.prompt_lookup, cfg.export.eval_temperatures) == "served"
+    assert lookup_mode(compose().export.prompt_lookup, [0.0]) == "replay"
+    with pytest.raises(Exception, match="export.prompt_lookup"):
+        compose("export.prompt_lookup=sometimes")

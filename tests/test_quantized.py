@@ -112,13 +112,10 @@ def test_vllm_cpu_refusals_name_the_missing_kernel(targets):
 
 @pytest.mark.vllm
 def test_this_cpus_vllm_build_is_asked_for_the_int4_op():
-    """refuse_known_bad asks the vllm-cpu build this CPU loads for cpu_gemm_wna16 (vLLM picks the build by
-    the CPU's instruction set), and that answer is the op's presence in torch.ops._C."""
-    import torch
-
+    """cpu_has_op loads the vllm-cpu build this CPU takes (by its instruction set) and reads its ops: one
+    every build holds is there, a made-up one is not."""
     from eagle3.vllm_compat import cpu_has_op
 
-    assert cpu_has_op("cpu_gemm_wna16") == hasattr(torch.ops._C, "cpu_gemm_wna16")
     assert cpu_has_op("rms_norm") and not cpu_has_op("no_such_op_in_vllm")
 
 

@@ -17,6 +17,24 @@ from __future__ import annotations
 
 from .acceptance import AcceptanceStats
 
+# prompt lookup's n-gram sizes (vLLM's prompt_lookup_min / prompt_lookup_max)
+LOOKUP_MIN, LOOKUP_MAX = 2, 4
+LOOKUP_MODES = ("auto", "replay", "served")
+
+
+def lookup_mode(setting: str, temperatures) -> str:
+    """export.prompt_lookup resolved: ``replay`` or ``served``. Replay is greedy only."""
+    if setting not in LOOKUP_MODES:
+        raise ValueError(f"export.prompt_lookup must be one of {list(LOOKUP_MODES)}, got {setting!r}")
+    sampled = [float(t) for t in temperatures if float(t) > 0]
+    if setting == "replay" and sampled:
+        raise ValueError(f"export.prompt_lookup=replay replays greedy decoding only, and export.eval_temperatures "
+                         f"asks for sampled runs at {sampled}: set export.prompt_lookup=served (or auto, which serves "
+                         f"prompt lookup in an engine when a temperature is above 0)")
+    if setting == "auto":
+        return "served" if sampled else "replay"
+    return setting
+
 
 def vllm_ngram_proposer():
     """vLLM's ngram matching function, or an error that says what to set instead."""

@@ -203,25 +203,6 @@ def check_lossless(spec: AcceptanceStats, plain: AcceptanceStats, what: str, sco
     return rows
 
 
-# prompt lookup's n-gram sizes (vLLM's prompt_lookup_min / prompt_lookup_max)
-LOOKUP_MIN, LOOKUP_MAX = 2, 4
-LOOKUP_MODES = ("auto", "replay", "served")
-
-
-def lookup_mode(setting: str, temperatures) -> str:
-    """export.prompt_lookup resolved: ``replay`` or ``served``. Replay is greedy only."""
-    if setting not in LOOKUP_MODES:
-        raise ValueError(f"export.prompt_lookup must be one of {list(LOOKUP_MODES)}, got {setting!r}")
-    sampled = [float(t) for t in temperatures if float(t) > 0]
-    if setting == "replay" and sampled:
-        raise ValueError(f"export.prompt_lookup=replay replays greedy decoding only, and export.eval_temperatures "
-                         f"asks for sampled runs at {sampled}: set export.prompt_lookup=served (or auto, which serves "
-                         f"prompt lookup in an engine when a temperature is above 0)")
-    if setting == "auto":
-        return "served" if sampled else "replay"
-    return setting
-
-
 def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: str, reference: DraftCheckpoint,
                   prompts: list, k: int, eval_ks, max_tokens: int, stop_ids, kv_cache_gb: float = 1.0,
                   gpu_memory_utilization: float | None = None, tolerance: float = 0.05, device: str = "auto", progress: bool = False,
@@ -240,7 +221,7 @@ def verify_export(model_dir, *, target_path, target_config: dict, target_dtype: 
     import vllm
 
     from ..vllm_engine import shutdown_llm
-    from .lookup_replay import reference_outputs, replay_prompt_lookup
+    from .lookup_replay import LOOKUP_MAX, LOOKUP_MIN, lookup_mode, reference_outputs, replay_prompt_lookup
     from .offline_eval import offline_acceptance
     from .vllm_eval import measure, open_engine, per_request_metrics_supported, run_vllm, run_vllm_temperatures
 
